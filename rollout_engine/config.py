@@ -1,0 +1,133 @@
+"""Engine configuration: one frozen dataclass whose fields are the server flags.
+
+Names follow SGLang's ``ServerArgs`` so that ``Engine(model_path=..., page_size=16)`` and
+``launch_server --page-size 16`` mean the same thing. Validation raises ``ValueError`` naming the
+field; values discovered at run time (number of KV slots, EOS ids) live on the objects that
+discover them, never here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+_DTYPES = {"auto", "float32", "float16", "bfloat16"}
+_POLICIES = {"lpm", "fcfs"}
+_BACKENDS = {None, "torch_native", "triton", "flashinfer"}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every knob of the engine. ``None`` means "choose from the machine and the model"."""
+
+    model_path: str
+    tokenizer_path: Optional[str] = None
+    dtype: str = "auto"
+    device: str = "auto"
+    context_length: Optional[int] = None
+    # KV memory
+    max_total_tokens: Optional[int] = None
+    mem_fraction_static: float = 0.8
+    page_size: int = 1
+    # scheduling
+    max_running_requests: Optional[int] = None
+    chunked_prefill_size: int = 2048
+    max_prefill_tokens: int = 16384
+    schedule_policy: str = "lpm"
+    schedule_lpm_fallback_queue_len: int = 128
+    disable_radix_cache: bool = False
+    random_seed: int = 0
+    # model runner
+    attention_backend: Optional[str] = None
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 64
+    num_threads: Optional[int] = None
+    # RL control plane
+    enable_weights_cpu_backup: bool = False
+    weight_version: str = "default"
+    # process model / serving
+    scheduler_mode: str = "process"
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: Optional[str] = None
+    admin_api_key: Optional[str] = None
+    served_model_name: Optional[str] = None
+    log_level: str = "warning"
+    stream_interval: int = 1
+    debug_integrity: bool = False
+    watchdog_timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        def bad(field: str, why: str) -> None:
+            raise ValueError(f"EngineConfig.{field}: {why}")
+
+        if not isinstance(self.model_path, (str, os.PathLike)) or not str(self.model_path):
+            bad("model_path", "must be a non-empty path to a Hugging Face model directory")
+        if not os.path.isdir(self.model_path):
+            bad("model_path", f"{self.model_path!r} is not a directory (no downloads at run time)")
+        if self.dtype not in _DTYPES:
+            bad("dtype", f"must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            bad("device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.page_size < 1:
+            bad("page_size", f"must be >= 1, got {self.page_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            bad("max_total_tokens", f"must be >= page_size, got {self.max_total_tokens}")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            bad("mem_fraction_static", f"must be in (0, 1], got {self.mem_fraction_static}")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            bad("max_running_requests", f"must be >= 1, got {self.max_running_requests}")
+        if self.chunked_prefill_size < 1:
+            bad("chunked_prefill_size", f"must be >= 1, got {self.chunked_prefill_size}")
+        if self.max_prefill_tokens < 1:
+            bad("max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
+        if self.schedule_policy not in _POLICIES:
+            bad("schedule_policy", f"must be one of {sorted(_POLICIES)}, got {self.schedule_policy!r}")
+        if self.attention_backend not in _BACKENDS:
+            bad("attention_backend", f"must be one of {sorted(map(str, _BACKENDS))}")
+        if self.scheduler_mode not in ("process", "thread"):
+            bad("scheduler_mode", f"must be 'process' or 'thread', got {self.scheduler_mode!r}")
+        if self.context_length is not None and self.context_length < 2:
+            bad("context_length", f"must be >= 2, got {self.context_length}")
+        if not 0 <= self.port < 65536:
+            bad("port", f"must be in [0, 65535], got {self.port}")
+        if self.stream_interval < 1:
+            bad("stream_interval", f"must be >= 1, got {self.stream_interval}")
+        if not isinstance(self.weight_version, str):
+            bad("weight_version", "must be a string")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from keyword flags; an unknown flag is a ValueError that names it."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine flag(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    # -- derived values ---------------------------------------------------------------------
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            # bf16 matmuls are ~300x slower than fp32 on our CPUs: float32 unless on a GPU.
+            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend is not None:
+            return self.attention_backend
+        return "triton" if self.resolved_device().type == "cuda" else "torch_native"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for secret in ("api_key", "admin_api_key"):
+            d[secret] = None if d[secret] is None else "***"
+        return d

@@ -1,0 +1,146 @@
+"""The token-to-KV pool: per-layer K and V tensors indexed by slot, and a page allocator.
+
+A token's KV lives at one slot of every layer's buffers. Slots are handed out in pages of
+``page_size`` consecutive, page-aligned slots; a page is always wholly free, owned by one request,
+or held by the prefix cache (the invariant ``check_integrity`` proves with the scheduler's help).
+
+    slot:  0 1 2 3 | 4 5 6 7 | 8 9 10 11      (page_size 4)
+    page:     0    |    1    |     2
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class KVPool:
+    """Per-layer K/V buffers ``[num_slots, num_kv_heads, head_dim]``."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_slots = num_slots
+        self.num_layers = num_layers
+        self.shape = (num_slots, num_kv_heads, head_dim)
+        self.dtype, self.device = dtype, device
+        self.k_buffers: list[torch.Tensor] = []
+        self.v_buffers: list[torch.Tensor] = []
+        self.allocate()
+
+    def allocate(self) -> None:
+        # Zeros, not empty: padded attention reads masked slots, and garbage NaNs would leak
+        # through the mask as NaN * 0.
+        self.k_buffers = [
+            torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            for _ in range(self.num_layers)
+        ]
+        self.v_buffers = [
+            torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            for _ in range(self.num_layers)
+        ]
+
+    def release(self) -> None:
+        """Drop the buffers (sleep). ``allocate`` brings them back zeroed."""
+        self.k_buffers, self.v_buffers = [], []
+
+    @property
+    def is_allocated(self) -> bool:
+        return bool(self.k_buffers)
+
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return 2 * self.num_layers * n * torch.empty((), dtype=self.dtype).element_size()
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffers[layer_id][loc] = k
+        self.v_buffers[layer_id][loc] = v
+
+
+class PageAllocator:
+    """Free list of pages. Lowest page ids first, so runs are reproducible."""
+
+    def __init__(self, num_slots: int, page_size: int) -> None:
+        if num_slots < page_size:
+            raise ValueError(f"KV pool of {num_slots} slots is smaller than one page ({page_size})")
+        self.page_size = page_size
+        self.num_pages = num_slots // page_size
+        self.num_slots = self.num_pages * page_size
+        self._free: list[int] = []
+        self._free_set: set[int] = set()
+        self.reset()
+
+    def reset(self) -> None:
+        self._free = list(range(self.num_pages - 1, -1, -1))  # pop() yields page 0 first
+        self._free_set = set(self._free)
+
+    def available_size(self) -> int:
+        """Free slots."""
+        return len(self._free) * self.page_size
+
+    def can_allocate(self, num_pages: int) -> bool:
+        return num_pages <= len(self._free)
+
+    def allocate(self, num_pages: int) -> Optional[list[int]]:
+        """Slots of ``num_pages`` fresh pages, or None (nothing taken) when short."""
+        if num_pages > len(self._free):
+            return None
+        ps = self.page_size
+        slots: list[int] = []
+        for _ in range(num_pages):
+            page = self._free.pop()
+            self._free_set.discard(page)
+            slots.extend(range(page * ps, page * ps + ps))
+        return slots
+
+    def free(self, slots: torch.Tensor | list[int]) -> None:
+        """Return whole pages given by their slots (every slot of each page, page-aligned)."""
+        values = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
+        ps = self.page_size
+        if len(values) % ps:
+            raise ValueError(f"free of {len(values)} slots is not whole pages of {ps}")
+        for i in range(0, len(values), ps):
+            first = values[i]
+            if first % ps:
+                raise ValueError(f"slot {first} is not page-aligned (page_size {ps})")
+            page = first // ps
+            if page in self._free_set or not 0 <= page < self.num_pages:
+                raise ValueError(f"double free or bad page {page}")
+            self._free.append(page)
+            self._free_set.add(page)
+
+    def free_pages(self) -> set[int]:
+        return set(self._free_set)
+
+
+class ReqToTokenPool:
+    """Rows of slot indices, one row per running request: ``table[row, position] = slot``."""
+
+    def __init__(self, max_num_reqs: int, max_context_len: int, device: torch.device) -> None:
+        self.table = torch.zeros((max_num_reqs, max_context_len), dtype=torch.int64, device=device)
+        self._free = list(range(max_num_reqs - 1, -1, -1))
+        self.size = max_num_reqs
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> Optional[int]:
+        return self._free.pop() if self._free else None
+
+    def free(self, row: int) -> None:
+        if row in self._free:
+            raise ValueError(f"req_to_token row {row} freed twice")
+        self._free.append(row)
+
+    def write(self, row: int, start: int, slots: list[int]) -> None:
+        if slots:
+            self.table[row, start : start + len(slots)] = torch.tensor(slots, dtype=torch.int64)

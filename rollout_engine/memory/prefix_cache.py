@@ -1,0 +1,200 @@
+"""The prefix-cache contract shared by the radix tree and its disabled twin.
+
+A prefix cache maps token-id prefixes to the KV slots that already hold their keys and values, so
+a new request can skip prefill for the part of its prompt some earlier request computed. Slots are
+indices into the KV pool; the cache never allocates, it only takes ownership of slots handed to
+`insert` and returns them to the allocator (`allocator.free`) when it evicts them.
+
+Ownership around `insert(token_ids, slots, ns)` with page_size 4 and 10 tokens::
+
+    token_ids  |t0 t1 t2 t3|t4 t5 t6 t7|t8 t9|
+               |<---- P ---->|           |
+               |<--------- L ----------->|      L = 8: rounded DOWN to a whole page
+    slots[:P]    caller keeps (the tree already held KV for these tokens; free your duplicates)
+    slots[P:L]   the tree owns them from now on
+    slots[L:]    caller keeps (partial page, never cached)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "BasePrefixCache",
+    "CacheIntegrityError",
+    "CacheNamespace",
+    "MatchResult",
+    "NoPrefixCache",
+]
+
+
+class CacheIntegrityError(AssertionError):
+    """A prefix-cache invariant is broken (a bug in the cache or in how its caller used it)."""
+
+
+@dataclass(frozen=True)
+class CacheNamespace:
+    """KV computed under one weight version (and an optional extra_key, e.g. a LoRA id or salt) is
+    only matched by requests of the same namespace."""
+
+    weight_version: str
+    extra_key: Optional[str] = None
+
+
+@dataclass
+class MatchResult:
+    """The longest cached prefix of a query.
+
+    `slots` are the KV slots of the matched tokens (int64, length a multiple of page_size); `node`
+    is an opaque handle to pass to `inc_lock_ref` / `dec_lock_ref` while those slots are in use.
+    """
+
+    slots: torch.Tensor
+    node: object
+
+    @property
+    def matched_len(self) -> int:
+        return int(self.slots.numel())
+
+
+def empty_slots() -> torch.Tensor:
+    """An empty int64 slot tensor (what a miss returns)."""
+    return torch.empty(0, dtype=torch.int64)
+
+
+class BasePrefixCache(ABC):
+    """A cache from token prefixes to KV slots, partitioned by `CacheNamespace`.
+
+    Callers are single-threaded (the scheduler loop); no method is thread-safe.
+    """
+
+    page_size: int
+
+    @abstractmethod
+    def match_prefix(self, token_ids: Sequence[int], namespace: CacheNamespace) -> MatchResult:
+        """Return the longest cached prefix of `token_ids` in `namespace`, truncated to a multiple
+        of page_size (exact token match only).
+
+        Changes: marks the matched path as most recently used; may split a node so the returned
+        node covers exactly the match. The returned slots stay valid only while the caller holds
+        a lock on the returned node (`inc_lock_ref`); without one, any later `evict` may free them.
+        """
+
+    @abstractmethod
+    def insert(
+        self, token_ids: Sequence[int], slots: torch.Tensor, namespace: CacheNamespace
+    ) -> int:
+        """Cache `token_ids[:L]`, L = len(token_ids) rounded down to page_size, with `slots` as
+        their KV slots (len(slots) == len(token_ids)).
+
+        Returns P, the number of leading tokens that were already cached (P <= L, a multiple of
+        page_size). The cache takes ownership of slots[P:L]; the caller keeps slots[:P] and
+        slots[L:] and must free those that are its own (not ones it got from `match_prefix`).
+        """
+
+    @abstractmethod
+    def inc_lock_ref(self, node: object) -> None:
+        """Lock `node` (a `MatchResult.node`) and all its ancestors: locked nodes are never
+        evicted. The caller must call `dec_lock_ref(node)` exactly once per call."""
+
+    @abstractmethod
+    def dec_lock_ref(self, node: object) -> None:
+        """Undo one `inc_lock_ref(node)`; raises ValueError if `node` holds no lock. Nodes whose
+        lock count drops to zero become evictable."""
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> int:
+        """Free least-recently-used unlocked leaves (cascading to parents that become unlocked
+        leaves) until at least `num_tokens` tokens are freed or nothing is evictable.
+
+        Changes: removes nodes and returns their slots through `allocator.free`. Returns the
+        number of tokens freed."""
+
+    @abstractmethod
+    def evict_namespaces_except(self, keep: CacheNamespace) -> int:
+        """Free every unlocked node of every namespace other than `keep` (stale KV after a weight
+        refit). Locked stale nodes stay until unlocked and are evictable after that; `keep`
+        requests can never match them. Returns the number of tokens freed."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Free every cached slot and empty the cache. Raises RuntimeError if any lock is held
+        (check `protected_size()` and drain running requests first)."""
+
+    @abstractmethod
+    def evictable_size(self) -> int:
+        """Tokens held in unlocked nodes (what `evict` could free)."""
+
+    @abstractmethod
+    def protected_size(self) -> int:
+        """Tokens held in locked nodes."""
+
+    @abstractmethod
+    def total_size(self) -> int:
+        """All tokens held by the cache (evictable + protected)."""
+
+    @abstractmethod
+    def cached_slots(self) -> torch.Tensor:
+        """Every slot the cache holds, int64, in no particular order (for the engine-wide
+        'free + owned + cached == total' check)."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Raise `CacheIntegrityError` (an AssertionError) naming the broken invariant: sizes,
+        lock counts, duplicate slots, malformed nodes or page alignment."""
+
+
+class NoPrefixCache(BasePrefixCache):
+    """The disabled cache (`disable_radix_cache`): never matches, never holds a slot.
+
+    `insert` reports every token as already present, so the caller frees all the slots it owns.
+    """
+
+    def __init__(self, allocator: object = None, page_size: int = 1) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self._handle = object()
+
+    def match_prefix(self, token_ids: Sequence[int], namespace: CacheNamespace) -> MatchResult:
+        return MatchResult(slots=empty_slots(), node=self._handle)
+
+    def insert(
+        self, token_ids: Sequence[int], slots: torch.Tensor, namespace: CacheNamespace
+    ) -> int:
+        return len(token_ids)
+
+    def inc_lock_ref(self, node: object) -> None:
+        pass
+
+    def dec_lock_ref(self, node: object) -> None:
+        pass
+
+    def evict(self, num_tokens: int) -> int:
+        return 0
+
+    def evict_namespaces_except(self, keep: CacheNamespace) -> int:
+        return 0
+
+    def reset(self) -> None:
+        pass
+
+    def evictable_size(self) -> int:
+        return 0
+
+    def protected_size(self) -> int:
+        return 0
+
+    def total_size(self) -> int:
+        return 0
+
+    def cached_slots(self) -> torch.Tensor:
+        return empty_slots()
+
+    def check_integrity(self) -> None:
+        pass

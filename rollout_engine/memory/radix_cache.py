@@ -1,0 +1,400 @@
+"""RadixCache: a radix tree over token ids whose values are KV slot indices.
+
+Tree shape (page_size 1)::
+
+    root
+     +- ns(v1)                      one namespace root per CacheNamespace: a match never
+     |   +- [5 6 7] -> slots          crosses weight versions or extra keys
+     |   |   +- [8 9]               children keyed by their first page of tokens
+     |   |   +- [3]
+     |   +- [2 2]
+     +- ns(v0, "lora-a")
+         +- ...
+
+Every non-root node holds a non-empty key whose length is a multiple of page_size and one slot per
+token. A node's lock_ref counts the locks taken on it or on any descendant, so a locked node's
+ancestors are locked too and only unlocked leaves are ever evicted. Handles returned by
+`match_prefix` stay valid across splits: a split inserts the new node *above* the old one.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Hashable, Iterator, Sequence
+from typing import Optional
+
+import torch
+
+from rollout_engine.memory.prefix_cache import (
+    BasePrefixCache,
+    CacheIntegrityError,
+    CacheNamespace,
+    MatchResult,
+    empty_slots,
+)
+
+__all__ = ["RadixCache", "TreeNode"]
+
+
+class TreeNode:
+    """One edge of the tree: `key` tokens and their `value` slots."""
+
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "num_own_locks", "last_access")
+
+    def __init__(self, key: tuple[int, ...], value: torch.Tensor, parent: Optional[TreeNode]):
+        self.key = key
+        self.value = value
+        self.children: dict[Hashable, TreeNode] = {}
+        self.parent = parent
+        self.lock_ref = 0  # locks taken on this node or any descendant
+        self.num_own_locks = 0  # locks taken on this node itself
+        self.last_access = 0
+
+    def __repr__(self) -> str:
+        return f"TreeNode(len={len(self.key)}, lock_ref={self.lock_ref}, t={self.last_access})"
+
+
+class RadixCache(BasePrefixCache):
+    """Prefix cache over token ids, LRU eviction of unlocked leaves, one subtree per namespace.
+
+    `allocator` needs only `free(slots: torch.Tensor)`; every call passes whole pages.
+    """
+
+    def __init__(self, allocator: object, page_size: int = 1) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.allocator = allocator
+        self.page_size = page_size
+        self.root = TreeNode((), empty_slots(), None)
+        self._clock = itertools.count(1)  # logical time: deterministic LRU
+        self._seq = itertools.count()  # heap tie-breaker
+        # Lazy min-heap of (last_access, seq, leaf); stale entries are skipped when popped.
+        self._leaf_heap: list[tuple[int, int, TreeNode]] = []
+        self._num_nodes = 0  # token-holding nodes
+        self._evictable_size = 0
+        self._protected_size = 0
+
+    # ---- queries --------------------------------------------------------------------------
+
+    def match_prefix(self, token_ids: Sequence[int], namespace: CacheNamespace) -> MatchResult:
+        key = self._page_aligned(token_ids)
+        ns_root = self.root.children.get(namespace)
+        if ns_root is None or not key:
+            return MatchResult(
+                slots=empty_slots(), node=ns_root if ns_root is not None else self.root
+            )
+        node, _, values = self._walk(ns_root, key)
+        if node is not ns_root and not node.children:
+            self._push_leaf(node)
+        slots = torch.cat(values) if values else empty_slots()
+        return MatchResult(slots=slots, node=node)
+
+    def insert(
+        self, token_ids: Sequence[int], slots: torch.Tensor, namespace: CacheNamespace
+    ) -> int:
+        if slots.dim() != 1 or slots.numel() != len(token_ids):
+            raise ValueError(
+                f"insert needs one slot per token: got {len(token_ids)} tokens and slots of "
+                f"shape {tuple(slots.shape)}"
+            )
+        key = self._page_aligned(token_ids)
+        if not key:
+            return 0
+        ns_root = self.root.children.get(namespace)
+        if ns_root is None:
+            ns_root = TreeNode((), empty_slots(), self.root)
+            self.root.children[namespace] = ns_root
+        node, prefix_len, _ = self._walk(ns_root, key)
+        if prefix_len < len(key):
+            leaf = TreeNode(
+                key[prefix_len:], slots[prefix_len : len(key)].to(torch.int64).clone(), node
+            )
+            leaf.last_access = next(self._clock)
+            node.children[self._child_key(leaf.key)] = leaf
+            self._num_nodes += 1
+            self._evictable_size += len(leaf.key)
+            self._push_leaf(leaf)
+        elif node is not ns_root and not node.children:
+            self._push_leaf(node)
+        return prefix_len
+
+    # ---- locks ----------------------------------------------------------------------------
+
+    def inc_lock_ref(self, node: object) -> None:
+        path = self._path_to_root(node)
+        path[0].num_own_locks += 1
+        for n in path:
+            if n.lock_ref == 0:
+                self._evictable_size -= len(n.key)
+                self._protected_size += len(n.key)
+            n.lock_ref += 1
+
+    def dec_lock_ref(self, node: object) -> None:
+        path = self._path_to_root(node)
+        if path[0].num_own_locks <= 0 or any(n.lock_ref <= 0 for n in path):
+            raise ValueError(f"dec_lock_ref on {node!r} without a matching inc_lock_ref")
+        path[0].num_own_locks -= 1
+        for n in path:
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self._protected_size -= len(n.key)
+                self._evictable_size += len(n.key)
+                if n.key and not n.children:
+                    self._push_leaf(n)
+        if len(path) >= 2 and not path[-2].key:
+            self._drop_namespace_if_empty(path[-2])
+
+    # ---- eviction -------------------------------------------------------------------------
+
+    def evict(self, num_tokens: int) -> int:
+        freed: list[torch.Tensor] = []
+        num_freed = 0
+        while num_freed < num_tokens and self._leaf_heap:
+            access, _, node = heapq.heappop(self._leaf_heap)
+            if not self._is_evictable_leaf(node) or access != node.last_access:
+                continue  # stale entry
+            parent = node.parent
+            assert parent is not None
+            num_freed += self._detach(node, freed)
+            if parent.key:
+                if not parent.children and parent.lock_ref == 0:
+                    self._push_leaf(parent)
+            else:
+                self._drop_namespace_if_empty(parent)
+        self._free(freed)
+        return num_freed
+
+    def evict_namespaces_except(self, keep: CacheNamespace) -> int:
+        freed: list[torch.Tensor] = []
+        num_freed = 0
+        for namespace, ns_root in list(self.root.children.items()):
+            if namespace == keep:
+                continue
+            # A node with lock_ref 0 has no locked descendant: drop its whole subtree.
+            stack = [ns_root]
+            while stack:
+                node = stack.pop()
+                for child in list(node.children.values()):
+                    if child.lock_ref == 0:
+                        num_freed += self._detach_subtree(child, freed)
+                    else:
+                        stack.append(child)
+            self._drop_namespace_if_empty(ns_root)
+        self._free(freed)
+        self._rebuild_heap()
+        return num_freed
+
+    def reset(self) -> None:
+        if self.root.lock_ref > 0:
+            raise RuntimeError(
+                f"cannot reset the radix cache while {self.root.lock_ref} lock(s) are held "
+                f"({self._protected_size} protected tokens); finish or abort running requests first"
+            )
+        self._free([self.cached_slots()])
+        self.root.children.clear()
+        self._leaf_heap.clear()
+        self._num_nodes = 0
+        self._evictable_size = 0
+        self._protected_size = 0
+
+    # ---- sizes ----------------------------------------------------------------------------
+
+    def evictable_size(self) -> int:
+        return self._evictable_size
+
+    def protected_size(self) -> int:
+        return self._protected_size
+
+    def total_size(self) -> int:
+        return self._evictable_size + self._protected_size
+
+    def cached_slots(self) -> torch.Tensor:
+        values = [n.value for n in self._iter_nodes() if n.key]
+        return torch.cat(values) if values else empty_slots()
+
+    def check_integrity(self) -> None:
+        ps = self.page_size
+        evictable = protected = num_nodes = 0
+        for node in self._iter_nodes():
+            where = f"{node!r} (key[:8]={node.key[:8]})"
+            expected_lock = node.num_own_locks + sum(c.lock_ref for c in node.children.values())
+            _check(node.num_own_locks >= 0, f"{where}: negative own lock count")
+            _check(node.lock_ref == expected_lock, f"{where}: lock_ref != own locks + children's")
+            for child_key, child in node.children.items():
+                _check(child.parent is node, f"{where}: child {child!r} has another parent")
+                if node is self.root:
+                    _check(isinstance(child_key, CacheNamespace), f"root child key {child_key!r}")
+                    _check(not child.key, f"namespace root {child_key} has a key")
+                    _check(bool(child.children) or child.lock_ref > 0, f"empty ns {child_key} kept")
+                else:
+                    _check(child_key == self._child_key(child.key), f"{where}: child key mismatch")
+            if node is self.root or not node.key:
+                _check(node.value.numel() == 0, f"{where}: root holds slots")
+                continue
+            num_nodes += 1
+            _check(len(node.key) % ps == 0, f"{where}: key length not a multiple of {ps}")
+            _check(node.value.dtype == torch.int64, f"{where}: slots dtype {node.value.dtype}")
+            _check(node.value.shape == (len(node.key),), f"{where}: {node.value.shape} slots")
+            if node.lock_ref > 0:
+                protected += len(node.key)
+            else:
+                evictable += len(node.key)
+        _check(num_nodes == self._num_nodes, f"node count {self._num_nodes} != {num_nodes}")
+        _check(evictable == self._evictable_size, f"evictable {self._evictable_size}!={evictable}")
+        _check(protected == self._protected_size, f"protected {self._protected_size}!={protected}")
+        slots = self.cached_slots()
+        _check(slots.unique().numel() == slots.numel(), "a slot is held by two tree positions")
+        if ps > 1:  # every node holds whole pages, so the concatenation is page-shaped too
+            pages = slots.view(-1, ps)
+            offsets = torch.arange(ps, device=pages.device)
+            aligned = (pages[:, 0] % ps == 0).all() and (pages - pages[:, :1] == offsets).all()
+            _check(bool(aligned), "slots are not whole, page-aligned pages")
+        in_heap = {id(n) for t, _, n in self._leaf_heap if t == n.last_access}
+        for node in self._iter_nodes():
+            if self._is_evictable_leaf(node):
+                _check(id(node) in in_heap, f"evictable leaf {node!r} missing from the LRU heap")
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _page_aligned(self, token_ids: Sequence[int]) -> tuple[int, ...]:
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.tolist()
+        n = len(token_ids) - len(token_ids) % self.page_size
+        return tuple(token_ids[:n])
+
+    def _child_key(self, key: tuple[int, ...], start: int = 0) -> Hashable:
+        if self.page_size == 1:
+            return key[start]
+        return key[start : start + self.page_size]
+
+    def _common_len(self, node_key: tuple[int, ...], key: tuple[int, ...], start: int) -> int:
+        """Tokens shared by node_key and key[start:], rounded down to whole pages."""
+        if key[start : start + len(node_key)] == node_key:
+            return len(node_key)
+        ps = self.page_size
+        n = min(len(node_key), len(key) - start)
+        if ps == 1:
+            for i in range(n):
+                if node_key[i] != key[start + i]:
+                    return i
+            return n
+        for i in range(0, n - n % ps, ps):
+            if node_key[i : i + ps] != key[start + i : start + i + ps]:
+                return i
+        return n - n % ps
+
+    def _walk(
+        self, ns_root: TreeNode, key: tuple[int, ...]
+    ) -> tuple[TreeNode, int, list[torch.Tensor]]:
+        """Follow `key` from `ns_root`, touching every node on the way and splitting the last one
+        if the match ends inside it. Returns (deepest matched node, matched length, slots)."""
+        now = next(self._clock)
+        node, pos, values = ns_root, 0, []
+        while pos < len(key):
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            common = self._common_len(child.key, key, pos)
+            ends_inside = common < len(child.key)
+            if ends_inside:
+                child = self._split(child, common)
+            child.last_access = now
+            values.append(child.value)
+            pos += common
+            node = child
+            if ends_inside:
+                break
+        return node, pos, values
+
+    def _split(self, node: TreeNode, split_len: int) -> TreeNode:
+        """Cut `node` after split_len tokens; the new upper part is returned and `node` (whose
+        identity lock holders keep) becomes its only child with the rest of the key."""
+        parent = node.parent
+        assert parent is not None and 0 < split_len < len(node.key)
+        upper = TreeNode(node.key[:split_len], node.value[:split_len], parent)
+        upper.lock_ref = node.lock_ref
+        upper.last_access = node.last_access
+        parent.children[self._child_key(upper.key)] = upper
+        node.key = node.key[split_len:]
+        node.value = node.value[split_len:]
+        node.parent = upper
+        upper.children[self._child_key(node.key)] = node
+        self._num_nodes += 1
+        return upper
+
+    def _path_to_root(self, node: object) -> list[TreeNode]:
+        if not isinstance(node, TreeNode):
+            raise ValueError(f"expected a MatchResult.node of this cache, got {node!r}")
+        path = [node]
+        while path[-1].parent is not None:
+            path.append(path[-1].parent)
+        if path[-1] is not self.root:
+            raise ValueError(f"{node!r} is not in this cache (evicted, or from another cache)")
+        return path
+
+    def _is_evictable_leaf(self, node: TreeNode) -> bool:
+        return (
+            bool(node.key) and node.parent is not None and not node.children and node.lock_ref == 0
+        )
+
+    def _push_leaf(self, node: TreeNode) -> None:
+        heapq.heappush(self._leaf_heap, (node.last_access, next(self._seq), node))
+        if len(self._leaf_heap) > 2 * self._num_nodes + 64:
+            self._rebuild_heap()  # drop stale entries; amortized O(1) per push
+
+    def _rebuild_heap(self) -> None:
+        self._leaf_heap = [
+            (n.last_access, next(self._seq), n)
+            for n in self._iter_nodes()
+            if self._is_evictable_leaf(n)
+        ]
+        heapq.heapify(self._leaf_heap)
+
+    def _detach(self, node: TreeNode, freed: list[torch.Tensor]) -> int:
+        """Unlink an unlocked leaf; its slots go to `freed`."""
+        parent = node.parent
+        assert parent is not None and not node.children and node.lock_ref == 0
+        del parent.children[self._child_key(node.key)]
+        node.parent = None
+        freed.append(node.value)
+        self._num_nodes -= 1
+        self._evictable_size -= len(node.key)
+        return len(node.key)
+
+    def _detach_subtree(self, top: TreeNode, freed: list[torch.Tensor]) -> int:
+        """Unlink an unlocked node and everything below it."""
+        num_freed = 0
+        stack = [top]
+        order: list[TreeNode] = []
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.children.values())
+        for node in reversed(order):  # children before parents
+            num_freed += self._detach(node, freed)
+        return num_freed
+
+    def _drop_namespace_if_empty(self, ns_root: TreeNode) -> None:
+        if ns_root.parent is self.root and not ns_root.children and ns_root.lock_ref == 0:
+            for namespace, candidate in list(self.root.children.items()):
+                if candidate is ns_root:
+                    del self.root.children[namespace]
+            ns_root.parent = None
+
+    def _free(self, freed: list[torch.Tensor]) -> None:
+        freed = [v for v in freed if v.numel()]
+        if freed:
+            self.allocator.free(torch.cat(freed))  # type: ignore[attr-defined]
+
+    def _iter_nodes(self) -> Iterator[TreeNode]:
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise CacheIntegrityError(f"RadixCache integrity: {message}")

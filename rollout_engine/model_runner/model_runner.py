@@ -1,0 +1,79 @@
+"""ModelRunner: owns the model, the KV pool and the attention backend; ForwardBatch -> logits."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from rollout_engine.config import EngineConfig
+from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool
+from rollout_engine.model_runner.attention.base import create_attention_backend
+from rollout_engine.model_runner.forward_batch import ForwardBatch
+from rollout_engine.models.layers import compute_inv_freq
+from rollout_engine.models.llama import ModelArch
+from rollout_engine.models.registry import build_model
+from rollout_engine.weights.loader import iter_safetensors, load_weights, read_hf_config
+
+logger = logging.getLogger(__name__)
+
+_CPU_DEFAULT_KV_TOKENS = 32768
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype()
+        if self.device.type == "cpu" and config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.hf_config = read_hf_config(config.model_path)
+        self.arch = ModelArch.from_hf_config(self.hf_config)
+        self.context_len = config.context_length or self.arch.max_position_embeddings
+        with torch.device("meta"):
+            model = build_model(self.arch)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        # meta -> empty left the RoPE buffer uninitialised; it stays float32 whatever the dtype
+        model.rotary.inv_freq = compute_inv_freq(
+            self.arch.head_dim, self.arch.rope_theta, self.arch.rope_scaling).to(self.device)
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        load_weights(self.model, iter_safetensors(config.model_path), require_all=True)
+        self.max_total_num_tokens = self._kv_capacity()
+        self.max_running_requests = config.max_running_requests or 512
+        self.kv_pool = KVPool(self.max_total_num_tokens, self.arch.num_layers,
+                              self.arch.num_kv_heads, self.arch.head_dim, self.dtype, self.device)
+        self.req_to_token = ReqToTokenPool(self.max_running_requests + 8, self.context_len + 8,
+                                           self.device)
+        self.attn_backend = create_attention_backend(config.resolved_attention_backend(),
+                                                     self.kv_pool, self.req_to_token)
+
+    def _kv_capacity(self) -> int:
+        ps = self.config.page_size
+        if self.config.max_total_tokens is not None:
+            tokens = self.config.max_total_tokens
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            per_token = (2 * self.arch.num_layers * self.arch.num_kv_heads * self.arch.head_dim
+                         * torch.empty((), dtype=self.dtype).element_size())
+            tokens = int(free * self.config.mem_fraction_static) // per_token
+        else:
+            tokens = _CPU_DEFAULT_KV_TOKENS
+        return max(ps, tokens // ps * ps)
+
+    def weight_nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits ``[len(fb.logits_indices), vocab]`` in float32."""
+        fb.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(fb)
+        hidden = self.model(fb.input_ids, fb.positions, fb)
+        return self.model.compute_logits(hidden[fb.logits_indices])
+
+    def to_device(self, values: list[int], dtype: Optional[torch.dtype] = torch.int64
+                  ) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)

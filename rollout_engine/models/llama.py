@@ -1,0 +1,197 @@
+"""A readable Llama-family decoder (Llama 2/3, Qwen2/2.5, Qwen3) over the paged KV pool.
+
+Tokens of all requests in a batch are flattened to ``[T, hidden]``; attention is delegated to the
+backend in ``ForwardBatch`` which writes this step's K/V into the pool and attends over each
+request's slots. Projections are fused (qkv, gate_up); ``weight_map`` says where every Hugging
+Face parameter name lands so loading and refitting use the same table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollout_engine.models.layers import MergedLinear, RMSNorm, RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """The shape facts the engine needs, read from a Hugging Face ``config.json``."""
+
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict[str, Any]]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArch:
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        model_type = cfg.get("model_type", "llama")
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        rope = dict(cfg.get("rope_parameters") or {})
+        if cfg.get("rope_scaling"):
+            rope.update(cfg["rope_scaling"])
+        rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (silu)")
+        is_qwen2 = model_type == "qwen2"
+        return cls(
+            architecture=arch,
+            hidden_size=cfg["hidden_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            intermediate_size=cfg["intermediate_size"],
+            vocab_size=cfg["vocab_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or bool(cfg.get("attention_bias", False)),
+            o_bias=bool(cfg.get("attention_bias", False)) and not is_qwen2,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            arch.num_heads, arch.num_kv_heads, arch.head_dim)
+        q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        self.qkv_proj = MergedLinear(arch.hidden_size, [q, kv, kv], bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(q, arch.hidden_size, bias=arch.o_bias)
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.scaling = arch.head_dim ** -0.5
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: Any) -> torch.Tensor:
+        t = h.shape[0]
+        q, k, v = self.qkv_proj(h).split(self.qkv_proj.shard_sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = RotaryEmbedding.apply(q, cos, sin)
+        k = RotaryEmbedding.apply(k, cos, sin)
+        o = fb.attn_backend.forward(q, k, v, self.layer_id, self.scaling, fb)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        i = arch.intermediate_size
+        self.gate_up_proj = MergedLinear(arch.hidden_size, [i, i], bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(i, arch.hidden_size, bias=arch.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, layer_id)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: Any) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, fb)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus LM head; also serves Qwen2 (qkv bias) and Qwen3 (q/k norm)."""
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+        self.lm_head = (None if arch.tie_word_embeddings
+                        else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: Any) -> torch.Tensor:
+        """Hidden states after the final norm, ``[T, hidden]``."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, fb)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # -- weights ------------------------------------------------------------------------------
+    def weight_map(self) -> dict[str, tuple[nn.Parameter, int, int]]:
+        """HF name -> (parameter, first row, number of rows) for every loadable tensor."""
+        table: dict[str, tuple[nn.Parameter, int, int]] = {}
+
+        def whole(name: str, p: nn.Parameter) -> None:
+            table[name] = (p, 0, p.shape[0] if p.dim() else 0)
+
+        whole("model.embed_tokens.weight", self.embed_tokens.weight)
+        whole("model.norm.weight", self.norm.weight)
+        if self.lm_head is not None:
+            whole("lm_head.weight", self.lm_head.weight)
+        for i, layer in enumerate(self.layers):
+            pre = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            for kind in ("weight", "bias"):
+                fused = getattr(attn.qkv_proj, kind)
+                if fused is not None:
+                    for shard, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+                        table[f"{pre}self_attn.{proj}.{kind}"] = (
+                            fused, attn.qkv_proj.shard_offset(shard), attn.qkv_proj.shard_sizes[shard])
+                fused = getattr(mlp.gate_up_proj, kind)
+                if fused is not None:
+                    for shard, proj in enumerate(("gate_proj", "up_proj")):
+                        table[f"{pre}mlp.{proj}.{kind}"] = (
+                            fused, mlp.gate_up_proj.shard_offset(shard),
+                            mlp.gate_up_proj.shard_sizes[shard])
+                for hf, mod in (("self_attn.o_proj", attn.o_proj), ("mlp.down_proj", mlp.down_proj)):
+                    p = getattr(mod, kind)
+                    if p is not None:
+                        whole(f"{pre}{hf}.{kind}", p)
+            whole(f"{pre}input_layernorm.weight", layer.input_layernorm.weight)
+            whole(f"{pre}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
+            if attn.q_norm is not None and attn.k_norm is not None:
+                whole(f"{pre}self_attn.q_norm.weight", attn.q_norm.weight)
+                whole(f"{pre}self_attn.k_norm.weight", attn.k_norm.weight)
+        return table
+
+    @staticmethod
+    def ignored_weight(name: str) -> bool:
+        """Checkpoint entries that carry no parameter of ours."""
+        return name.endswith("rotary_emb.inv_freq")

@@ -1,0 +1,121 @@
+"""ScheduleBatch: the requests chosen for one step, and its lowering to tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
+from rollout_engine.sampler import SamplingBatch, uniform_for
+from rollout_engine.scheduler.request import Req
+
+
+@dataclass
+class ScheduleBatch:
+    """Requests of one step. In EXTEND, ``extend_lens[i]`` new tokens of ``reqs[i]`` are
+    computed from ``reqs[i].kv_len``; in DECODE, one token each."""
+
+    mode: ForwardMode
+    reqs: list[Req]
+    extend_lens: list[int]
+    # filled by to_forward_batch: which logits row belongs to what
+    sample_rows: list[int] = field(default_factory=list)      # per req: row or -1
+    input_logprob_rows: list[tuple[int, int]] = field(default_factory=list)  # per req: [a, b)
+    input_logprob_targets: list[list[int]] = field(default_factory=list)
+
+    def to_forward_batch(self, device: torch.device) -> ForwardBatch:
+        ids: list[int] = []
+        positions: list[int] = []
+        out_loc: list[int] = []
+        logits_idx: list[int] = []
+        prefix_lens, seq_lens = [], []
+        self.sample_rows, self.input_logprob_rows, self.input_logprob_targets = [], [], []
+        for req, ext in zip(self.reqs, self.extend_lens):
+            start, end = req.kv_len, req.kv_len + ext
+            base = len(ids)
+            all_ids = req.all_ids
+            ids.extend(all_ids[start:end])
+            positions.extend(range(start, end))
+            out_loc.extend(req.slots[start:end])
+            prefix_lens.append(start)
+            seq_lens.append(end)
+            # prompt logprobs: the logits at position p score token p + 1
+            a, b = len(logits_idx), len(logits_idx)
+            targets: list[int] = []
+            if (self.mode == ForwardMode.EXTEND and req.wants_input_logprobs
+                    and not req.input_logprobs_done()):
+                lo = max(start, req.logprob_start_len - 1, 0)
+                hi = min(end, len(req.input_ids) - 1)
+                for p in range(lo, hi):
+                    logits_idx.append(base + p - start)
+                    targets.append(all_ids[p + 1])
+                b = len(logits_idx)
+            self.input_logprob_rows.append((a, b))
+            self.input_logprob_targets.append(targets)
+            if end == req.seq_len:  # the whole sequence is computed: sample the next token
+                self.sample_rows.append(len(logits_idx))
+                logits_idx.append(base + ext - 1)
+            else:
+                self.sample_rows.append(-1)
+
+        def t(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return ForwardBatch(
+            mode=self.mode, input_ids=t(ids), positions=t(positions), out_cache_loc=t(out_loc),
+            req_pool_indices=t([r.req_pool_idx for r in self.reqs]),  # type: ignore[misc]
+            seq_lens=t(seq_lens), prefix_lens=t(prefix_lens), extend_lens=t(self.extend_lens),
+            logits_indices=t(logits_idx), seq_lens_list=seq_lens, prefix_lens_list=prefix_lens,
+            extend_lens_list=list(self.extend_lens))
+
+
+def build_sampling_batch(reqs: list[Req], vocab_size: int, eos_ids: frozenset[int],
+                         device: torch.device) -> SamplingBatch:
+    """Per-row tensors of the requests about to sample (in row order)."""
+    temps, top_ps, top_ks, min_ps, uniforms = [], [], [], [], []
+    for req in reqs:
+        p = req.params
+        temps.append(0.0 if p.top_k == 1 else p.temperature)
+        top_ps.append(p.top_p)
+        top_ks.append(vocab_size if p.top_k == -1 else min(p.top_k, vocab_size))
+        min_ps.append(p.min_p)
+        uniforms.append(uniform_for(req.seed, len(req.output_ids)))
+    sb = SamplingBatch(
+        temperatures=torch.tensor(temps, dtype=torch.float32, device=device),
+        top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
+        top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+        min_ps=torch.tensor(min_ps, dtype=torch.float32, device=device),
+        uniforms=torch.tensor(uniforms, dtype=torch.float64, device=device),
+        top_logprobs_num=max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0),
+    )
+    _add_penalties(sb, reqs, vocab_size, eos_ids, device)
+    return sb
+
+
+def _add_penalties(sb: SamplingBatch, reqs: list[Req], vocab_size: int,
+                   eos_ids: frozenset[int], device: torch.device) -> None:
+    needs_bias = any(
+        r.params.frequency_penalty or r.params.presence_penalty
+        or len(r.output_ids) < r.params.min_new_tokens for r in reqs)
+    if needs_bias:
+        bias = torch.zeros((len(reqs), vocab_size), dtype=torch.float32, device=device)
+        for i, r in enumerate(reqs):
+            p = r.params
+            if (p.frequency_penalty or p.presence_penalty) and r.output_ids:
+                counts = torch.bincount(torch.tensor(r.output_ids, device=device),
+                                        minlength=vocab_size).float()
+                bias[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+            if len(r.output_ids) < p.min_new_tokens:
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+                if banned:
+                    bias[i, list(banned)] = float("-inf")
+        sb.logit_bias = bias
+    if any(r.params.repetition_penalty != 1.0 for r in reqs):
+        mask = torch.zeros((len(reqs), vocab_size), dtype=torch.bool, device=device)
+        for i, r in enumerate(reqs):
+            if r.params.repetition_penalty != 1.0:
+                mask[i, torch.tensor(r.all_ids, device=device)] = True
+        sb.repetition_mask = mask
+        sb.repetition_penalties = torch.tensor(
+            [r.params.repetition_penalty for r in reqs], dtype=torch.float32, device=device)

@@ -1,0 +1,71 @@
+"""Admission policy: which waiting requests enter the next prefill batch, in what order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rollout_engine.memory.prefix_cache import CacheNamespace, MatchResult
+from rollout_engine.scheduler.kv_manager import KVManager
+from rollout_engine.scheduler.request import Req
+
+# Requests that share this many leading tokens with one admitted in the same step wait one step,
+# so the shared part is computed once and then matched from the cache (GRPO groups, n > 1).
+_IN_BATCH_SHARE_TOKENS = 32
+# Expected fraction of a running request's remaining max_new_tokens that it will still use;
+# admission keeps that much KV free so decode rarely has to retract.
+_NEW_TOKEN_RATIO = 0.5
+_NEW_TOKEN_CLIP = 4096
+
+
+@dataclass
+class Candidate:
+    req: Req
+    match: MatchResult
+
+
+def match_cap(req: Req, page_size: int) -> int:
+    """How much of ``req`` may come from the cache: at least one token must be computed (its
+    logits give the next token), and prompt logprobs need the positions they score."""
+    cap = req.seq_len - 1
+    if req.wants_input_logprobs and not req.input_logprobs_done():
+        cap = min(cap, max(req.logprob_start_len - 1, 0))
+    return cap // page_size * page_size
+
+
+def order_waiting(waiting: list[Req], kv: KVManager, namespace_of, policy: str,
+                  fallback_len: int) -> list[Candidate]:
+    """Longest cached prefix first (``lpm``), falling back to arrival order (``fcfs``) when the
+    queue is long enough that matching every request each step would cost more than it saves."""
+    cands = [Candidate(r, kv.match(r, namespace_of(r), match_cap(r, kv.page_size)))
+             for r in waiting]
+    if policy == "lpm" and len(waiting) <= fallback_len:
+        cands.sort(key=lambda c: (-c.match.slots.numel(), c.req.arrival))
+    else:
+        cands.sort(key=lambda c: c.req.arrival)
+    return cands
+
+
+def shares_uncached_prefix(req: Req, matched: int, admitted_keys: set[tuple[int, ...]]) -> bool:
+    """True if an already admitted request will compute a prefix ``req`` could reuse."""
+    n = min(_IN_BATCH_SHARE_TOKENS, req.seq_len - 1)
+    if n < 8 or matched >= n:
+        return False
+    return tuple(req.input_ids[:n]) in admitted_keys
+
+
+def share_key(req: Req) -> tuple[int, ...]:
+    return tuple(req.input_ids[:min(_IN_BATCH_SHARE_TOKENS, req.seq_len - 1)])
+
+
+def expected_new_tokens(req: Req) -> int:
+    """KV tokens to keep free for ``req``'s future decode steps."""
+    left = max(req.params.max_new_tokens - len(req.output_ids), 0)
+    return int(min(left, _NEW_TOKEN_CLIP) * _NEW_TOKEN_RATIO)
+
+
+def decode_reservation(running: list[Req]) -> int:
+    return sum(expected_new_tokens(r) for r in running)
+
+
+__all__ = ["Candidate", "CacheNamespace", "order_waiting", "match_cap", "shares_uncached_prefix",
+           "share_key", "decode_reservation", "expected_new_tokens"]

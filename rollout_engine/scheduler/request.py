@@ -1,0 +1,105 @@
+"""Req: one sequence's state inside the scheduler."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, Optional
+
+from rollout_engine.protocol.messages import GenerateReq, ReqOutput
+from rollout_engine.sampling_params import SamplingParams
+
+
+class ReqState(Enum):
+    WAITING = "waiting"      # queued (new, or retracted and waiting to be recomputed)
+    PREFILL = "prefill"      # admitted; KV being computed, possibly in chunks
+    DECODE = "decode"        # running one token per step
+    FINISHED = "finished"
+
+
+class Req:
+    """A request's tokens, KV ownership and results.
+
+    KV bookkeeping (positions of ``all_ids``)::
+
+        | cached_len: slots held by the tree (locked) | own pages ... | unallocated
+        0                                       cached_len          len(slots)
+        kv_len <= len(slots): positions whose K/V are computed.
+    """
+
+    def __init__(self, msg: GenerateReq, arrival: int) -> None:
+        self.rid = msg.rid
+        self.input_ids = list(msg.input_ids)
+        self.params: SamplingParams = msg.sampling_params
+        self.seed = msg.seed
+        self.return_logprob = msg.return_logprob
+        self.top_logprobs_num = msg.top_logprobs_num
+        self.logprob_start_len = msg.logprob_start_len
+        self.stream = msg.stream
+        self.extra_key = msg.extra_key
+        self.arrival = arrival
+        self.state = ReqState.WAITING
+        self.output_ids: list[int] = []
+        # KV
+        self.req_pool_idx: Optional[int] = None
+        self.slots: list[int] = []
+        self.cached_len = 0
+        self.kv_len = 0
+        self.last_node: Any = None
+        self.namespace: Any = None
+        # results
+        self.finished_reason: Optional[dict[str, Any]] = None
+        self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[float, int]]] = []
+        self.input_logprobs: list[Optional[float]] = []
+        self.input_top_logprobs: list[Optional[list[tuple[float, int]]]] = []
+        self.cached_tokens: Optional[int] = None   # reported: the first admission's prefix hit
+        self.weight_versions: list[str] = []
+        self.num_retractions = 0
+        self.sent_len = 0          # output tokens already streamed to the frontend
+
+    # -- derived -------------------------------------------------------------------------------
+    @property
+    def all_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0
+
+    def input_logprobs_done(self) -> bool:
+        return len(self.input_logprobs) >= len(self.input_ids) - max(self.logprob_start_len, 0)
+
+    def see_weight_version(self, version: str) -> None:
+        if not self.weight_versions or self.weight_versions[-1] != version:
+            self.weight_versions.append(version)
+
+    def make_output(self, full: bool) -> ReqOutput:
+        """Tokens since the last output (or all for ``full``), with their logprobs."""
+        start = 0 if full else self.sent_len
+        out = ReqOutput(
+            rid=self.rid,
+            token_ids=self.output_ids[start:],
+            finished_reason=self.finished_reason,
+            prompt_tokens=len(self.input_ids),
+            completion_tokens=len(self.output_ids),
+            cached_tokens=self.cached_tokens or 0,
+            weight_versions=list(self.weight_versions),
+        )
+        if self.return_logprob:
+            out.output_logprobs = self.output_logprobs[start:]
+            if self.top_logprobs_num:
+                out.output_top_logprobs = self.output_top_logprobs[start:]
+            if self.logprob_start_len >= 0 and (full or start == 0):
+                out.input_logprobs = list(self.input_logprobs)
+                if self.top_logprobs_num:
+                    out.input_top_logprobs = list(self.input_top_logprobs)
+        self.sent_len = len(self.output_ids)
+        return out

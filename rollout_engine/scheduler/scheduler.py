@@ -1,0 +1,309 @@
+"""The scheduler: receive -> schedule -> run -> postprocess, one step at a time.
+
+It owns the model runner, the KV memory and every request's state. It is transport-agnostic:
+``handle`` takes a typed message, ``step`` runs one batch and returns the outputs to send; the
+loop in ``scheduler/loop.py`` moves messages in and out of a thread or a process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any, Optional, Union
+
+import torch
+from transformers import AutoTokenizer
+
+from rollout_engine.config import EngineConfig
+from rollout_engine.memory.kv_pool import PageAllocator
+from rollout_engine.memory.prefix_cache import CacheNamespace, NoPrefixCache
+from rollout_engine.memory.radix_cache import RadixCache
+from rollout_engine.model_runner.forward_batch import ForwardMode
+from rollout_engine.model_runner.model_runner import ModelRunner
+from rollout_engine.protocol.messages import (
+    AbortReq,
+    BatchOutput,
+    ControlReq,
+    ControlResult,
+    GenerateReq,
+    ReqOutput,
+)
+from rollout_engine.sampler import compute_logprobs, sample
+from rollout_engine.scheduler import policy
+from rollout_engine.scheduler.batch import ScheduleBatch, build_sampling_batch
+from rollout_engine.scheduler.control import ControlHandlers
+from rollout_engine.scheduler.kv_manager import KVManager
+from rollout_engine.scheduler.request import Req, ReqState
+from rollout_engine.scheduler.stop import StopChecker, eos_token_ids
+
+logger = logging.getLogger(__name__)
+
+Message = Union[GenerateReq, AbortReq, ControlReq]
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.device = self.runner.device
+        self.allocator = PageAllocator(self.runner.max_total_num_tokens, config.page_size)
+        tree = (NoPrefixCache(page_size=config.page_size) if config.disable_radix_cache
+                else RadixCache(self.allocator, page_size=config.page_size))
+        self.kv = KVManager(self.allocator, self.runner.req_to_token, tree)
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path)
+        self.eos_ids = eos_token_ids(config.model_path, tokenizer)
+        self.stop_checker = StopChecker(tokenizer, self.eos_ids, self.runner.context_len)
+        self.vocab_size = self.runner.arch.vocab_size
+        self.weight_version = config.weight_version
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked: Optional[Req] = None
+        self.by_rid: dict[str, Req] = {}
+        self.arrivals = 0
+        self.paused = False
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "cached_tokens": 0,
+                      "prompt_tokens": 0, "num_retractions": 0, "forward_passes": 0}
+        self.control = ControlHandlers(self)
+        self.outbox: list[ReqOutput] = []
+
+    # -- messages ----------------------------------------------------------------------------
+    def handle(self, msg: Message) -> Optional[ControlResult]:
+        if isinstance(msg, GenerateReq):
+            req = Req(msg, self.arrivals)
+            self.arrivals += 1
+            if msg.rid in self.by_rid:
+                req.finished_reason = {"type": "abort", "message": f"duplicate rid {msg.rid!r}"}
+                self.outbox.append(req.make_output(full=True))
+                return None
+            self.by_rid[msg.rid] = req
+            self.waiting.append(req)
+            return None
+        if isinstance(msg, AbortReq):
+            self.abort(msg)
+            return None
+        return self.control.dispatch(msg)
+
+    def namespace_of(self, req: Req) -> CacheNamespace:
+        return CacheNamespace(self.weight_version, req.extra_key)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    def active_reqs(self) -> list[Req]:
+        reqs = list(self.running)
+        if self.chunked is not None:
+            reqs.append(self.chunked)
+        return reqs
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> BatchOutput:
+        """Run one batch (prefill if anything can be admitted, else decode)."""
+        batch = None if self.paused else (self.schedule_prefill() or self.schedule_decode())
+        if batch is not None:
+            self.run_batch(batch)
+        out, self.outbox = self.outbox, []
+        if self.config.debug_integrity and not self.has_work:
+            self.check_integrity()
+        return BatchOutput(out)
+
+    def schedule_prefill(self) -> Optional[ScheduleBatch]:
+        budget = min(self.config.chunked_prefill_size, self.config.max_prefill_tokens)
+        reqs: list[Req] = []
+        lens: list[int] = []
+        if self.chunked is not None:
+            req, self.chunked = self.chunked, None
+            ext = min(req.seq_len - req.kv_len, budget)
+            if not self.kv.reserve(req, req.kv_len + ext):
+                raise RuntimeError("KV for a chunked prefill vanished")  # reserved at admission
+            reqs.append(req)
+            lens.append(ext)
+            budget -= ext
+            if req.kv_len + ext < req.seq_len:
+                self.chunked = req
+                return ScheduleBatch(ForwardMode.EXTEND, reqs, lens)
+        if not self.waiting:
+            return ScheduleBatch(ForwardMode.EXTEND, reqs, lens) if reqs else None
+        cands = policy.order_waiting(list(self.waiting), self.kv, self.namespace_of,
+                                     self.config.schedule_policy,
+                                     self.config.schedule_lpm_fallback_queue_len)
+        max_running = self.runner.max_running_requests
+        reserved = policy.decode_reservation(self.running)
+        keys: set[tuple[int, ...]] = set()
+        admitted: set[int] = set()
+        for cand in cands:
+            req, matched = cand.req, cand.match.slots.numel()
+            if budget <= 0 or len(self.running) + len(reqs) >= max_running:
+                break
+            if policy.shares_uncached_prefix(req, matched, keys):
+                continue
+            ext_full = req.seq_len - matched
+            ext = min(ext_full, budget)
+            future = policy.expected_new_tokens(req)
+            # KV for the whole prompt is taken now, even when it is prefilled in chunks
+            need = -(-req.seq_len // self.kv.page_size) * self.kv.page_size - matched + future
+            if need + reserved > self.kv.available_tokens() - self._evictable_in(cand):
+                break
+            if not self.kv.admit(req, cand.match, self.namespace_of(req)):
+                break
+            if not self.kv.reserve(req, req.seq_len):
+                self.kv.release(req, cache=False)
+                break
+            if req.cached_tokens is None:
+                req.cached_tokens = matched
+                self.stats["cached_tokens"] += matched
+                self.stats["prompt_tokens"] += len(req.input_ids)
+            req.state = ReqState.PREFILL
+            req.see_weight_version(self.weight_version)
+            reqs.append(req)
+            lens.append(ext)
+            admitted.add(id(req))
+            keys.add(policy.share_key(req))
+            reserved += future
+            budget -= ext
+            if ext < ext_full:
+                self.chunked = req
+                break
+        if admitted:
+            self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
+        return ScheduleBatch(ForwardMode.EXTEND, reqs, lens) if reqs else None
+
+    def _evictable_in(self, cand: policy.Candidate) -> int:
+        """Tokens of the candidate's own match that count as evictable now but will be locked."""
+        return 0 if cand.match.node is None else min(cand.match.slots.numel(),
+                                                     self.kv.tree.evictable_size())
+
+    def schedule_decode(self) -> Optional[ScheduleBatch]:
+        if not self.running:
+            return None
+        self.running.sort(key=lambda r: r.arrival)
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            if self.kv.reserve(req, req.kv_len + 1):
+                i += 1
+                continue
+            victim = self.running.pop()  # the newest request gives its KV back
+            self.retract(victim)
+        if not self.running:
+            return None
+        return ScheduleBatch(ForwardMode.DECODE, list(self.running), [1] * len(self.running))
+
+    def retract(self, req: Req) -> None:
+        self.kv.retract(req)
+        req.state = ReqState.WAITING
+        req.num_retractions += 1
+        self.stats["num_retractions"] += 1
+        self.waiting.appendleft(req)
+
+    def run_batch(self, batch: ScheduleBatch) -> None:
+        fb = batch.to_forward_batch(self.device)
+        logits = self.runner.forward(fb)
+        self.stats["forward_passes"] += 1
+        if batch.mode == ForwardMode.EXTEND:
+            self.stats["prefill_tokens"] += sum(batch.extend_lens)
+        else:
+            self.stats["decode_tokens"] += len(batch.reqs)
+        for req, ext in zip(batch.reqs, batch.extend_lens):
+            req.kv_len += ext
+        self._record_input_logprobs(batch, logits)
+        sampling = [(r, row) for r, row in zip(batch.reqs, batch.sample_rows) if row >= 0]
+        to_sample = [(r, row) for r, row in sampling if not self._finish_without_sampling(r)]
+        if to_sample:
+            rows = [row for _, row in to_sample]
+            reqs = [r for r, _ in to_sample]
+            sb = build_sampling_batch(reqs, self.vocab_size, self.eos_ids, self.device)
+            out = sample(logits[rows], sb)
+            for i, req in enumerate(reqs):
+                self._append_token(req, out.token_ids[i], out.logprobs[i],
+                                   out.top_logprobs[i] if out.top_logprobs else None)
+        for req, row in zip(batch.reqs, batch.sample_rows):
+            self._after_forward(req, batch.mode, sampled=row >= 0)
+
+    def _record_input_logprobs(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
+        for req, (a, b), targets in zip(batch.reqs, batch.input_logprob_rows,
+                                        batch.input_logprob_targets):
+            if not req.wants_input_logprobs or req.input_logprobs_done():
+                continue
+            if not req.input_logprobs and req.logprob_start_len == 0:
+                req.input_logprobs.append(None)
+                req.input_top_logprobs.append(None)
+            if b == a:
+                continue
+            temps = [req.params.temperature if req.params.top_k != 1 else 0.0] * (b - a)
+            lp = compute_logprobs(logits[a:b], torch.tensor(temps, device=logits.device))
+            tgt = torch.tensor(targets, device=logits.device)
+            req.input_logprobs.extend(lp.gather(1, tgt[:, None]).squeeze(1).tolist())
+            if req.top_logprobs_num:
+                vals, idx = lp.topk(req.top_logprobs_num, dim=-1)
+                req.input_top_logprobs.extend(
+                    list(zip(v, i)) for v, i in zip(vals.tolist(), idx.tolist()))
+
+    def _finish_without_sampling(self, req: Req) -> bool:
+        if req.params.max_new_tokens == 0:
+            req.finished_reason = {"type": "length", "length": 0}
+            return True
+        return False
+
+    def _append_token(self, req: Req, token: int, logprob: float,
+                      top: Optional[list[tuple[float, int]]]) -> None:
+        req.output_ids.append(token)
+        req.see_weight_version(self.weight_version)
+        if req.return_logprob:
+            req.output_logprobs.append(logprob)
+            if req.top_logprobs_num and top is not None:
+                req.output_top_logprobs.append(top[:req.top_logprobs_num])
+        req.finished_reason = self.stop_checker.check(req)
+
+    def _after_forward(self, req: Req, mode: ForwardMode, sampled: bool) -> None:
+        if req.finished:
+            self._finish(req)
+            return
+        if req.state == ReqState.PREFILL and sampled:
+            req.state = ReqState.DECODE
+            self.running.append(req)
+        if mode == ForwardMode.EXTEND:
+            self.kv.cache_prefix(req)  # siblings and later chunks can share it right away
+        if req.stream and req.state == ReqState.DECODE and (
+                len(req.output_ids) - req.sent_len >= self.config.stream_interval):
+            self.outbox.append(req.make_output(full=False))
+
+    def _finish(self, req: Req) -> None:
+        req.state = ReqState.FINISHED
+        self.kv.release(req, cache=True)
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        self.by_rid.pop(req.rid, None)
+        self.outbox.append(req.make_output(full=not req.stream))
+
+    # -- abort ---------------------------------------------------------------------------------
+    def abort(self, msg: AbortReq) -> int:
+        targets = list(self.by_rid.values()) if msg.abort_all else (
+            [self.by_rid[msg.rid]] if msg.rid in self.by_rid else [])
+        for req in targets:
+            req.finished_reason = {"type": "abort", "message": msg.message}
+            if req.state == ReqState.WAITING:
+                self.waiting.remove(req)
+                req.state = ReqState.FINISHED
+                self.by_rid.pop(req.rid, None)
+                self.outbox.append(req.make_output(full=not req.stream))
+            else:
+                self._finish(req)
+        return len(targets)
+
+    # -- invariants ----------------------------------------------------------------------------
+    def check_integrity(self) -> dict[str, Any]:
+        idle = not self.has_work
+        report = self.kv.check_integrity(self.active_reqs(), idle=idle)
+        for req in self.waiting:
+            assert req.req_pool_idx is None and not req.slots, f"waiting {req.rid} holds KV"
+        report["idle"] = idle
+        report["time"] = time.time()
+        return report
+
+    def shutdown(self) -> None:
+        """Fail whatever is still queued so no caller waits forever."""
+        self.abort(AbortReq(abort_all=True, message="engine shut down"))

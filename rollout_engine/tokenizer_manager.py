@@ -1,0 +1,400 @@
+"""The frontend half of the engine: tokenize and validate, send typed requests to the
+scheduler, receive token outputs, detokenize, and hand results to sync or async callers."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from transformers import AutoTokenizer
+
+from rollout_engine.config import EngineConfig
+from rollout_engine.detokenizer import IncrementalDetokenizer
+from rollout_engine.protocol.messages import (
+    AbortReq,
+    BatchOutput,
+    ControlReq,
+    ControlResult,
+    GenerateReq,
+    ReqOutput,
+    SchedulerDied,
+    SchedulerReady,
+)
+from rollout_engine.sampler import derive_seed
+from rollout_engine.sampling_params import SamplingParams
+from rollout_engine.scheduler.loop import SchedulerHost, start_scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerDeadError(RuntimeError):
+    """The scheduler is gone; nothing can be served (HTTP 503)."""
+
+
+@dataclass
+class RequestState:
+    """Outputs of one request as they arrive; waited on by threads or asyncio tasks."""
+
+    req: GenerateReq
+    detok: IncrementalDetokenizer
+    created: float = field(default_factory=time.time)
+    output_ids: list[int] = field(default_factory=list)
+    pending: list[dict[str, Any]] = field(default_factory=list)   # stream chunks not yet taken
+    final: Optional[dict[str, Any]] = None
+    error: Optional[str] = None
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.final is not None or self.error is not None
+
+    def notify(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+            waiters = list(self.waiters)
+        for loop, event in waiters:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:
+                pass  # that loop is closed; its caller is gone
+
+
+class TokenizerManager:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path)
+        self.rng = random.Random(config.random_seed)
+        self.states: dict[str, RequestState] = {}
+        self.calls: dict[int, tuple[threading.Event, list[ControlResult]]] = {}
+        self.call_ids = itertools.count(1)
+        self.lock = threading.Lock()
+        self.dead: Optional[str] = None
+        self.host: SchedulerHost = start_scheduler(config)
+        ready = self._wait_ready(timeout=config.watchdog_timeout)
+        self.server_info: dict[str, Any] = ready.info
+        self.vocab_size: int = ready.info["vocab_size"]
+        self.context_len: int = ready.info["context_length"]
+        self.receiver = threading.Thread(target=self._receive_loop, name="rollout-receiver",
+                                         daemon=True)
+        self.receiver.start()
+
+    def _wait_ready(self, timeout: float) -> SchedulerReady:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            msg = self.host.chan.recv(timeout=0.2)
+            if isinstance(msg, SchedulerReady):
+                return msg
+            if isinstance(msg, SchedulerDied):
+                self.host.stop(timeout=5)
+                raise RuntimeError(msg.message)
+            if msg is None and not self.host.is_alive():
+                raise RuntimeError("the scheduler exited before it was ready")
+        self.host.stop(timeout=5)
+        raise RuntimeError(f"the scheduler was not ready within {timeout:.0f} s")
+
+    # -- receiving -----------------------------------------------------------------------------
+    def _receive_loop(self) -> None:
+        while True:
+            try:
+                msg = self.host.chan.recv(timeout=1.0)
+            except (EOFError, OSError):
+                msg = SchedulerDied("the scheduler process closed its pipe (it died)")
+            if msg is None:
+                if not self.host.is_alive() and self.dead is None:
+                    msg = SchedulerDied("the scheduler process exited unexpectedly")
+                else:
+                    continue
+            if isinstance(msg, BatchOutput):
+                for out in msg.outputs:
+                    self._on_output(out)
+            elif isinstance(msg, ControlResult):
+                with self.lock:
+                    entry = self.calls.pop(msg.call_id, None)
+                if entry is not None:
+                    entry[1].append(msg)
+                    entry[0].set()
+            elif isinstance(msg, SchedulerDied):
+                self._on_death(msg.message)
+                return
+
+    def _on_death(self, message: str) -> None:
+        logger.error("scheduler died: %s", message)
+        self.dead = message
+        with self.lock:
+            states = list(self.states.values())
+            calls = list(self.calls.values())
+            self.calls.clear()
+        for st in states:
+            st.error = f"the scheduler died: {message.splitlines()[0]}"
+            st.notify()
+        for event, box in calls:
+            box.append(ControlResult(0, False, message="the scheduler died", status=503))
+            event.set()
+
+    def _on_output(self, out: ReqOutput) -> None:
+        with self.lock:
+            st = self.states.get(out.rid)
+        if st is None:
+            return
+        finished = out.finished_reason is not None
+        st.output_ids.extend(out.token_ids)
+        delta = st.detok.push(out.token_ids, finished)
+        if st.req.stream:
+            st.pending.append(self._chunk(st, out, delta))
+        if finished:
+            st.final = self._final(st, out)
+            with self.lock:
+                self.states.pop(out.rid, None)
+        st.notify()
+
+    def _meta(self, st: RequestState, out: ReqOutput) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": st.req.rid,
+            "finish_reason": out.finished_reason,
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": out.completion_tokens,
+            "cached_tokens": out.cached_tokens,
+            "weight_version": out.weight_versions[-1] if out.weight_versions else None,
+            "weight_versions": out.weight_versions,
+            "e2e_latency": time.time() - st.created,
+        }
+        if st.req.return_logprob:
+            meta["output_token_logprobs"] = [
+                [lp, tid, None] for lp, tid in zip(out.output_logprobs, out.token_ids)]
+            if st.req.top_logprobs_num:
+                meta["output_top_logprobs"] = [
+                    [[lp, tid, None] for lp, tid in top] for top in out.output_top_logprobs]
+            if out.input_logprobs is not None:
+                start = max(st.req.logprob_start_len, 0)
+                ids = st.req.input_ids[start:]
+                meta["input_token_logprobs"] = [
+                    [lp, tid, None] for lp, tid in zip(out.input_logprobs, ids)]
+                if st.req.top_logprobs_num and out.input_top_logprobs is not None:
+                    meta["input_top_logprobs"] = [
+                        None if top is None else [[lp, tid, None] for lp, tid in top]
+                        for top in out.input_top_logprobs]
+        return meta
+
+    def _chunk(self, st: RequestState, out: ReqOutput, delta: str) -> dict[str, Any]:
+        return {"text": delta, "output_ids": list(out.token_ids), "meta_info": self._meta(st, out)}
+
+    def _final(self, st: RequestState, out: ReqOutput) -> dict[str, Any]:
+        if st.req.stream:
+            # stream outputs carried deltas; the final dict reports the whole sequence
+            out = ReqOutput(**{**out.__dict__, "token_ids": st.output_ids})
+        return {"text": st.detok.full_text(), "output_ids": list(st.output_ids),
+                "meta_info": self._meta(st, out)}
+
+    # -- requests ------------------------------------------------------------------------------
+    def check_alive(self) -> None:
+        if self.dead is not None:
+            raise SchedulerDeadError(f"the scheduler died: {self.dead.splitlines()[0]}")
+
+    def build_requests(self, prompt: Any = None, input_ids: Any = None,
+                       sampling_params: Any = None, return_logprob: Any = False,
+                       top_logprobs_num: Any = 0, logprob_start_len: Any = -1,
+                       stream: bool = False, rid: Any = None, extra_key: Any = None
+                       ) -> tuple[list[GenerateReq], bool]:
+        """Validate a generate call and expand it (batch, n) into scheduler requests.
+
+        Returns the requests and whether the caller asked for a single (non-list) answer.
+        Raises ValueError naming the bad field; nothing is submitted then.
+        """
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt (text) or input_ids")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            texts = [prompt] if single else prompt
+            if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+                raise ValueError("prompt: must be a string or a list of strings")
+            if not texts:
+                raise ValueError("prompt: the batch is empty")
+            if any(t == "" for t in texts):
+                raise ValueError("prompt: must not be empty")
+            ids_list = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        else:
+            single = isinstance(input_ids, list) and (
+                not input_ids or not isinstance(input_ids[0], list))
+            ids_list = [input_ids] if single else input_ids
+            if not isinstance(ids_list, list) or not ids_list:
+                raise ValueError("input_ids: must be a list of token ids or a list of such lists")
+            for ids in ids_list:
+                if not isinstance(ids, list) or not all(
+                        isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise ValueError("input_ids: must contain only integer token ids")
+        nb = len(ids_list)
+        params = _per_item(sampling_params, nb, "sampling_params", dict)
+        sps = [SamplingParams.from_dict(p) for p in params]
+        flags = [_per_item(return_logprob, nb, "return_logprob", bool),
+                 _per_item(top_logprobs_num, nb, "top_logprobs_num", int),
+                 _per_item(logprob_start_len, nb, "logprob_start_len", int)]
+        rids = _per_item(rid, nb, "rid", str) if rid is not None else [None] * nb
+        reqs: list[GenerateReq] = []
+        for i, (ids, sp) in enumerate(zip(ids_list, sps)):
+            rl, tln, lsl = (f[i] for f in flags)
+            self._validate(ids, sp, tln, lsl)
+            base_rid = rids[i] or uuid.uuid4().hex
+            base_seed = sp.sampling_seed if sp.sampling_seed is not None else self.rng.getrandbits(63)
+            for j in range(sp.n):
+                seed = base_seed if sp.n == 1 else derive_seed(base_seed, j)
+                reqs.append(GenerateReq(
+                    rid=base_rid if sp.n == 1 else f"{base_rid}-{j}", input_ids=list(ids),
+                    sampling_params=sp, seed=seed, return_logprob=bool(rl or tln),
+                    top_logprobs_num=tln, logprob_start_len=lsl, stream=stream,
+                    extra_key=extra_key))
+        return reqs, single and sps[0].n == 1
+
+    def _validate(self, ids: list[int], sp: SamplingParams, top_logprobs_num: int,
+                  logprob_start_len: int) -> None:
+        if not ids:
+            raise ValueError("input_ids: the prompt is empty (it has no tokens)")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"input_ids: token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        sp.verify(self.vocab_size)
+        if len(ids) + sp.max_new_tokens > self.context_len:
+            raise ValueError(
+                f"max_new_tokens: prompt ({len(ids)} tokens) + max_new_tokens "
+                f"({sp.max_new_tokens}) exceeds the context length ({self.context_len})")
+        if not 0 <= top_logprobs_num <= min(self.vocab_size, 1000):
+            raise ValueError(f"top_logprobs_num: must be in [0, {min(self.vocab_size, 1000)}]")
+        if not -1 <= logprob_start_len < len(ids):
+            raise ValueError(f"logprob_start_len: must be -1 or in [0, {len(ids)}) for this prompt")
+
+    def submit(self, reqs: list[GenerateReq]) -> list[RequestState]:
+        self.check_alive()
+        states = []
+        with self.lock:
+            for r in reqs:
+                if r.rid in self.states:
+                    raise ValueError(f"rid: {r.rid!r} is already in flight")
+            for r in reqs:
+                sp = r.sampling_params
+                st = RequestState(r, IncrementalDetokenizer(
+                    self.tokenizer, sp.skip_special_tokens, sp.stop, sp.no_stop_trim))
+                self.states[r.rid] = st
+                states.append(st)
+        for r in reqs:
+            self.host.chan.send(r)
+        return states
+
+    def abort(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
+        if self.dead is None:
+            self.host.chan.send(AbortReq(rid=rid, abort_all=abort_all))
+
+    # -- waiting -------------------------------------------------------------------------------
+    def wait(self, st: RequestState, timeout: Optional[float] = None) -> dict[str, Any]:
+        with st.cond:
+            if not st.cond.wait_for(lambda: st.done, timeout=timeout):
+                raise TimeoutError(f"request {st.req.rid} did not finish in {timeout} s")
+        if st.error is not None:
+            raise SchedulerDeadError(st.error)
+        assert st.final is not None
+        return st.final
+
+    def iter_chunks(self, st: RequestState) -> Iterator[dict[str, Any]]:
+        while True:
+            with st.cond:
+                st.cond.wait_for(lambda: st.pending or st.done)
+                chunks, st.pending = st.pending, []
+            yield from chunks
+            if st.error is not None:
+                raise SchedulerDeadError(st.error)
+            if st.done and not st.pending:
+                return
+
+    async def async_wait_change(self, st: RequestState) -> None:
+        loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+        with st.cond:
+            if st.pending or st.done:
+                return
+            st.waiters.append((loop, event))
+        try:
+            await event.wait()
+        finally:
+            with st.cond:
+                st.waiters.remove((loop, event))
+
+    async def async_wait(self, st: RequestState) -> dict[str, Any]:
+        while not st.done:
+            await self.async_wait_change(st)
+        if st.error is not None:
+            raise SchedulerDeadError(st.error)
+        assert st.final is not None
+        return st.final
+
+    async def async_iter_chunks(self, st: RequestState):
+        while True:
+            await self.async_wait_change(st)
+            with st.cond:
+                chunks, st.pending = st.pending, []
+            for c in chunks:
+                yield c
+            if st.error is not None:
+                raise SchedulerDeadError(st.error)
+            if st.done and not st.pending:
+                return
+
+    # -- control -------------------------------------------------------------------------------
+    def call(self, method: str, timeout: Optional[float] = None, **kwargs: Any) -> ControlResult:
+        """Run a scheduler control call and wait for its result."""
+        self.check_alive()
+        call_id = next(self.call_ids)
+        event = threading.Event()
+        box: list[ControlResult] = []
+        with self.lock:
+            self.calls[call_id] = (event, box)
+        self.host.chan.send(ControlReq(method, kwargs, call_id))
+        if not event.wait(timeout if timeout is not None else self.config.watchdog_timeout):
+            with self.lock:
+                self.calls.pop(call_id, None)
+            return ControlResult(call_id, False, message=f"{method} timed out", status=504)
+        return box[0]
+
+    async def async_call(self, method: str, **kwargs: Any) -> ControlResult:
+        return await asyncio.to_thread(self.call, method, None, **kwargs)
+
+    def shutdown(self) -> None:
+        if self.dead is None:
+            self.dead = "the engine was shut down"
+        self.host.stop(timeout=10)
+        with self.lock:
+            states = list(self.states.values())
+        for st in states:
+            if not st.done:
+                st.error = "the engine was shut down"
+                st.notify()
+
+
+def _per_item(value: Any, n: int, name: str, kind: type) -> list[Any]:
+    """A scalar applies to every item of a batch; a list must have one entry per item."""
+    if isinstance(value, list):
+        if len(value) != n:
+            raise ValueError(f"{name}: list has {len(value)} entries for a batch of {n}")
+        items = value
+    else:
+        items = [value] * n
+    for v in items:
+        if v is None:
+            continue
+        if kind is int and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ValueError(f"{name}: must be an integer, got {v!r}")
+        if kind is bool and not isinstance(v, bool):
+            raise ValueError(f"{name}: must be a boolean, got {v!r}")
+        if kind is dict and not isinstance(v, dict):
+            raise ValueError(f"{name}: must be an object, got {type(v).__name__}")
+        if kind is str and not isinstance(v, str):
+            raise ValueError(f"{name}: must be a string, got {v!r}")
+    defaults = {int: 0, bool: False}
+    return [defaults.get(kind) if v is None and kind in defaults else v for v in items]

@@ -1,0 +1,122 @@
+"""Checkpoint reading and the one weight-application entry point.
+
+``load_weights`` is used for the first load and for every later refit: it validates every name,
+shape and dtype against the model's ``weight_map`` *before* changing any parameter, so a bad
+payload leaves the old weights serving bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+
+def read_hf_config(model_path: str) -> dict[str, Any]:
+    path = os.path.join(model_path, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{model_path!r} has no config.json: not a Hugging Face model directory")
+    with open(path) as f:
+        return json.load(f)
+
+
+def safetensors_files(model_path: str) -> list[str]:
+    """The checkpoint files of a directory: sharded (index.json) or a single model.safetensors."""
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_path, s) for s in shards]
+    single = os.path.join(model_path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    found = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
+    if not found:
+        raise ValueError(f"{model_path!r} contains no .safetensors weights")
+    return [os.path.join(model_path, f) for f in found]
+
+
+def iter_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream ``(hf_name, tensor)`` from every checkpoint file, one tensor at a time."""
+    for path in safetensors_files(model_path):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    num_tensors: int
+    num_bytes: int
+
+
+def load_weights(
+    model: torch.nn.Module,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    strict_dtype: bool = False,
+    require_all: bool = False,
+) -> LoadReport:
+    """Validate, then copy ``(hf_name, tensor)`` pairs into ``model`` (all or nothing).
+
+    strict_dtype: a tensor whose dtype differs from the parameter's is an error (refit payloads);
+    otherwise it is cast (checkpoints saved in another precision).
+    require_all: every parameter must be covered (the first load).
+    Raises ValueError naming the first bad tensor; nothing has been written then.
+    """
+    table = model.weight_map()  # type: ignore[operator]
+    ignored = getattr(model, "ignored_weight", lambda name: False)
+    plan: list[tuple[torch.Tensor, int, int, torch.Tensor]] = []
+    seen: set[str] = set()
+    for name, tensor in named_tensors:
+        if ignored(name):
+            continue
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"weight {name!r}: expected a tensor, got {type(tensor).__name__}")
+        if name == "lm_head.weight" and name not in table:
+            continue  # tied embeddings: the checkpoint may still carry a copy
+        if name not in table:
+            raise ValueError(f"unknown weight name {name!r} (not a parameter of this model)")
+        if name in seen:
+            raise ValueError(f"weight {name!r} appears twice in one update")
+        seen.add(name)
+        param, row0, rows = table[name]
+        expected = (rows, *param.shape[1:]) if param.dim() else ()
+        if tuple(tensor.shape) != tuple(expected):
+            raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} does not match the "
+                             f"model's {tuple(expected)}")
+        if tensor.dtype != param.dtype:
+            if strict_dtype:
+                raise ValueError(f"weight {name!r}: dtype {tensor.dtype} does not match the "
+                                 f"model's {param.dtype}")
+            if not tensor.is_floating_point():
+                raise ValueError(f"weight {name!r}: dtype {tensor.dtype} is not a float type")
+        plan.append((param, row0, rows, tensor))
+    if require_all:
+        missing = sorted(set(table) - seen)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[:3]}")
+    num_bytes = 0
+    with torch.no_grad():
+        for param, row0, rows, tensor in plan:
+            dst = param.data if param.dim() == 0 else param.data.narrow(0, row0, rows)
+            dst.copy_(tensor)
+            num_bytes += dst.numel() * dst.element_size()
+    return LoadReport(num_tensors=len(plan), num_bytes=num_bytes)
+
+
+def read_weight(model: torch.nn.Module, name: str) -> torch.Tensor:
+    """The current value of a parameter by its Hugging Face name (a view, not a copy)."""
+    table = model.weight_map()  # type: ignore[operator]
+    if name not in table:
+        if name == "lm_head.weight":
+            name = "model.embed_tokens.weight"
+        else:
+            raise ValueError(f"unknown weight name {name!r}")
+    param, row0, rows = table[name]
+    return param.data if param.dim() == 0 else param.data.narrow(0, row0, rows)
