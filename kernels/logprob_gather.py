@@ -31,7 +31,7 @@ def _logprob_gather_kernel(
     for start in range(0, vocab_size, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         x = tl.load(row + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
-        x = x
+        x = x * inv_t
         m_new = tl.maximum(m_i, tl.max(x, axis=0))
         s_i = s_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
         m_i = m_new
