@@ -39,6 +39,14 @@ class SchedulerDeadError(RuntimeError):
     """The scheduler is gone; nothing can be served (HTTP 503)."""
 
 
+class EngineAsleepError(RuntimeError):
+    """Memory is released or weights are stale: generation is refused (HTTP 503)."""
+
+
+class EngineBusyError(RuntimeError):
+    """A control call that needs an idle engine arrived while requests run (HTTP 409)."""
+
+
 @dataclass
 class RequestState:
     """Outputs of one request as they arrive; waited on by threads or asyncio tasks."""
@@ -78,6 +86,8 @@ class TokenizerManager:
         self.call_ids = itertools.count(1)
         self.lock = threading.Lock()
         self.dead: Optional[str] = None
+        self.released: set[str] = set()     # memory tags released (mirrors the scheduler)
+        self.weights_stale = False
         self.host: SchedulerHost = start_scheduler(config)
         ready = self._wait_ready(timeout=config.watchdog_timeout)
         self.server_info: dict[str, Any] = ready.info
@@ -107,6 +117,8 @@ class TokenizerManager:
             try:
                 msg = self.host.chan.recv(timeout=1.0)
             except (EOFError, OSError):
+                if self.dead is not None:
+                    return  # shut down on purpose
                 msg = SchedulerDied("the scheduler process closed its pipe (it died)")
             if msg is None:
                 if not self.host.is_alive() and self.dead is None:
@@ -199,6 +211,16 @@ class TokenizerManager:
         if self.dead is not None:
             raise SchedulerDeadError(f"the scheduler died: {self.dead.splitlines()[0]}")
 
+    def check_can_generate(self) -> None:
+        self.check_alive()
+        if self.released & {"weights", "kv_cache"}:
+            raise EngineAsleepError(
+                f"the engine is asleep (released: {sorted(self.released)}); "
+                "call resume_memory_occupation first")
+        if self.weights_stale:
+            raise EngineAsleepError("weights were released without a CPU backup and are stale; "
+                                    "refit (update_weights_*) before generating")
+
     def build_requests(self, prompt: Any = None, input_ids: Any = None,
                        sampling_params: Any = None, return_logprob: Any = False,
                        top_logprobs_num: Any = 0, logprob_start_len: Any = -1,
@@ -272,7 +294,7 @@ class TokenizerManager:
             raise ValueError(f"logprob_start_len: must be -1 or in [0, {len(ids)}) for this prompt")
 
     def submit(self, reqs: list[GenerateReq]) -> list[RequestState]:
-        self.check_alive()
+        self.check_can_generate()
         states = []
         with self.lock:
             for r in reqs:
@@ -360,7 +382,15 @@ class TokenizerManager:
             with self.lock:
                 self.calls.pop(call_id, None)
             return ControlResult(call_id, False, message=f"{method} timed out", status=504)
-        return box[0]
+        result = box[0]
+        if result.success and isinstance(result.result, dict):
+            if "released" in result.result:
+                self.released = set(result.result["released"])
+            if "weights_stale" in result.result:
+                self.weights_stale = bool(result.result["weights_stale"])
+            elif "weight_version" in result.result and method.startswith("update_weights"):
+                self.weights_stale = False
+        return result
 
     async def async_call(self, method: str, **kwargs: Any) -> ControlResult:
         return await asyncio.to_thread(self.call, method, None, **kwargs)

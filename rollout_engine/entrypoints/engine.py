@@ -9,7 +9,12 @@ from typing import Any, Optional, Union
 
 from rollout_engine.config import EngineConfig
 from rollout_engine.protocol.messages import ControlResult
-from rollout_engine.tokenizer_manager import TokenizerManager
+from rollout_engine.protocol.tensor_payload import serialize_named_tensors
+from rollout_engine.tokenizer_manager import (
+    EngineAsleepError,
+    EngineBusyError,
+    TokenizerManager,
+)
 
 Output = Union[dict[str, Any], list[dict[str, Any]]]
 
@@ -100,6 +105,87 @@ class Engine:
             raise RuntimeError(r.message)
         return {**self.config.to_dict(), **r.result}
 
+    # -- RL control plane ------------------------------------------------------------------------
+    def release_memory_occupation(self, tags: Optional[list[str]] = None) -> dict[str, Any]:
+        """Sleep: free ``tags`` (weights, kv_cache, cuda_graph; None = all). Raises
+        EngineBusyError while requests hold KV."""
+        return _raise_for(self._call("release_memory_occupation", tags=tags))
+
+    def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> dict[str, Any]:
+        return _raise_for(self._call("resume_memory_occupation", tags=tags))
+
+    def _update(self, method: str, **kwargs: Any) -> tuple[bool, str]:
+        r = self._call(method, **kwargs)
+        if r.success:
+            return True, f"updated to weight_version {r.result['weight_version']}"
+        return False, r.message
+
+    def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
+                                 weight_version: Optional[str] = None, flush_cache: bool = True,
+                                 abort_all_requests: bool = False) -> tuple[bool, str]:
+        return self._update("update_weights_from_disk", model_path=model_path,
+                            load_format=load_format, weight_version=weight_version,
+                            flush_cache=flush_cache, abort_all_requests=abort_all_requests)
+
+    def update_weights_from_tensor(self, named_tensors: Any, load_format: Optional[str] = None,
+                                   flush_cache: bool = True,
+                                   weight_version: Optional[str] = None) -> tuple[bool, str]:
+        """``named_tensors``: (name, tensor) pairs, a FlattenedBucket (or a list of them) for
+        ``load_format="flattened_bucket"``, or already-serialized payload strings. Tensors travel
+        as handles (shared memory / CUDA IPC); keep them unmodified until this returns."""
+        if isinstance(named_tensors, list) and named_tensors and isinstance(named_tensors[0], str):
+            serialized = named_tensors
+        else:
+            serialized = [serialize_named_tensors(named_tensors)]
+        return self._update("update_weights_from_tensor", serialized_named_tensors=serialized,
+                            load_format=load_format, flush_cache=flush_cache,
+                            weight_version=weight_version)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weight_update_group",
+                                  backend: str = "nccl") -> tuple[bool, str]:
+        r = self._call("init_weights_update_group", master_address=master_address,
+                       master_port=master_port, rank_offset=rank_offset, world_size=world_size,
+                       group_name=group_name, backend=backend)
+        return r.success, r.message or "ok"
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
+                                        shapes: list[list[int]],
+                                        group_name: str = "weight_update_group",
+                                        load_format: Optional[str] = None,
+                                        flush_cache: bool = True,
+                                        weight_version: Optional[str] = None
+                                        ) -> tuple[bool, str]:
+        return self._update("update_weights_from_distributed", names=names,
+                            dtypes=[str(d).removeprefix("torch.") for d in dtypes],
+                            shapes=[list(s) for s in shapes], group_name=group_name,
+                            load_format=load_format, flush_cache=flush_cache,
+                            weight_version=weight_version)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group"
+                                     ) -> tuple[bool, str]:
+        r = self._call("destroy_weights_update_group", group_name=group_name)
+        return r.success, r.message or "ok"
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        return _raise_for(self._call("get_weights_by_name", name=name,
+                                     truncate_size=truncate_size))
+
+    def get_weight_version(self) -> str:
+        return _raise_for(self._call("get_weight_version"))["weight_version"]
+
+    def update_weight_version(self, new_version: str) -> str:
+        return _raise_for(self._call("update_weight_version", new_version=new_version))[
+            "weight_version"]
+
+    def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
+        """``abort`` in-flight requests, ``retract`` them to the queue (KV freed, recomputed
+        after continue), or keep them ``in_place``. New requests wait while paused."""
+        return _raise_for(self._call("pause_generation", mode=mode))
+
+    def continue_generation(self) -> dict[str, Any]:
+        return _raise_for(self._call("continue_generation"))
+
     # -- lifecycle -------------------------------------------------------------------------------
     def shutdown(self) -> None:
         self.tm.shutdown()
@@ -117,3 +203,16 @@ class Engine:
                 tm.shutdown()
             except Exception:  # noqa: BLE001 - interpreter teardown
                 pass
+
+
+def _raise_for(result: ControlResult) -> Any:
+    """Python callers get exceptions: 400 -> ValueError, 409 -> busy, 503 -> asleep/dead."""
+    if result.success:
+        return result.result
+    if result.status == 400:
+        raise ValueError(result.message)
+    if result.status == 409:
+        raise EngineBusyError(result.message)
+    if result.status == 503:
+        raise EngineAsleepError(result.message)
+    raise RuntimeError(result.message)

@@ -215,3 +215,23 @@ def pack_buckets(
     if pending:
         assert device is not None
         yield _build_bucket(pending, used, device)
+
+
+def bucket_layout(
+    names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]]
+) -> tuple[tuple[TensorMeta, ...], int]:
+    """Offsets of tensors packed in order into one bucket, exactly as `pack_buckets` lays them
+    out; both ends of a broadcast compute it from the same (names, dtypes, shapes)."""
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError("names, dtypes and shapes must have the same length")
+    metas: list[TensorMeta] = []
+    used = 0
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        nbytes = numel * torch.empty((), dtype=str_to_dtype(dtype)).element_size()
+        offset = _align(used)
+        metas.append(TensorMeta(name, dtype, tuple(int(d) for d in shape), offset, nbytes))
+        used = offset + nbytes
+    return tuple(metas), used

@@ -23,7 +23,8 @@ class ControlHandlers:
         self.s = scheduler
 
     def dispatch(self, msg: ControlReq) -> ControlResult:
-        handler = getattr(self, f"rpc_{msg.method}", None)
+        handler = (getattr(self, f"rpc_{msg.method}", None)
+                   or getattr(self.s.rl, f"rpc_{msg.method}", None))
         if handler is None:
             return ControlResult(msg.call_id, False, message=f"unknown control call {msg.method!r}",
                                  status=400)
@@ -62,5 +63,9 @@ class ControlHandlers:
             "kv_cached_tokens": s.kv.tree.total_size(),
             "weight_version": s.weight_version,
             "paused": s.paused,
+            "released_memory": sorted(s.memory_saver.released),
+            "weights_stale": s.weights_stale,
+            "kv_pool_bytes": s.runner.kv_pool.nbytes(),
+            "weight_bytes": s.runner.weight_nbytes(),
             "stats": dict(s.stats),
         }

@@ -82,7 +82,7 @@ def run_loop(config: EngineConfig, chan: Channel) -> None:
                                 "eos_token_ids": sorted(scheduler.eos_ids)}))
     try:
         while True:
-            msg = chan.recv(timeout=0 if scheduler.has_work else 0.5)
+            msg = chan.recv(timeout=0 if scheduler.has_work and scheduler.can_run else 0.5)
             while msg is not None:
                 if isinstance(msg, Shutdown):
                     scheduler.shutdown()

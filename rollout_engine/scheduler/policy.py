@@ -45,16 +45,23 @@ def order_waiting(waiting: list[Req], kv: KVManager, namespace_of, policy: str,
     return cands
 
 
+def _share_len(req: Req, matched: int) -> int:
+    return min(matched + _IN_BATCH_SHARE_TOKENS, req.seq_len - 1)
+
+
 def shares_uncached_prefix(req: Req, matched: int, admitted_keys: set[tuple[int, ...]]) -> bool:
-    """True if an already admitted request will compute a prefix ``req`` could reuse."""
-    n = min(_IN_BATCH_SHARE_TOKENS, req.seq_len - 1)
-    if n < 8 or matched >= n:
+    """True if a request admitted this step will compute the tokens right after ``req``'s
+    cached prefix (GRPO siblings, repeats): waiting one step turns them into a cache hit.
+    The window starts at ``matched``, so a group extending a cached prefix is caught too."""
+    n = _share_len(req, matched)
+    if n - matched < 8:
         return False
-    return tuple(req.input_ids[:n]) in admitted_keys
+    return tuple(req.all_ids[:n]) in admitted_keys
 
 
-def share_key(req: Req) -> tuple[int, ...]:
-    return tuple(req.input_ids[:min(_IN_BATCH_SHARE_TOKENS, req.seq_len - 1)])
+def share_key(req: Req, matched: int) -> tuple[int, ...]:
+    """The key ``shares_uncached_prefix`` looks up, for a request admitted with ``matched``."""
+    return tuple(req.all_ids[:_share_len(req, matched)])
 
 
 def expected_new_tokens(req: Req) -> int:

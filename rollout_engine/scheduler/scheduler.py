@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 from rollout_engine.config import EngineConfig
 from rollout_engine.memory.kv_pool import PageAllocator
+from rollout_engine.memory.memory_saver import create_memory_saver
 from rollout_engine.memory.prefix_cache import CacheNamespace, NoPrefixCache
 from rollout_engine.memory.radix_cache import RadixCache
 from rollout_engine.model_runner.forward_batch import ForwardMode
@@ -34,6 +35,8 @@ from rollout_engine.scheduler import policy
 from rollout_engine.scheduler.batch import ScheduleBatch, build_sampling_batch
 from rollout_engine.scheduler.control import ControlHandlers
 from rollout_engine.scheduler.kv_manager import KVManager
+from rollout_engine.scheduler.rl_control import RLControl
+from rollout_engine.weights.refit import WeightUpdateGroups
 from rollout_engine.scheduler.request import Req, ReqState
 from rollout_engine.scheduler.stop import StopChecker, eos_token_ids
 
@@ -64,6 +67,11 @@ class Scheduler:
         self.paused = False
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "cached_tokens": 0,
                       "prompt_tokens": 0, "num_retractions": 0, "forward_passes": 0}
+        self.memory_saver = create_memory_saver(self.runner.model, self.runner.kv_pool,
+                                                config.enable_weights_cpu_backup, self.device)
+        self.weights_stale = False
+        self.update_groups = WeightUpdateGroups(self.device)
+        self.rl = RLControl(self)
         self.control = ControlHandlers(self)
         self.outbox: list[ReqOutput] = []
 
@@ -74,6 +82,11 @@ class Scheduler:
             self.arrivals += 1
             if msg.rid in self.by_rid:
                 req.finished_reason = {"type": "abort", "message": f"duplicate rid {msg.rid!r}"}
+                self.outbox.append(req.make_output(full=True))
+                return None
+            if not self.can_run and not self.paused:
+                why = "weights are stale" if self.weights_stale else "the engine is asleep"
+                req.finished_reason = {"type": "abort", "message": f"{why}: request refused"}
                 self.outbox.append(req.make_output(full=True))
                 return None
             self.by_rid[msg.rid] = req
@@ -88,6 +101,12 @@ class Scheduler:
         return CacheNamespace(self.weight_version, req.extra_key)
 
     @property
+    def can_run(self) -> bool:
+        """Paused, asleep, or holding stale weights: no forward pass may run."""
+        return not (self.paused or self.memory_saver.released & {"weights", "kv_cache"}
+                    or self.weights_stale)
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
 
@@ -100,7 +119,7 @@ class Scheduler:
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> BatchOutput:
         """Run one batch (prefill if anything can be admitted, else decode)."""
-        batch = None if self.paused else (self.schedule_prefill() or self.schedule_decode())
+        batch = None if not self.can_run else (self.schedule_prefill() or self.schedule_decode())
         if batch is not None:
             self.run_batch(batch)
         out, self.outbox = self.outbox, []
@@ -159,7 +178,7 @@ class Scheduler:
             reqs.append(req)
             lens.append(ext)
             admitted.add(id(req))
-            keys.add(policy.share_key(req))
+            keys.add(policy.share_key(req, matched))
             reserved += future
             budget -= ext
             if ext < ext_full:

@@ -23,9 +23,16 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from rollout_engine.testing._corpus import corpus_lines
+from rollout_engine.testing._corpus import (
+    BOS_TOKEN_ID,
+    EOS_TOKEN_ID,
+    IM_END_TOKEN_ID,
+    IM_START_TOKEN_ID,
+    PAD_TOKEN_ID,
+    SPECIAL_TOKENS,
+    tokenizer_files,
+)
 
 __all__ = [
     "ARCHS",
@@ -42,6 +49,7 @@ __all__ = [
 ]
 
 ARCHS = ("qwen2", "qwen3", "llama")
+# ~55M parameters untied (llama default), ~39M tied.
 PRESET_55M = dict(
     hidden_size=512,
     num_layers=8,
@@ -50,9 +58,6 @@ PRESET_55M = dict(
     intermediate_size=1408,
     vocab_size=32000,
 )
-# The trainer gives special tokens the first ids, in this order.
-SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>")
-PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID, IM_START_TOKEN_ID, IM_END_TOKEN_ID = range(5)
 MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256  # specials plus every byte, so any text encodes
 ROPE_THETA = 10000.0
 # A small original length so the llama3 frequency scaling changes outputs at test lengths.
@@ -63,12 +68,6 @@ LLAMA3_ROPE_SCALING = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 256,
 }
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 _HF_CLASSES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
@@ -130,27 +129,6 @@ class TinyModelSpec:
         return self.hidden_size // self.num_heads
 
 
-def build_tokenizer(vocab_size: int) -> Tokenizer:
-    """Train a byte-level BPE on the built-in corpus; exactly `vocab_size` ids, specials first."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(corpus_lines(), trainer)
-    # The corpus may run out of merges; filler tokens keep len(tokenizer) == the model's vocab.
-    num_fill = vocab_size - tokenizer.get_vocab_size()
-    tokenizer.add_special_tokens([AddedToken(f"<|extra_{i}|>", special=True) for i in range(num_fill)])
-    for token_id, token in enumerate(SPECIAL_TOKENS):
-        assert tokenizer.token_to_id(token) == token_id, "the trainer must put specials first"
-    return tokenizer
-
-
 def hf_config(spec: TinyModelSpec) -> dict[str, Any]:
     """The config.json dict: what transformers writes, plus the hub-style legacy rope keys."""
     import transformers
@@ -165,7 +143,11 @@ def hf_config(spec: TinyModelSpec) -> dict[str, Any]:
         num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=spec.tie_word_embeddings,
-        rope_parameters={"rope_type": "default", **(spec.rope_scaling or {}), "rope_theta": ROPE_THETA},
+        rope_parameters={
+            "rope_type": "default",
+            **(spec.rope_scaling or {}),
+            "rope_theta": ROPE_THETA,
+        },
         bos_token_id=BOS_TOKEN_ID,
         eos_token_id=EOS_TOKEN_ID,
         pad_token_id=PAD_TOKEN_ID,
@@ -314,22 +296,8 @@ def _write_model(spec: TinyModelSpec, out_dir: Path) -> Path:
     generation_config = {**special_ids, "transformers_version": transformers.__version__}
     _write_json(out_dir / "generation_config.json", generation_config)
 
-    build_tokenizer(spec.vocab_size).save(str(out_dir / "tokenizer.json"))
-    specials = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
-    _write_json(
-        out_dir / "special_tokens_map.json",
-        {**specials, "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]},
-    )
-    tokenizer_config = {
-        **specials,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": CHAT_TEMPLATE,
-        "model_max_length": spec.max_position_embeddings,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-    }
-    _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
+    for name, text in tokenizer_files(spec.vocab_size, spec.max_position_embeddings).items():
+        (out_dir / name).write_text(text, encoding="utf-8")
     return out_dir
 
 

@@ -1,0 +1,135 @@
+"""Sleep and wake by memory tag: release what the engine holds so a colocated trainer can use
+it, while the process, tokenizer, process groups and server stay up.
+
+Tags: ``weights`` (model parameters), ``kv_cache`` (the KV pool), ``cuda_graph`` (captured
+graphs; nothing on CPU). The CPU saver frees tensor storage and asks the C allocator to give
+the pages back to the OS (``malloc_trim``), so the process's RSS really drops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+from abc import ABC, abstractmethod
+from typing import Optional
+
+import torch
+from torch import nn
+
+from rollout_engine.memory.kv_pool import KVPool
+
+TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+def _trim_heap() -> None:
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    if name:
+        try:
+            ctypes.CDLL(name).malloc_trim(0)
+        except (OSError, AttributeError):
+            pass  # not glibc: freed pages go back when the allocator decides
+
+
+class MemorySaver(ABC):
+    """Releases and restores the engine's memory by tag.
+
+    The caller (the scheduler, between batches) guarantees no forward pass runs and no request
+    holds KV while ``kv_cache`` is released.
+    """
+
+    def __init__(self, model: nn.Module, kv_pool: KVPool, weights_cpu_backup: bool) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.weights_cpu_backup = weights_cpu_backup
+        self.released: set[str] = set()
+        self._shapes: dict[str, tuple[torch.Size, torch.dtype, torch.device]] = {}
+        self._backup: Optional[dict[str, torch.Tensor]] = None
+
+    def release(self, tags: list[str]) -> int:
+        """Free the memory of ``tags``; returns bytes released. Releasing twice is a no-op."""
+        freed = 0
+        for tag in tags:
+            if tag in self.released:
+                continue
+            if tag == "weights":
+                freed += self._release_weights()
+            elif tag == "kv_cache":
+                freed += self.kv_pool.nbytes()
+                self.kv_pool.release()
+            self.released.add(tag)
+        self._after_release()
+        return freed
+
+    def resume(self, tags: list[str]) -> bool:
+        """Reallocate ``tags``. Returns True if the weights came back stale (no backup): the
+        caller must refit or reload before serving."""
+        stale = False
+        for tag in tags:
+            if tag not in self.released:
+                continue
+            if tag == "weights":
+                stale = self._resume_weights()
+            elif tag == "kv_cache":
+                self.kv_pool.allocate()
+            self.released.discard(tag)
+        return stale
+
+    def _release_weights(self) -> int:
+        freed = 0
+        params = dict(self.model.named_parameters())
+        if self.weights_cpu_backup:
+            self._backup = {n: self._backup_copy(p.data) for n, p in params.items()}
+        for name, p in params.items():
+            self._shapes[name] = (p.shape, p.dtype, p.device)
+            freed += p.numel() * p.element_size()
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        return freed
+
+    def _resume_weights(self) -> bool:
+        params = dict(self.model.named_parameters())
+        for name, (shape, dtype, device) in self._shapes.items():
+            params[name].data = torch.zeros(shape, dtype=dtype, device=device)
+        if self._backup is not None:
+            with torch.no_grad():
+                for name, saved in self._backup.items():
+                    params[name].data.copy_(saved)
+            self._backup = None
+            return False
+        return True
+
+    @abstractmethod
+    def _backup_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of ``t`` that survives the release."""
+
+    @abstractmethod
+    def _after_release(self) -> None:
+        """Return freed memory to the system."""
+
+
+class CpuMemorySaver(MemorySaver):
+    def _backup_copy(self, t: torch.Tensor) -> torch.Tensor:
+        # On CPU a "backup" stays in RAM: it keeps the weights, so RSS does not drop for them.
+        return t.clone()
+
+    def _after_release(self) -> None:
+        _trim_heap()
+
+
+class CudaMemorySaver(MemorySaver):
+    """Frees and reallocates device memory; captured CUDA graphs must then be recaptured
+    (``torch_memory_saver``, when installed, keeps virtual addresses instead)."""
+
+    def _backup_copy(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to("cpu", copy=True).pin_memory()
+
+    def _after_release(self) -> None:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def create_memory_saver(model: nn.Module, kv_pool: KVPool, weights_cpu_backup: bool,
+                        device: torch.device) -> MemorySaver:
+    cls = CudaMemorySaver if device.type == "cuda" else CpuMemorySaver
+    return cls(model, kv_pool, weights_cpu_backup)

@@ -1,0 +1,123 @@
+"""Weight refit in the scheduler process: from disk, from tensor handles, from a broadcast.
+
+Each path ends in ``loader.load_weights`` (validate every name, shape and dtype, then copy), so
+a bad update changes nothing. Process groups for broadcasts are built directly on a TCPStore, not
+through ``init_process_group``, so the engine's own distributed state is never touched.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rollout_engine.protocol.bucket import FlattenedBucket, bucket_layout, str_to_dtype
+from rollout_engine.protocol.tensor_payload import deserialize_named_tensors
+from rollout_engine.weights.loader import LoadReport, iter_safetensors, load_weights
+
+LOAD_FORMATS = (None, "direct", "flattened_bucket")
+
+
+def refit_from_disk(model: nn.Module, model_path: str) -> LoadReport:
+    return load_weights(model, list(iter_safetensors(model_path)), strict_dtype=False)
+
+
+def named_tensors_from_payload(payload: Any, load_format: Optional[str]
+                               ) -> list[tuple[str, torch.Tensor]]:
+    """Turn a deserialized payload into (name, tensor) pairs, checking its declared format."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format: must be one of {LOAD_FORMATS}, got {load_format!r}")
+    if load_format == "flattened_bucket":
+        buckets = payload if isinstance(payload, list) else [payload]
+        out: list[tuple[str, torch.Tensor]] = []
+        for b in buckets:
+            if not isinstance(b, FlattenedBucket):
+                raise ValueError("flattened_bucket payload must hold FlattenedBucket objects")
+            out.extend(b.named_tensors())
+        return out
+    if isinstance(payload, dict):
+        payload = list(payload.items())
+    if not isinstance(payload, (list, tuple)) or not all(
+            isinstance(x, (list, tuple)) and len(x) == 2 and isinstance(x[0], str)
+            and isinstance(x[1], torch.Tensor) for x in payload):
+        raise ValueError("named tensors must be a list of (name, tensor) pairs")
+    return [(n, t) for n, t in payload]
+
+
+def refit_from_serialized(model: nn.Module, serialized: list[str], load_format: Optional[str]
+                          ) -> LoadReport:
+    if not isinstance(serialized, list) or not serialized:
+        raise ValueError("serialized_named_tensors: must be a non-empty list of strings "
+                         "(one per tensor-parallel rank)")
+    # one rank here: rank 0's payload is ours
+    payload = deserialize_named_tensors(serialized[0])
+    return load_weights(model, named_tensors_from_payload(payload, load_format), strict_dtype=True)
+
+
+@dataclass
+class UpdateGroup:
+    pg: Any
+    rank: int
+    world_size: int
+    backend: str
+
+
+class WeightUpdateGroups:
+    """Named process groups whose rank 0 is the trainer and whose other ranks receive."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.groups: dict[str, UpdateGroup] = {}
+
+    def init(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+             group_name: str, backend: str, timeout_s: float = 120.0) -> None:
+        if group_name in self.groups:
+            raise ValueError(f"group_name: {group_name!r} already exists; destroy it first")
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend: must be 'nccl' or 'gloo', got {backend!r}")
+        if backend == "nccl" and self.device.type != "cuda":
+            raise ValueError("backend: nccl needs CUDA; use gloo on CPU")
+        rank = rank_offset  # one rank per engine here (no tensor parallelism yet)
+        if not 0 < rank < world_size:
+            raise ValueError(f"rank_offset: engine rank {rank} must be in [1, {world_size})")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(master_address, int(master_port), world_size, is_master=False,
+                              timeout=timeout)
+        prefix = dist.PrefixStore(group_name, store)
+        if backend == "gloo":
+            pg = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
+        else:
+            pg = dist.ProcessGroupNCCL(prefix, rank, world_size)
+        self.groups[group_name] = UpdateGroup(pg, rank, world_size, backend)
+
+    def destroy(self, group_name: str) -> None:
+        if self.groups.pop(group_name, None) is None:
+            raise ValueError(f"group_name: no weight update group {group_name!r}")
+
+    def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                group_name: str, load_format: Optional[str]) -> list[tuple[str, torch.Tensor]]:
+        """Receive the trainer's broadcast (rank 0). Always drains the whole broadcast, even for
+        a bad update, so the trainer never hangs; validation happens afterwards."""
+        group = self.groups.get(group_name)
+        if group is None:
+            raise ValueError(f"group_name: no weight update group {group_name!r}")
+        if load_format not in (None, "flattened_bucket"):
+            raise ValueError(f"load_format: must be None or 'flattened_bucket', got {load_format!r}")
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        shapes_t = [tuple(int(d) for d in s) for s in shapes]
+        if load_format == "flattened_bucket":
+            metas, total = bucket_layout(names, dtypes, shapes_t)
+            buf = torch.empty(total, dtype=torch.uint8, device=self.device)
+            group.pg.broadcast([buf], opts).wait()
+            return FlattenedBucket(buf, metas).named_tensors()
+        out = []
+        for name, dtype, shape in zip(names, dtypes, shapes_t):
+            t = torch.empty(shape, dtype=str_to_dtype(dtype), device=self.device)
+            group.pg.broadcast([t], opts).wait()
+            out.append((name, t))
+        return out
