@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -60,6 +61,7 @@ class EngineConfig:
     stream_interval: int = 1
     debug_integrity: bool = False
     watchdog_timeout: float = 300.0
+    dead_scheduler_exit_delay: float = 3.0   # server answers /health 503 this long, then exits 1
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> None:
@@ -69,6 +71,12 @@ class EngineConfig:
             bad("model_path", "must be a non-empty path to a Hugging Face model directory")
         if not os.path.isdir(self.model_path):
             bad("model_path", f"{self.model_path!r} is not a directory (no downloads at run time)")
+        if not os.path.isfile(os.path.join(self.model_path, "config.json")):
+            bad("model_path", f"{self.model_path!r} has no config.json: not a Hugging Face model")
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            if f.name != "model_path":
+                _check_type(f.name, getattr(self, f.name), hints[f.name])
         if self.dtype not in _DTYPES:
             bad("dtype", f"must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -97,6 +105,8 @@ class EngineConfig:
             bad("port", f"must be in [0, 65535], got {self.port}")
         if self.stream_interval < 1:
             bad("stream_interval", f"must be >= 1, got {self.stream_interval}")
+        if not self.dead_scheduler_exit_delay >= 0:
+            bad("dead_scheduler_exit_delay", f"must be >= 0, got {self.dead_scheduler_exit_delay}")
         if not isinstance(self.weight_version, str):
             bad("weight_version", "must be a string")
 
@@ -107,6 +117,8 @@ class EngineConfig:
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ValueError(f"unknown engine flag(s): {', '.join(unknown)}")
+        if "model_path" not in kwargs:
+            raise ValueError("EngineConfig.model_path: required (a Hugging Face model directory)")
         return cls(**kwargs)
 
     # -- derived values ---------------------------------------------------------------------
@@ -131,3 +143,25 @@ class EngineConfig:
         for secret in ("api_key", "admin_api_key"):
             d[secret] = None if d[secret] is None else "***"
         return d
+
+
+def _check_type(name: str, value: Any, hint: Any) -> None:
+    """A flag of the wrong type is a ValueError naming it (bools are not numbers here)."""
+    args = typing.get_args(hint)
+    optional = typing.get_origin(hint) is Union and type(None) in args
+    if optional and value is None:
+        return
+    kind = next(a for a in args if a is not type(None)) if optional else hint
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif kind is str:
+        ok = isinstance(value, (str, os.PathLike) if name.endswith("_path") else str)
+    else:
+        return
+    if not ok:
+        what = kind.__name__ + (" or None" if optional else "")
+        raise ValueError(f"EngineConfig.{name}: must be {what}, got {value!r}")

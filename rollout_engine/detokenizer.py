@@ -24,17 +24,27 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.emitted = ""          # text already returned
         self.finished = False
+        self.drop_last = False     # the last id is a matched stop token, kept out of the text
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
 
-    def full_text(self) -> str:
-        return trim_stop(self._decode(self.ids), self.stop, self.no_stop_trim)
+    def _text(self) -> str:
+        return self._decode(self.ids[:-1] if self.drop_last else self.ids)
 
-    def push(self, new_ids: list[int], finished: bool) -> str:
-        """Add tokens; return the new text that is safe to show."""
+    def full_text(self) -> str:
+        return trim_stop(self._text(), self.stop, self.no_stop_trim)
+
+    def push(self, new_ids: list[int], finished: bool, stop_token: bool = False) -> str:
+        """Add tokens; return the new text that is safe to show.
+
+        ``stop_token``: the request finished on a matched stop token (EOS or
+        ``stop_token_ids``), the last of ``new_ids``; as in SGLang it stays in ``output_ids``
+        but not in the text, unless ``no_stop_trim``.
+        """
         self.ids.extend(new_ids)
-        text = self._decode(self.ids)
+        self.drop_last = finished and stop_token and not self.no_stop_trim and bool(self.ids)
+        text = self._text()
         if finished:
             text = trim_stop(text, self.stop, self.no_stop_trim)
         else:

@@ -34,6 +34,8 @@ from rollout_engine.scheduler.loop import SchedulerHost, start_scheduler
 
 logger = logging.getLogger(__name__)
 
+MAX_REQUESTS_PER_CALL = 4096   # prompts x n of one generate call; more is a 400, not an OOM
+
 
 class SchedulerDeadError(RuntimeError):
     """The scheduler is gone; nothing can be served (HTTP 503)."""
@@ -159,7 +161,9 @@ class TokenizerManager:
             return
         finished = out.finished_reason is not None
         st.output_ids.extend(out.token_ids)
-        delta = st.detok.push(out.token_ids, finished)
+        matched = (out.finished_reason or {}).get("matched")
+        delta = st.detok.push(out.token_ids, finished,
+                              stop_token=isinstance(matched, int) and not isinstance(matched, bool))
         if st.req.stream:
             st.pending.append(self._chunk(st, out, delta))
         if finished:
@@ -256,6 +260,9 @@ class TokenizerManager:
         nb = len(ids_list)
         params = _per_item(sampling_params, nb, "sampling_params", dict)
         sps = [SamplingParams.from_dict(p) for p in params]
+        if sum(sp.n for sp in sps) > MAX_REQUESTS_PER_CALL:
+            raise ValueError(f"n: the call expands to {sum(sp.n for sp in sps)} requests "
+                             f"(prompts x n); at most {MAX_REQUESTS_PER_CALL} per call")
         flags = [_per_item(return_logprob, nb, "return_logprob", bool),
                  _per_item(top_logprobs_num, nb, "top_logprobs_num", int),
                  _per_item(logprob_start_len, nb, "logprob_start_len", int)]
@@ -297,9 +304,11 @@ class TokenizerManager:
         self.check_can_generate()
         states = []
         with self.lock:
+            seen: set[str] = set()
             for r in reqs:
-                if r.rid in self.states:
+                if r.rid in self.states or r.rid in seen:
                     raise ValueError(f"rid: {r.rid!r} is already in flight")
+                seen.add(r.rid)
             for r in reqs:
                 sp = r.sampling_params
                 st = RequestState(r, IncrementalDetokenizer(

@@ -1,0 +1,20 @@
+"""The trainer side of RL with rollout_engine: talk to servers, push weights, sleep and wake.
+
+Imports `rollout_engine.protocol` only; engines are passed in (an `Engine` or a
+`RolloutClient`), never created here.
+"""
+
+from trainer_bridge.client import AsyncRolloutClient, Rollout, RolloutClient, RolloutError
+from trainer_bridge.colocate import SleepReport, engine_sleeping
+from trainer_bridge.weight_syncer import SyncReport, WeightSyncer
+
+__all__ = [
+    "AsyncRolloutClient",
+    "Rollout",
+    "RolloutClient",
+    "RolloutError",
+    "SleepReport",
+    "SyncReport",
+    "WeightSyncer",
+    "engine_sleeping",
+]

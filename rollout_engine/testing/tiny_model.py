@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +76,16 @@ _HF_CLASSES = {
 }
 RESIDUAL_GAIN = 6.0  # see init_weights
 DEFAULT_LOGIT_STD = 4.0  # big enough that greedy top-1/top-2 gaps dwarf float noise
-_CACHE_LAYOUT_VERSION = 1
+_INT_ARGS = (
+    "seed",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+)
 
 
 @dataclass(frozen=True)
@@ -131,7 +141,7 @@ class TinyModelSpec:
 
 def hf_config(spec: TinyModelSpec) -> dict[str, Any]:
     """The config.json dict: what transformers writes, plus the hub-style legacy rope keys."""
-    import transformers
+    import transformers  # here, not at the top: a cache hit should not pay for this import
 
     config_cls = getattr(transformers, _HF_CLASSES[spec.arch][0])
     kwargs: dict[str, Any] = dict(
@@ -286,14 +296,12 @@ def _write_model(spec: TinyModelSpec, out_dir: Path) -> Path:
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} is not empty; pass a new or empty directory")
     out_dir.mkdir(parents=True, exist_ok=True)
-    import transformers
-
     _write_json(out_dir / "config.json", hf_config(spec))
     save_weights(init_weights(spec), out_dir, spec.shard_size_mb)
     special_ids = dict(
         bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID
     )
-    generation_config = {**special_ids, "transformers_version": transformers.__version__}
+    generation_config = {**special_ids, "transformers_version": version("transformers")}
     _write_json(out_dir / "generation_config.json", generation_config)
 
     for name, text in tokenizer_files(spec.vocab_size, spec.max_position_embeddings).items():
@@ -315,8 +323,6 @@ def tiny_model_path(arch: str = "qwen2", **kwargs: Any) -> Path:
     invalidates old builds. Safe under concurrent builders: each builds in a private temp dir and
     renames it into place; a loser of the race discards its copy.
     """
-    import transformers
-
     spec = TinyModelSpec(arch=arch, **kwargs)
     fingerprint = hashlib.sha256()
     for source in (Path(__file__), Path(__file__).with_name("_corpus.py")):
@@ -325,8 +331,7 @@ def tiny_model_path(arch: str = "qwen2", **kwargs: Any) -> Path:
         {
             "spec": dataclasses.asdict(spec),
             "source": fingerprint.hexdigest(),
-            "transformers": transformers.__version__,
-            "layout": _CACHE_LAYOUT_VERSION,
+            "transformers": version("transformers"),
         },
         sort_keys=True,
     )
@@ -347,45 +352,32 @@ def tiny_model_path(arch: str = "qwen2", **kwargs: Any) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """CLI: write a tiny model directory."""
+    """CLI: write a tiny model directory and print its path."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--arch", choices=ARCHS, default="qwen2")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hidden-size", type=int, default=64)
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--num-heads", type=int, default=4)
-    parser.add_argument("--num-kv-heads", type=int, default=2)
-    parser.add_argument("--intermediate-size", type=int, default=128)
-    parser.add_argument("--vocab-size", type=int, default=512)
-    parser.add_argument("--max-position-embeddings", type=int, default=2048)
+    defaults = TinyModelSpec()
+    for name in _INT_ARGS:
+        parser.add_argument(
+            "--" + name.replace("_", "-"), type=int, default=getattr(defaults, name)
+        )
     parser.add_argument(
         "--tie-word-embeddings",
         action=argparse.BooleanOptionalAction,
-        default=None,
         help="default: tied for qwen2/qwen3, untied for llama",
     )
     parser.add_argument("--rope-scaling-llama3", action="store_true", help=str(LLAMA3_ROPE_SCALING))
-    parser.add_argument("--shard-size-mb", type=float, default=None)
-    parser.add_argument("--init-std", type=float, default=None)
+    parser.add_argument("--shard-size-mb", type=float)
+    parser.add_argument("--init-std", type=float, help="default: 4 / sqrt(hidden_size)")
     parser.add_argument("--preset-55m", action="store_true", help=f"override sizes: {PRESET_55M}")
     args = parser.parse_args(argv)
-    sizes = dict(
-        hidden_size=args.hidden_size,
-        num_layers=args.num_layers,
-        num_heads=args.num_heads,
-        num_kv_heads=args.num_kv_heads,
-        intermediate_size=args.intermediate_size,
-        vocab_size=args.vocab_size,
-    )
+    sizes = {name: getattr(args, name) for name in _INT_ARGS}
     if args.preset_55m:
         sizes.update(PRESET_55M)
     try:
         out = make_tiny_model(
             args.out_dir,
             args.arch,
-            seed=args.seed,
-            max_position_embeddings=args.max_position_embeddings,
             tie_word_embeddings=args.tie_word_embeddings,
             rope_scaling=dict(LLAMA3_ROPE_SCALING) if args.rope_scaling_llama3 else None,
             shard_size_mb=args.shard_size_mb,

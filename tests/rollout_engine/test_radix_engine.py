@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from rollout_engine.memory.radix_cache import RadixCache
 from tests.rollout_engine.hf_reference import hf_greedy, hf_logprobs
 
 MAX_NEW = 8
@@ -175,7 +176,16 @@ def test_n_samples_prefill_the_prompt_once(page_size, qwen2_path, make_engine):
 # ---- eviction under a KV budget much smaller than the working set ----------------------------
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_eviction_keeps_outputs_correct(page_size, qwen2_path, make_engine):
+def test_eviction_keeps_outputs_correct(page_size, qwen2_path, make_engine, monkeypatch):
+    evictions = {"total": 0, "while_locked": 0}
+    real_evict = RadixCache.evict
+
+    def counting_evict(self, num_tokens: int) -> int:  # the thread scheduler shares our process
+        evictions["total"] += 1
+        evictions["while_locked"] += self.protected_size() > 0
+        return real_evict(self, num_tokens)
+
+    monkeypatch.setattr(RadixCache, "evict", counting_evict)
     engine = make_engine(qwen2_path, max_total_tokens=400, page_size=page_size)
     rng = random.Random(4)
     vocab = engine.tm.vocab_size
@@ -193,8 +203,11 @@ def test_eviction_keeps_outputs_correct(page_size, qwen2_path, make_engine):
     mixed += [rand_ids(rng, 150, vocab) for _ in range(3)]
     order = [0, 3, 1, 4, 2, 5]
     mixed = [mixed[i] for i in order]
+    locked_before = evictions["while_locked"]
     res = gen(engine, mixed)
     assert_hf(qwen2_path, mixed, res, logprob_check=True)
+    assert evictions["while_locked"] > locked_before   # evicted around running requests' nodes
+    assert [cached(res[i]) > 0 for i in (2, 4)] == [True, True]  # group siblings share the prefix
     engine.check_integrity()
     # the same again from staggered threads, so requests join a running batch mid-eviction
     results: list = [None] * len(mixed)

@@ -44,6 +44,16 @@ TEXTS = [
 ]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def single_torch_thread():
+    # Tiny matmuls gain nothing from threads, and on a busy 2-core machine OpenMP spin-waiting
+    # made them ~40x slower.
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
 def load_model(path: Path) -> AutoModelForCausalLM:
     model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
     assert not any(info.values()), info  # no missing/unexpected/mismatched keys or errors
@@ -105,10 +115,12 @@ def test_same_args_give_identical_bytes_and_cli_matches_api(tmp_path):
     for name in names:
         assert (api_dir / name).read_bytes() == (tmp_path / "cli" / name).read_bytes(), name
 
-    other_seed = make_tiny_model(tmp_path / "seed4", "qwen3", seed=4)
-    weights = (api_dir / "model.safetensors").read_bytes()
-    assert (other_seed / "model.safetensors").read_bytes() != weights
-    assert (other_seed / "tokenizer.json").read_bytes() == (api_dir / "tokenizer.json").read_bytes()
+    # The seed moves the weights only; the tokenizer depends on vocab_size alone.
+    seed0 = tiny_model_path("qwen3")
+    assert (seed0 / "model.safetensors").read_bytes() != (
+        api_dir / "model.safetensors"
+    ).read_bytes()
+    assert (seed0 / "tokenizer.json").read_bytes() == (api_dir / "tokenizer.json").read_bytes()
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
@@ -160,10 +172,10 @@ def test_special_tokens_and_chat_template():
 
 
 def test_vocab_padding_when_corpus_runs_out_of_merges():
-    path = tiny_model_path("llama", hidden_size=32, num_layers=1, vocab_size=50_000)
+    path = tiny_model_path("llama", hidden_size=32, num_layers=1, vocab_size=34_000)
     tok = AutoTokenizer.from_pretrained(path)
-    assert len(tok) == 50_000
-    assert tok.convert_ids_to_tokens(49_999).startswith("<|extra_")
+    assert len(tok) == 34_000
+    assert tok.convert_ids_to_tokens(33_999).startswith("<|extra_")
     assert tok.decode(tok.encode("日本 🚀 abc")) == "日本 🚀 abc"
 
 

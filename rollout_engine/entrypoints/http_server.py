@@ -1,0 +1,237 @@
+"""The rollout server: SGLang's HTTP routes over an ``Engine``.
+
+    create_app(engine)  -> FastAPI app (native routes here, OpenAI routes in openai_api.py,
+                           RL control routes in rl_routes.py)
+    run_server(flags)   -> builds the Engine, serves with uvicorn, and exits non-zero when the
+                           scheduler process dies (after answering /health 503 for a moment)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from typing import Any, Optional
+
+from fastapi import Depends, FastAPI, Request
+from starlette.responses import Response
+
+from rollout_engine.entrypoints.engine import Engine
+from rollout_engine.entrypoints.http_utils import (
+    SSE_DONE,
+    APIKeys,
+    HTTPError,
+    check_fields,
+    control,
+    error_response,
+    install_error_handlers,
+    json_response,
+    read_json,
+    sse,
+    sse_response,
+)
+from rollout_engine.entrypoints.metrics import Metrics
+from rollout_engine.entrypoints.openai_api import add_openai_routes
+from rollout_engine.entrypoints.rl_routes import add_rl_routes
+from rollout_engine.entrypoints.serving import GenerationService
+from rollout_engine.tokenizer_manager import SchedulerDeadError
+
+logger = logging.getLogger(__name__)
+
+GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "top_logprobs_num",
+                   "logprob_start_len", "stream", "rid", "return_text_in_logprobs", "extra_key"}
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+_LOGPROB_KEYS = ("output_token_logprobs", "input_token_logprobs")
+_TOP_LOGPROB_KEYS = ("output_top_logprobs", "input_top_logprobs")
+
+
+def _flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise HTTPError(400, f"{name}: must be a boolean, got {value!r}")
+    return value
+
+
+def _add_token_text(service: GenerationService, out: dict[str, Any]) -> dict[str, Any]:
+    """``return_text_in_logprobs``: fill the third slot of each ``[logprob, id, text]``."""
+    meta = dict(out["meta_info"])
+    text = service.token_text
+    for key in _LOGPROB_KEYS:
+        if meta.get(key) is not None:
+            meta[key] = [[lp, tid, text(tid)] for lp, tid, _ in meta[key]]
+    for key in _TOP_LOGPROB_KEYS:
+        if meta.get(key) is not None:
+            meta[key] = [None if top is None else [[lp, tid, text(tid)] for lp, tid, _ in top]
+                         for top in meta[key]]
+    return {**out, "meta_info": meta}
+
+
+def create_app(engine: Engine, *, api_key: Optional[str] = None,
+               admin_api_key: Optional[str] = None) -> FastAPI:
+    """The FastAPI app over ``engine``. Keys default to the engine's ``api_key`` and
+    ``admin_api_key`` flags."""
+    keys = APIKeys(api_key if api_key is not None else engine.config.api_key,
+                   admin_api_key if admin_api_key is not None else engine.config.admin_api_key)
+    metrics = Metrics()
+    service = GenerationService(engine, metrics)
+    app = FastAPI(title="rollout_engine", dependencies=[Depends(keys.require_user)])
+    app.state.engine, app.state.service, app.state.metrics = engine, service, metrics
+    install_error_handlers(app, engine)
+    admin = [Depends(keys.require_admin)]
+    tm = engine.tm
+
+    # -- generation ----------------------------------------------------------------------------
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        body = await read_json(request)
+        check_fields(body, GENERATE_FIELDS, "generate")
+        stream, with_text = _flag(body, "stream"), _flag(body, "return_text_in_logprobs")
+        states, single = service.submit(
+            prompt=body.get("text"), input_ids=body.get("input_ids"),
+            sampling_params=body.get("sampling_params"),
+            return_logprob=body.get("return_logprob", False),
+            top_logprobs_num=body.get("top_logprobs_num", 0),
+            logprob_start_len=body.get("logprob_start_len", -1), stream=stream,
+            rid=body.get("rid"), extra_key=body.get("extra_key"))
+        if not stream:
+            results = await service.collect(states, request)
+            if with_text:
+                results = [_add_token_text(service, r) for r in results]
+            return json_response(results[0] if single else results)
+
+        async def chunks() -> Any:
+            try:
+                async for i, chunk in service.stream(states):
+                    if with_text:
+                        chunk = _add_token_text(service, chunk)
+                    yield sse(chunk if single else {**chunk, "index": i})
+            except SchedulerDeadError as e:
+                yield sse({"error": {"message": str(e), "code": 503}})
+            yield SSE_DONE
+
+        return sse_response(chunks())
+
+    add_openai_routes(app, service, engine.config.served_model_name or engine.config.model_path)
+
+    # -- health and introspection --------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        if tm.dead is not None:
+            return error_response(503, f"the scheduler died: {tm.dead.splitlines()[0]}")
+        return json_response({"status": "ok"})
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        """Runs a one-token generation through the whole stack."""
+        states, _ = service.submit(input_ids=[0], sampling_params={
+            "max_new_tokens": 1, "temperature": 0.0})
+        try:
+            await asyncio.wait_for(service.collect(states), HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return error_response(503, f"a 1-token generation did not finish within "
+                                       f"{HEALTH_GENERATE_TIMEOUT_S:.0f} s")
+        return json_response({"status": "ok"})
+
+    async def model_info() -> Response:
+        return json_response(await asyncio.to_thread(engine.get_model_info))
+
+    async def server_info() -> Response:
+        info = await asyncio.to_thread(engine.get_server_info)
+        return json_response({**info, "scheduler_pid": tm.host.pid})
+
+    for path in ("/get_model_info", "/model_info"):
+        app.get(path)(model_info)
+    for path in ("/get_server_info", "/server_info"):
+        app.get(path)(server_info)
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        info = None
+        if tm.dead is None:
+            r = await tm.async_call("get_server_info")
+            info = r.result if r.success else None
+        text = metrics.render(info, alive=tm.dead is None)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # -- control -------------------------------------------------------------------------------
+    @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=admin)
+    async def flush_cache() -> Response:
+        return await control(engine, "flush_cache")
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await read_json(request, optional=True)
+        check_fields(body, {"rid", "abort_all"}, "abort_request")
+        if _flag(body, "abort_all"):
+            keys.require_admin(request)
+            tm.check_alive()
+            tm.abort(abort_all=True)
+            return json_response({"success": True, "message": "aborted every request"})
+        rid = body.get("rid")
+        if not isinstance(rid, str) or not rid:
+            raise HTTPError(400, "rid: give the request id to abort (or abort_all: true)")
+        tm.check_alive()
+        service.abort(rid)
+        return json_response({"success": True, "message": f"abort sent for {rid!r}"})
+
+    @app.get("/check_integrity", dependencies=admin)
+    async def check_integrity() -> Response:
+        """Prove the KV invariant (free + cached + owned == total); 500 when it is broken."""
+        return await control(engine, "check_integrity")
+
+    add_rl_routes(app, engine, admin)
+    return app
+
+
+# -- serving -----------------------------------------------------------------------------------
+async def _watch_scheduler(server: Any, engine: Engine, delay: float) -> None:
+    """Stop the server ``delay`` seconds after the scheduler dies (``/health`` answers 503
+    meanwhile), so a supervisor restarts it instead of it hanging."""
+    cfg = engine.config
+    while not server.started:
+        await asyncio.sleep(0.05)
+    print(f"rollout_engine: serving {cfg.model_path} on http://{cfg.host}:{cfg.port}",
+          file=sys.stderr, flush=True)
+    while engine.tm.dead is None:
+        await asyncio.sleep(0.1)
+    print(f"rollout_engine: the scheduler died ({engine.tm.dead.splitlines()[0]}); "
+          f"exiting in {delay:g} s", file=sys.stderr, flush=True)
+    await asyncio.sleep(delay)
+    server.should_exit = True
+
+
+async def _serve(server: Any, engine: Engine) -> None:
+    watchdog = asyncio.create_task(
+        _watch_scheduler(server, engine, engine.config.dead_scheduler_exit_delay))
+    try:
+        await server.serve()
+    finally:
+        watchdog.cancel()
+
+
+def run_server(config_kwargs: dict[str, Any]) -> int:
+    """Serve until interrupted (exit code 0) or until the scheduler dies (exit code 1)."""
+    import uvicorn
+
+    engine = Engine(**config_kwargs)
+    cfg = engine.config
+    server = uvicorn.Server(uvicorn.Config(
+        create_app(engine), host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),
+        access_log=False, timeout_graceful_shutdown=5))
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise SystemExit(0)   # uvicorn re-raises SIGTERM after its graceful shutdown
+
+    signal.signal(signal.SIGTERM, terminate)
+    died = False
+    try:
+        asyncio.run(_serve(server, engine))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        died = engine.tm.dead is not None
+        engine.shutdown()
+    return 1 if died else 0

@@ -1,0 +1,106 @@
+"""``python -m rollout_engine.launch_server --model-path DIR --port 30000 [flags]``.
+
+Every ``EngineConfig`` field is a flag (``page_size`` -> ``--page-size``; booleans are switches),
+so ``Engine(**kwargs)`` and the server take the same options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+from typing import Any, Optional, Union
+
+from rollout_engine.config import EngineConfig
+
+HELP: dict[str, str] = {
+    "model_path": "Hugging Face model directory (config.json, *.safetensors, tokenizer).",
+    "tokenizer_path": "Tokenizer directory, when it differs from --model-path.",
+    "dtype": "Weights and activations: auto (bfloat16 on GPU, float32 on CPU), float32, "
+             "float16 or bfloat16.",
+    "device": "auto, cpu, cuda or cuda:N.",
+    "context_length": "Longest sequence (prompt + output); default: the model's.",
+    "max_total_tokens": "KV cache capacity in tokens; default: from --mem-fraction-static.",
+    "mem_fraction_static": "Fraction of accelerator memory for weights and KV cache.",
+    "page_size": "Tokens per KV page (the radix cache matches whole pages).",
+    "max_running_requests": "Most requests in the running batch; default: from the KV size.",
+    "chunked_prefill_size": "Most prompt tokens prefilled per step; longer prompts are chunked.",
+    "max_prefill_tokens": "Token budget of one prefill batch.",
+    "schedule_policy": "Admission order: lpm (longest prefix match first) or fcfs.",
+    "schedule_lpm_fallback_queue_len": "Above this many waiting requests, lpm falls back to fcfs.",
+    "disable_radix_cache": "Do not reuse KV across requests (no prefix cache).",
+    "random_seed": "Seed of the frontend's per-request seeds (reproducible sampling).",
+    "attention_backend": "torch_native, triton or flashinfer; default: triton on GPU, "
+                         "torch_native on CPU.",
+    "disable_cuda_graph": "Run decode eagerly (no CUDA graph capture).",
+    "cuda_graph_max_bs": "Largest decode batch captured in a CUDA graph.",
+    "num_threads": "torch CPU threads of the scheduler process.",
+    "enable_weights_cpu_backup": "Keep a CPU copy of the weights so they survive a release.",
+    "weight_version": "Version label of the initial weights (reported with every output).",
+    "scheduler_mode": "process (a child process, default) or thread (same process).",
+    "host": "Address to bind; 127.0.0.1 unless you mean to expose the server.",
+    "port": "TCP port to listen on.",
+    "api_key": "Require 'Authorization: Bearer KEY' on every route.",
+    "admin_api_key": "Require this key on control routes (weights, memory, flush, abort_all).",
+    "served_model_name": "Model name reported by /v1/models and in OpenAI responses.",
+    "log_level": "debug, info, warning or error.",
+    "stream_interval": "Stream a chunk every this many tokens.",
+    "debug_integrity": "Check the KV invariant whenever the scheduler goes idle (slow).",
+    "watchdog_timeout": "Seconds to wait for the scheduler to start or answer a control call.",
+    "dead_scheduler_exit_delay": "Seconds the server answers /health 503 after the scheduler "
+                                 "dies, before it exits with status 1.",
+}
+
+
+def _base_type(tp: Any) -> Any:
+    """``Optional[int]`` -> ``int``."""
+    if typing.get_origin(tp) is Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else str
+    return tp
+
+
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog or "python -m rollout_engine.launch_server",
+        description="Serve a model over HTTP with SGLang's API (rollout_engine).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        tp = _base_type(hints[f.name])
+        help_text = HELP.get(f.name, f"EngineConfig.{f.name}.")
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if tp is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=f.default, help=help_text)
+            continue
+        parser.add_argument(flag, dest=f.name, type=tp if tp in (int, float) else str,
+                            required=required, help=help_text,
+                            default=None if required else f.default)
+    return parser
+
+
+def parse_args(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> dict[str, Any]:
+    """Flags -> ``EngineConfig`` keyword arguments (only those that differ from the defaults,
+    so that the config's own defaults stay the single source)."""
+    ns = vars(build_parser(prog).parse_args(argv))
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    return {k: v for k, v in ns.items() if k == "model_path" or v != defaults.get(k)}
+
+
+def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
+    from rollout_engine.entrypoints.http_server import run_server
+
+    kwargs = parse_args(argv, prog)
+    try:
+        EngineConfig.from_kwargs(**kwargs)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return run_server(kwargs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
+
+They translate OpenAI shapes to a ``GenerationService`` call and back; tokenization, sampling
+and logprobs are the engine's. Choice ``index`` is ``prompt_index * n + sample_index``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+
+from rollout_engine.entrypoints.http_utils import (
+    SSE_DONE,
+    json_response,
+    read_json,
+    sse,
+    sse_response,
+)
+from rollout_engine.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from rollout_engine.entrypoints.serving import GenerationService
+from rollout_engine.entrypoints.token_pieces import TokenPieces
+from rollout_engine.tokenizer_manager import RequestState, SchedulerDeadError
+
+
+def _finish_reason(reason: Optional[dict[str, Any]]) -> Optional[str]:
+    return None if reason is None else str(reason.get("type"))
+
+
+def _matched_stop(reason: Optional[dict[str, Any]]) -> Any:
+    return None if reason is None else reason.get("matched")
+
+
+def _usage(metas: list[Optional[dict[str, Any]]], n: int) -> dict[str, Any]:
+    """Prompt tokens count once per prompt (not once per sample)."""
+    firsts = [m for m in metas[::n] if m is not None]
+    done = [m for m in metas if m is not None]
+    prompt = sum(m["prompt_tokens"] for m in firsts)
+    completion = sum(m["completion_tokens"] for m in done)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(m["cached_tokens"] for m in firsts)}}
+
+
+def _prompt_kwargs(prompt: Any) -> dict[str, Any]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)) or prompt == []:
+        return {"prompt": prompt}
+    return {"input_ids": prompt}
+
+
+class OpenAIServing:
+    """Builds OpenAI responses from engine results."""
+
+    def __init__(self, service: GenerationService, model_name: str) -> None:
+        self.service = service
+        self.model_name = model_name
+        self.pieces = TokenPieces(service.engine.tokenizer)
+
+    def _header(self, prefix: str, obj: str) -> dict[str, Any]:
+        return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
+                "model": self.model_name}
+
+    # -- logprobs ------------------------------------------------------------------------------
+    def completion_logprobs(self, entries: list[list[Any]], tops: Optional[list[Any]],
+                            before: bytes = b"") -> tuple[dict[str, Any], bytes]:
+        """Legacy shape: parallel lists; each top entry also holds the chosen token.
+        ``before``: the bytes of earlier tokens (for ``text_offset``); returned extended."""
+        piece = self.pieces.piece
+        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                               "text_offset": []}
+        for k, (lp, tid, _) in enumerate(entries):
+            s, raw = piece(tid)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(lp)
+            out["text_offset"].append(len(before.decode("utf-8", "ignore")))
+            before += raw
+            top = tops[k] if tops is not None and k < len(tops) else None
+            entry = None if top is None and lp is None else {piece(t)[0]: v for v, t, _ in top or []}
+            if entry is not None:
+                entry.setdefault(s, lp)
+            out["top_logprobs"].append(entry)
+        return out, before
+
+    def chat_logprobs(self, meta: dict[str, Any]) -> dict[str, Any]:
+        def item(lp: float, tid: int) -> dict[str, Any]:
+            s, raw = self.pieces.piece(tid)
+            return {"token": s, "logprob": lp, "bytes": list(raw)}
+
+        tops = meta.get("output_top_logprobs")
+        content = []
+        for k, (lp, tid, _) in enumerate(meta.get("output_token_logprobs") or []):
+            entry = item(lp, tid)
+            entry["top_logprobs"] = [item(v, t) for v, t, _ in (tops[k] if tops else [])]
+            content.append(entry)
+        return {"content": content}
+
+    # -- /v1/completions -----------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        req = CompletionRequest.model_validate(await read_json(request))
+        req.check_unsupported()
+        want_lp = req.logprobs is not None
+        states, _ = self.service.submit(
+            **_prompt_kwargs(req.prompt), sampling_params=req.sampling_params(req.max_tokens),
+            return_logprob=want_lp, top_logprobs_num=req.logprobs or 0,
+            logprob_start_len=0 if (req.echo and want_lp) else -1, stream=req.stream,
+            rid=req.rid)
+        if req.stream:
+            return sse_response(self._stream_completions(req, states))
+        results = await self.service.collect(states, request)
+        choices = []
+        for i, (st, res) in enumerate(zip(states, results)):
+            meta = res["meta_info"]
+            prefix = ""
+            if req.echo:
+                prefix = (req.prompt if isinstance(req.prompt, str) else
+                          req.prompt[i // req.n] if isinstance(req.prompt[0], str) else
+                          self.service.engine.tokenizer.decode(st.req.input_ids))
+            logprobs = None
+            if want_lp:
+                entries = meta.get("output_token_logprobs") or []
+                tops = meta.get("output_top_logprobs") if req.logprobs else None
+                if req.echo:
+                    entries = meta.get("input_token_logprobs", []) + entries
+                    if tops is not None:
+                        tops = meta.get("input_top_logprobs", []) + tops
+                logprobs, _ = self.completion_logprobs(entries, tops)
+            choices.append({"index": i, "text": prefix + res["text"], "logprobs": logprobs,
+                            "finish_reason": _finish_reason(meta["finish_reason"]),
+                            "matched_stop": _matched_stop(meta["finish_reason"])})
+        return json_response({**self._header("cmpl", "text_completion"), "choices": choices,
+                              "usage": _usage([r["meta_info"] for r in results], req.n)})
+
+    async def _stream_completions(self, req: CompletionRequest,
+                                  states: list[RequestState]) -> AsyncIterator[bytes]:
+        header = self._header("cmpl", "text_completion")
+        metas: list[Optional[dict[str, Any]]] = [None] * len(states)
+        before = [b""] * len(states)
+        try:
+            async for i, chunk in self.service.stream(states):
+                meta = chunk["meta_info"]
+                reason = meta["finish_reason"]
+                logprobs = None
+                if req.logprobs is not None and chunk["output_ids"]:
+                    logprobs, before[i] = self.completion_logprobs(
+                        meta.get("output_token_logprobs") or [],
+                        meta.get("output_top_logprobs") if req.logprobs else None, before[i])
+                if reason is not None:
+                    metas[i] = meta
+                elif not chunk["text"] and logprobs is None:
+                    continue
+                yield sse({**header, "choices": [{
+                    "index": i, "text": chunk["text"], "logprobs": logprobs,
+                    "finish_reason": _finish_reason(reason), "matched_stop": _matched_stop(reason)}]})
+            if req.include_usage:
+                yield sse({**header, "choices": [], "usage": _usage(metas, req.n)})
+        except SchedulerDeadError as e:
+            yield sse({"error": {"message": str(e), "code": 503}})
+        yield SSE_DONE
+
+    # -- /v1/chat/completions ------------------------------------------------------------------
+    def render_chat(self, req: ChatCompletionRequest) -> str:
+        messages = [m.template_dict() for m in req.messages]
+        try:
+            text = self.service.engine.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, tokenize=False,
+                **(req.chat_template_kwargs or {}))
+        except Exception as e:  # noqa: BLE001 - a template error is the caller's input
+            raise ValueError(f"messages: the chat template could not render them: "
+                             f"{type(e).__name__}: {e}") from None
+        if not isinstance(text, str):
+            raise ValueError("messages: the chat template did not produce text")
+        return text
+
+    async def chat_completions(self, request: Request) -> Response:
+        req = ChatCompletionRequest.model_validate(await read_json(request))
+        req.check_unsupported()
+        states, _ = self.service.submit(
+            prompt=self.render_chat(req), sampling_params=req.sampling_params(req.max_new_tokens),
+            return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
+            stream=req.stream, rid=req.rid)
+        if req.stream:
+            return sse_response(self._stream_chat(req, states))
+        results = await self.service.collect(states, request)
+        choices = []
+        for i, res in enumerate(results):
+            meta = res["meta_info"]
+            choices.append({
+                "index": i, "message": {"role": "assistant", "content": res["text"]},
+                "logprobs": self.chat_logprobs(meta) if req.logprobs else None,
+                "finish_reason": _finish_reason(meta["finish_reason"]),
+                "matched_stop": _matched_stop(meta["finish_reason"])})
+        return json_response({**self._header("chatcmpl", "chat.completion"), "choices": choices,
+                              "usage": _usage([r["meta_info"] for r in results], req.n)})
+
+    async def _stream_chat(self, req: ChatCompletionRequest,
+                           states: list[RequestState]) -> AsyncIterator[bytes]:
+        header = self._header("chatcmpl", "chat.completion.chunk")
+        metas: list[Optional[dict[str, Any]]] = [None] * len(states)
+        try:
+            for i in range(len(states)):
+                yield sse({**header, "choices": [{
+                    "index": i, "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None, "finish_reason": None}]})
+            async for i, chunk in self.service.stream(states):
+                meta = chunk["meta_info"]
+                reason = meta["finish_reason"]
+                logprobs = (self.chat_logprobs(meta) if req.logprobs and chunk["output_ids"]
+                            else None)
+                if reason is not None:
+                    metas[i] = meta
+                elif not chunk["text"] and logprobs is None:
+                    continue
+                delta = {"content": chunk["text"]} if chunk["text"] else {}
+                yield sse({**header, "choices": [{
+                    "index": i, "delta": delta, "logprobs": logprobs,
+                    "finish_reason": _finish_reason(reason), "matched_stop": _matched_stop(reason)}]})
+            if req.include_usage:
+                yield sse({**header, "choices": [], "usage": _usage(metas, req.n)})
+        except SchedulerDeadError as e:
+            yield sse({"error": {"message": str(e), "code": 503}})
+        yield SSE_DONE
+
+    # -- /v1/models ----------------------------------------------------------------------------
+    def models(self) -> dict[str, Any]:
+        engine = self.service.engine
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "rollout_engine", "root": engine.config.model_path,
+            "max_model_len": engine.tm.context_len}]}
+
+
+def add_openai_routes(app: FastAPI, service: GenerationService, model_name: str) -> None:
+    serving = OpenAIServing(service, model_name)
+    app.post("/v1/completions")(serving.completions)
+    app.post("/v1/chat/completions")(serving.chat_completions)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return json_response(serving.models())

@@ -1,0 +1,141 @@
+"""Generation for the HTTP routes: submit through the ``TokenizerManager``, wait or stream,
+abort whatever the client stops waiting for, and count what finishes.
+
+    route -> GenerationService.submit (validate, tokenize, send)
+          -> collect (non-streaming; a watcher aborts on client disconnect)
+           | stream  (merged chunks of every request of the call; closing it aborts the rest)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Optional
+
+from starlette.requests import Request
+
+from rollout_engine.entrypoints.metrics import Metrics
+from rollout_engine.tokenizer_manager import RequestState
+
+if TYPE_CHECKING:
+    from rollout_engine.entrypoints.engine import Engine
+
+
+class GenerationService:
+    """Request bookkeeping shared by ``/generate`` and the OpenAI routes."""
+
+    def __init__(self, engine: Engine, metrics: Metrics) -> None:
+        self.engine = engine
+        self.tm = engine.tm
+        self.metrics = metrics
+        self.inflight: dict[str, RequestState] = {}
+        self._token_text: dict[int, str] = {}
+
+    # -- submitting ----------------------------------------------------------------------------
+    def submit(self, prompt: Any = None, input_ids: Any = None, sampling_params: Any = None,
+               return_logprob: Any = False, top_logprobs_num: Any = 0,
+               logprob_start_len: Any = -1, stream: bool = False, rid: Any = None,
+               extra_key: Any = None) -> tuple[list[RequestState], bool]:
+        """Validate (ValueError -> 400) and send; returns the states and whether the caller
+        asked for a single answer (not a batch, n == 1)."""
+        if extra_key is not None and not isinstance(extra_key, str):
+            raise ValueError(f"extra_key: must be a string, got {extra_key!r}")
+        reqs, single = self.tm.build_requests(
+            prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
+            -1 if logprob_start_len is None else logprob_start_len, stream, rid, extra_key)
+        states = self.tm.submit(reqs)
+        for st in states:
+            self.inflight[st.req.rid] = st
+        return states, single
+
+    def abort_unfinished(self, states: list[RequestState]) -> int:
+        n = 0
+        for st in states:
+            self.inflight.pop(st.req.rid, None)
+            if not st.done and self.tm.dead is None:
+                self.tm.abort(rid=st.req.rid)
+                n += 1
+        return n
+
+    def abort(self, rid: str) -> None:
+        """Abort ``rid`` and, when it named an ``n > 1`` request, its samples ``rid-0``, ..."""
+        self.tm.abort(rid=rid)
+        prefix = rid + "-"
+        for child in [r for r in self.inflight if r.startswith(prefix)]:
+            if child[len(prefix):].isdigit():
+                self.tm.abort(rid=child)
+
+    # -- waiting -------------------------------------------------------------------------------
+    async def collect(self, states: list[RequestState],
+                      request: Optional[Request] = None) -> list[dict[str, Any]]:
+        """Wait for every request. A client that disconnects first aborts them (the scheduler
+        frees their KV); their aborted results are then returned to nobody."""
+        watcher = (asyncio.create_task(self._watch_disconnect(request, states))
+                   if request is not None else None)
+        try:
+            results = await asyncio.gather(*(self.tm.async_wait(st) for st in states))
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            self.abort_unfinished(states)
+        for r in results:
+            self.metrics.observe_finished(r["meta_info"])
+        return list(results)
+
+    async def _watch_disconnect(self, request: Request, states: list[RequestState]) -> None:
+        # The body has been read, so the next ASGI message is the disconnect (or the end of
+        # the response, by which time this task is cancelled).
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                if self.abort_unfinished(states):
+                    self.metrics.client_disconnects += 1
+                return
+
+    async def stream(self, states: list[RequestState]
+                     ) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        """``(index, chunk)`` for every request of a call, as they arrive. Closing the iterator
+        early (client disconnect) aborts the unfinished ones."""
+        queue: asyncio.Queue[tuple[int, Optional[dict[str, Any]], Optional[BaseException]]] = (
+            asyncio.Queue())
+
+        async def pump(i: int, st: RequestState) -> None:
+            try:
+                async for chunk in self.tm.async_iter_chunks(st):
+                    queue.put_nowait((i, chunk, None))
+                queue.put_nowait((i, None, None))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait((i, None, e))
+
+        tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(states)]
+        first_token = [True] * len(states)
+        remaining = len(states)
+        try:
+            while remaining:
+                i, chunk, err = await queue.get()
+                if err is not None:
+                    raise err
+                if chunk is None:
+                    remaining -= 1
+                    continue
+                if first_token[i] and chunk["output_ids"]:
+                    first_token[i] = False
+                    self.metrics.observe_first_token(time.time() - states[i].created)
+                if chunk["meta_info"]["finish_reason"] is not None:
+                    self.metrics.observe_finished(chunk["meta_info"])
+                yield i, chunk
+        finally:
+            for t in tasks:
+                t.cancel()
+            if self.abort_unfinished(states):
+                self.metrics.client_disconnects += 1
+
+    # -- helpers -------------------------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        """One token decoded on its own (special tokens kept), as logprob entries show it."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text

@@ -1,0 +1,66 @@
+"""Single tokens as OpenAI logprob entries show them: exact bytes, and a string that keeps two
+different tokens apart even when each holds only part of a UTF-8 character.
+
+A byte-level BPE token (GPT-2, Qwen, Llama 3) is a string over a printable alphabet that stands
+for raw bytes; ``tokenizer.decode([id])`` of a partial character gives U+FFFD for every such
+token, so top-logprob dicts keyed by it would collide. Like OpenAI, a token whose bytes are not
+valid UTF-8 is shown as ``"bytes:\\xe2\\x80"``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+_HEX_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")   # sentencepiece byte-fallback tokens
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's reversible map from printable characters back to bytes."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+class TokenPieces:
+    """``piece(id) -> (text, bytes)``, cached per token id."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        decoder = getattr(backend, "decoder", None)
+        self.byte_level = type(decoder).__name__ == "ByteLevel"
+        self.byte_decoder = _byte_decoder()
+        self.special = set(getattr(tokenizer, "all_special_ids", []))
+        self.added = set(tokenizer.get_added_vocab().values()) if hasattr(
+            tokenizer, "get_added_vocab") else set()
+        self.cache: dict[int, tuple[str, bytes]] = {}
+
+    def _raw(self, token_id: int) -> bytes:
+        tok = self.tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(tok, str) or token_id in self.special or token_id in self.added:
+            return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+        if self.byte_level and all(ch in self.byte_decoder for ch in tok):
+            return bytes(self.byte_decoder[ch] for ch in tok)
+        m = _HEX_BYTE.fullmatch(tok)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+    def piece(self, token_id: int) -> tuple[str, bytes]:
+        hit = self.cache.get(token_id)
+        if hit is None:
+            raw = self._raw(token_id)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            hit = self.cache[token_id] = (text, raw)
+        return hit

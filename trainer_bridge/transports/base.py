@@ -1,0 +1,110 @@
+"""The weight-transport contract, and the helpers every transport shares.
+
+A transport moves a trainer's (HF name, tensor) pairs into the parameters of one or more
+engines. "Engine" means anything with the `rollout_engine.Engine` RL methods: an in-process
+`Engine`, or a `RolloutClient` for a server. Update methods return `(success, message)`;
+`checked` turns a failure into `WeightSyncError`.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from typing import Any, Optional, TypeVar
+
+import torch
+
+__all__ = ["WeightSyncError", "WeightTransport", "call_all", "checked", "spawn",
+           "step_version", "with_last"]
+
+T = TypeVar("T")
+
+
+class WeightSyncError(RuntimeError):
+    """An engine refused or failed a weight update (its message says why)."""
+
+
+class WeightTransport(ABC):
+    """Moves named tensors from the trainer into engines; one implementation per path."""
+
+    name: str = "abstract"
+
+    def setup(self, engines: Sequence[Any]) -> None:
+        """Prepare a channel to `engines` (e.g. join a process group). Called once, before the
+        first `push`, with the same engines in the same order. Default: nothing to prepare."""
+        return None
+
+    @abstractmethod
+    def push(self, engines: Sequence[Any], named_tensors: Iterable[tuple[str, torch.Tensor]],
+             version: str) -> int:
+        """Load `named_tensors` (HF names, each exactly the dtype and shape of the engine's
+        parameter) into every engine and leave each one at weight version `version`.
+
+        Returns the bytes moved to each engine (the tensors' bytes, plus alignment padding when
+        packed in buckets; counted once however many engines received them). The caller must not modify the tensors until this returns and must not
+        call `push` concurrently. Each engine call is atomic (validated before any parameter
+        changes); a transport that splits the payload into several calls labels the earlier
+        ones `step_version(version, i)`, so KV computed from half-updated weights is never
+        reused. Raises `WeightSyncError` if an engine refuses an update; engines may then hold
+        the buckets that were applied before the failure and must be synced again.
+        """
+
+    def close(self, engines: Sequence[Any]) -> None:
+        """Release what `setup` made (process groups, temp files). Default: nothing."""
+        return None
+
+
+def step_version(version: str, index: int) -> str:
+    """The weight version of call `index` of a push made in several calls; the final call
+    carries `version` itself."""
+    return f"{version}.partial{index}"
+
+
+def with_last(items: Iterable[T]) -> Iterator[tuple[int, T, bool]]:
+    """(index, item, is_last) for a lazy iterable, looking one item ahead."""
+    it = iter(items)
+    try:
+        current = next(it)
+    except StopIteration:
+        return
+    index = 0
+    for nxt in it:
+        yield index, current, False
+        current, index = nxt, index + 1
+    yield index, current, True
+
+
+def checked(engine: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    """Call `engine.<method>(...)`; a `(False, message)` answer raises WeightSyncError."""
+    result = getattr(engine, method)(*args, **kwargs)
+    if isinstance(result, tuple) and len(result) == 2 and result[0] is False:
+        raise WeightSyncError(f"{method} failed on {type(engine).__name__}: {result[1]}")
+    return result
+
+
+def spawn(fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+    """Run `fn` in a daemon thread (a call blocked on a dead peer must not block exit)."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - delivered to the waiter
+            future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name=getattr(fn, "__name__", "call")).start()
+    return future
+
+
+def call_all(futures: Sequence[Future[Any]], timeout: Optional[float] = None) -> list[Any]:
+    """Wait for `futures`; raise the first failure at once (without waiting for the rest),
+    TimeoutError if they are not done within `timeout` seconds."""
+    done, pending = wait(futures, timeout=timeout, return_when=FIRST_EXCEPTION)
+    for f in futures:
+        if f in done and f.exception() is not None:
+            raise f.exception()  # type: ignore[misc]
+    if pending:
+        raise TimeoutError(f"{len(pending)} engine call(s) did not finish within {timeout}s")
+    return [f.result() for f in futures]

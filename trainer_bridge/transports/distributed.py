@@ -1,0 +1,165 @@
+"""Disaggregated refit: the trainer broadcasts (gloo on CPU, NCCL on GPU) to engines that
+joined a weight-update group with it.
+
+    trainer (rank 0)                          engine i (rank i + 1)
+    TCPStore(is_master=True)                  init_weights_update_group(addr, port, i + 1, N + 1)
+    PrefixStore(group_name) + ProcessGroup      -> TCPStore(is_master=False) + the same group
+    per call:  broadcast(bucket or tensors) <-> update_weights_from_distributed(names, dtypes,
+                                                shapes, load_format) -> receive, validate, load
+
+Both ends block until all ranks take part, so every engine call runs in its own thread while
+the trainer side runs here. With `bucket_bytes` the tensors are packed into flat buckets (the
+layout `bucket_layout(names, dtypes, shapes)` that the engine recomputes) and each bucket is
+one broadcast and one engine call; without, every tensor is its own broadcast in one call.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from rollout_engine.protocol.bucket import dtype_to_str
+from trainer_bridge.bucketing import pack
+from trainer_bridge.transports.base import (
+    WeightSyncError,
+    WeightTransport,
+    call_all,
+    checked,
+    spawn,
+    step_version,
+    with_last,
+)
+
+__all__ = ["DistributedTransport", "free_port"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the store binds it right after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class DistributedTransport(WeightTransport):
+    """Rank 0 of a weight-update group; `setup` (= `init_group`) must precede `push`."""
+
+    name = "distributed"
+
+    def __init__(self, master_address: str = "127.0.0.1", master_port: Optional[int] = None,
+                 backend: str = "gloo", bucket_bytes: Optional[int] = None,
+                 group_name: str = "weight_update_group", timeout_s: float = 120.0) -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend: must be 'gloo' or 'nccl', got {backend!r}")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("backend: nccl needs CUDA; use gloo on CPU")
+        if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
+            raise ValueError(f"bucket_bytes: must be a positive int or None, got {bucket_bytes!r}")
+        self.master_address = master_address
+        self.master_port = master_port
+        self.backend = backend
+        self.bucket_bytes = bucket_bytes
+        self.group_name = group_name
+        self.timeout_s = timeout_s
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
+            else torch.device("cpu")
+        self.store: Optional[dist.TCPStore] = None
+        self.pg: Any = None
+        self.world_size = 0
+        self.broken: Optional[str] = None
+
+    # -- group -----------------------------------------------------------------------------------
+    def setup(self, engines: Sequence[Any]) -> None:
+        self.init_group(engines)
+
+    def init_group(self, engines: Sequence[Any]) -> None:
+        """Form the group: trainer rank 0, engine i rank i + 1 (world size 1 + len(engines)).
+        Each engine's `init_weights_update_group` blocks until all ranks have joined, so they
+        run concurrently with the trainer's own join; any engine's failure is raised at once."""
+        if self.pg is not None:
+            raise ValueError(f"group_name: {self.group_name!r} is already initialized")
+        if not engines:
+            raise ValueError("engines: need at least one engine")
+        if self.master_port is None:
+            self.master_port = free_port(self.master_address)
+        self.world_size = 1 + len(engines)
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        self.store = dist.TCPStore(self.master_address, self.master_port, self.world_size,
+                                   is_master=True, timeout=timeout, wait_for_workers=False)
+        joins = [spawn(checked, e, "init_weights_update_group", self.master_address,
+                       self.master_port, i + 1, self.world_size, group_name=self.group_name,
+                       backend=self.backend) for i, e in enumerate(engines)]
+        own = spawn(self._make_group, timeout)
+        self.pg = call_all([*joins, own], self.timeout_s)[-1]
+
+    def _make_group(self, timeout: datetime.timedelta) -> Any:
+        prefix = dist.PrefixStore(self.group_name, self.store)
+        if self.backend == "gloo":
+            return dist.ProcessGroupGloo(prefix, 0, self.world_size, timeout)
+        return dist.ProcessGroupNCCL(prefix, 0, self.world_size)
+
+    def close(self, engines: Sequence[Any]) -> None:
+        """Destroy the group on every engine, then drop the trainer's side."""
+        if self.pg is None:
+            return
+        errors = []
+        for e in engines:
+            try:
+                checked(e, "destroy_weights_update_group", self.group_name)
+            except Exception as exc:  # noqa: BLE001 - tear down the rest anyway
+                errors.append(exc)
+        self.pg, self.store = None, None
+        if errors:
+            raise errors[0]
+
+    # -- push ------------------------------------------------------------------------------------
+    def push(self, engines: Sequence[Any], named_tensors: Iterable[tuple[str, torch.Tensor]],
+             version: str) -> int:
+        if self.pg is None:
+            raise WeightSyncError("no weight-update group: call init_group(engines) first")
+        if self.broken:
+            raise WeightSyncError(f"the weight-update group is out of step ({self.broken}); "
+                                  "close() and create a new one")
+        if len(engines) + 1 != self.world_size:
+            raise ValueError(f"engines: the group was made for {self.world_size - 1} engine(s), "
+                             f"got {len(engines)}")
+        on_device = ((n, t.detach().to(self.device)) for n, t in named_tensors)
+        if self.bucket_bytes is None:
+            tensors = [(n, t.contiguous()) for n, t in on_device]
+            self._call(engines, [n for n, _ in tensors],
+                       [dtype_to_str(t.dtype) for _, t in tensors],
+                       [list(t.shape) for _, t in tensors], [t for _, t in tensors],
+                       None, version, True)
+            return sum(t.numel() * t.element_size() for _, t in tensors)
+        moved = 0
+        for index, bucket, last in with_last(pack(on_device, self.bucket_bytes)):
+            self._call(engines, [m.name for m in bucket.metas], [m.dtype for m in bucket.metas],
+                       [list(m.shape) for m in bucket.metas], [bucket.buffer],
+                       "flattened_bucket", version if last else step_version(version, index),
+                       last)
+            moved += bucket.buffer.numel()
+        return moved
+
+    def _call(self, engines: Sequence[Any], names: list[str], dtypes: list[str],
+              shapes: list[list[int]], sends: list[torch.Tensor], load_format: Optional[str],
+              version: str, last: bool) -> None:
+        """One engine call per engine (in threads) while rank 0 broadcasts `sends`: the
+        tensors (or the one bucket buffer) that `names, dtypes, shapes` announce."""
+        calls = [spawn(checked, e, "update_weights_from_distributed", names, dtypes, shapes,
+                       group_name=self.group_name, load_format=load_format, flush_cache=last,
+                       weight_version=version) for e in engines]
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        works = [self.pg.broadcast([t], opts) for t in sends]
+        try:
+            call_all(calls, self.timeout_s)
+        except BaseException as e:
+            if not all(w.is_completed() for w in works):
+                self.broken = f"a broadcast was not received: {e}"
+            raise
+        for w in works:
+            w.wait()
