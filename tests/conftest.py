@@ -11,7 +11,12 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU in the interpreter; the flag must precede any kernel import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# One intra-op thread in the test process: tiny matmuls gain nothing from a second thread, and
+# spinning OpenMP workers steal the core a process-mode scheduler needs.
+torch.set_num_threads(1)
 
 ARCHS = ("qwen2", "qwen3", "llama")
 

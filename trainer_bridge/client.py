@@ -79,6 +79,15 @@ def _json(response: httpx.Response) -> Any:
     return response.json()
 
 
+def _result(response: httpx.Response) -> Any:
+    """A control route's payload: the `result` of `{"success", "message", "result"}`, or the
+    whole body for routes that answer it bare."""
+    body = response.json()
+    if isinstance(body, dict) and "success" in body and "result" in body:
+        return body["result"]
+    return body
+
+
 def _update_result(response: httpx.Response) -> tuple[bool, str]:
     body = response.json()
     return bool(body.get("success", True)), str(body.get("message", ""))
@@ -119,7 +128,9 @@ class _Routes:
         raise NotImplementedError
 
     def _headers(self, admin: bool) -> dict[str, str]:
-        key = self.admin_api_key if admin and self.admin_api_key else self.api_key
+        # the server's admin key also passes its user-key check
+        key = (self.admin_api_key if admin and self.admin_api_key
+               else self.api_key or self.admin_api_key)
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     @staticmethod
@@ -171,15 +182,15 @@ class _Routes:
         return self._send("GET", "/get_server_info")
 
     def get_weight_version(self) -> Any:
-        return self._send("GET", "/get_weight_version", parse=lambda r: r.json()["weight_version"])
+        return self._send("GET", "/get_weight_version", parse=lambda r: _result(r)["weight_version"])
 
     def update_weight_version(self, new_version: str) -> Any:
         return self._send("POST", "/update_weight_version", {"new_version": new_version},
-                          admin=True, parse=lambda r: r.json()["weight_version"])
+                          admin=True, parse=lambda r: _result(r)["weight_version"])
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
         return self._send("POST", "/get_weights_by_name",
-                          {"name": name, "truncate_size": truncate_size})
+                          {"name": name, "truncate_size": truncate_size}, parse=_result)
 
     def metrics(self) -> Any:
         """Prometheus text."""
@@ -191,18 +202,18 @@ class _Routes:
         return self._send("POST", "/flush_cache", admin=True, parse=lambda r: True)
 
     def pause_generation(self, mode: str = "abort") -> Any:
-        return self._send("POST", "/pause_generation", {"mode": mode}, admin=True)
+        return self._send("POST", "/pause_generation", {"mode": mode}, admin=True, parse=_result)
 
     def continue_generation(self) -> Any:
-        return self._send("POST", "/continue_generation", {}, admin=True)
+        return self._send("POST", "/continue_generation", {}, admin=True, parse=_result)
 
     def release_memory_occupation(self, tags: Optional[list[str]] = None) -> Any:
         return self._send("POST", "/release_memory_occupation", _drop_none({"tags": tags}),
-                          admin=True)
+                          admin=True, parse=_result)
 
     def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> Any:
         return self._send("POST", "/resume_memory_occupation", _drop_none({"tags": tags}),
-                          admin=True)
+                          admin=True, parse=_result)
 
     # -- weights ---------------------------------------------------------------------------------
     def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,

@@ -1,0 +1,332 @@
+"""What the two GRPO examples share: the task (single-digit addition), its reward, the tiny
+model, the supervised warm-start, the trainer's re-scoring and the clipped GRPO loss.
+
+Task: the prompt is ``<bos>a+b=`` (a, b in 0..9, one token per digit); the answer is the sum's
+digits then ``<eos>``. Reward: 1.0 for the exact answer, 0.1 for a wrong but well-formed
+number ending in ``<eos>``, 0.0 otherwise. Accuracy is the exact-match rate. Because the whole
+task is 100 problems, the trainer can also compute the *expected* accuracy at temperature 1
+exactly (the mean probability of the correct completion), a noise-free learning curve.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# the tiny model both examples train: ~0.6M parameters, learns the task in minutes on 2 cores
+MODEL_SPEC = dict(arch="qwen2", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                  intermediate_size=512, vocab_size=512)
+MAX_NEW_TOKENS = 4          # longest answer is "18" + <eos>; room for one malformed token
+PROBE_TEXT = "7+8=15"       # the fixed sequence whose logprobs must match after every refit
+LOGPROB_TOL = 1e-4          # float32 on CPU: engine and trainer agree to ~1e-6
+
+
+# -- model ---------------------------------------------------------------------------------------
+def ensure_model(model_dir: Path, seed: int) -> Path:
+    """A ``make_tiny_model`` directory with MODEL_SPEC at ``model_dir`` (built if missing;
+    rebuilt if it was built by us with another spec or seed)."""
+    from rollout_engine.testing.tiny_model import make_tiny_model
+
+    want = {**MODEL_SPEC, "seed": seed}
+    marker = model_dir / "grpo_spec.json"
+    if marker.is_file():
+        if json.loads(marker.read_text()) == want:
+            return model_dir
+        import shutil
+        shutil.rmtree(model_dir)
+    elif model_dir.exists() and any(model_dir.iterdir()):
+        raise FileExistsError(f"{model_dir} exists and was not made by this example")
+    spec = dict(MODEL_SPEC)
+    make_tiny_model(model_dir, spec.pop("arch"), seed=seed, **spec)
+    marker.write_text(json.dumps(want))
+    return model_dir
+
+
+def load_trainer_model(model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.train()
+    return model
+
+
+# -- task ----------------------------------------------------------------------------------------
+class AdditionTask:
+    """``a+b=`` for a, b in 0..9, tokenized with the model's own tokenizer."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        self.bos, self.eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+        self.problems = [(a, b) for a in range(10) for b in range(10)]
+        self.prompts = [self.encode(f"{a}+{b}=") for a, b in self.problems]
+        self.answers = [self.tok.encode(str(a + b), add_special_tokens=False) + [self.eos]
+                        for a, b in self.problems]
+        self.probe = self.encode(PROBE_TEXT) + [self.eos]
+
+    def encode(self, text: str) -> list[int]:
+        return [self.bos] + self.tok.encode(text, add_special_tokens=False)
+
+    def sample(self, rng: random.Random, k: int) -> list[int]:
+        """Indices of ``k`` distinct problems."""
+        return rng.sample(range(len(self.problems)), k)
+
+    def score(self, index: int, output_ids: list[int]) -> tuple[float, bool]:
+        """(reward, exact) of one completion of problem ``index``."""
+        if output_ids == self.answers[index]:
+            return 1.0, True
+        if output_ids and output_ids[-1] == self.eos and len(output_ids) >= 2:
+            body = self.tok.decode(output_ids[:-1])
+            if body.isdigit() and len(body) <= 2:
+                return 0.1, False
+        return 0.0, False
+
+
+# -- trainer-side scoring ------------------------------------------------------------------------
+def pad_batch(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and attention mask."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+        mask[i, :len(s)] = 1
+    return ids, mask
+
+
+def completion_logprobs(model: torch.nn.Module, prompts: list[list[int]],
+                        completions: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(completion token | prefix) at temperature 1 for every completion token.
+
+    Returns (logprobs [B, T], mask [B, T]) where T is the longest completion; row i holds the
+    logprobs of ``completions[i]`` left-aligned, mask 1 where a token exists."""
+    seqs = [p + c for p, c in zip(prompts, completions)]
+    ids, attn = pad_batch(seqs, pad)
+    logits = model(input_ids=ids, attention_mask=attn).logits.float()
+    logp_all = torch.log_softmax(logits[:, :-1], dim=-1)
+    token_logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)         # [B, L-1]
+    width = max(1, max(len(c) for c in completions))
+    out = torch.zeros((len(seqs), width))
+    mask = torch.zeros((len(seqs), width))
+    rows, cols, src = [], [], []
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        for j in range(len(c)):
+            rows.append(i)
+            cols.append(j)
+            src.append(len(p) - 1 + j)
+    if rows:
+        r, c_, s = torch.tensor(rows), torch.tensor(cols), torch.tensor(src)
+        out = out.index_put((r, c_), token_logp[r, s])
+        mask[r, c_] = 1.0
+    return out, mask
+
+
+def expected_accuracy(model: torch.nn.Module, task: AdditionTask) -> float:
+    """Mean over all 100 problems of p(exact answer) when sampling at temperature 1."""
+    with torch.no_grad():
+        logp, mask = completion_logprobs(model, task.prompts, task.answers, task.eos)
+    return float((logp * mask).sum(-1).exp().mean())
+
+
+def probe_logprobs(model: torch.nn.Module, ids: list[int]) -> list[float]:
+    """The trainer's logprob of each token of ``ids`` after the first (what the engine returns
+    as ``input_token_logprobs[1:]`` with ``logprob_start_len=0``)."""
+    with torch.no_grad():
+        lp, _ = completion_logprobs(model, [ids[:1]], [ids[1:]], 0)
+    return lp[0].tolist()
+
+
+def probe_delta(engine_out: dict[str, Any], trainer_lps: list[float]) -> float:
+    """Mean |engine - trainer| over the probe's tokens."""
+    engine_lps = [x[0] for x in engine_out["meta_info"]["input_token_logprobs"][1:]]
+    if len(engine_lps) != len(trainer_lps):
+        raise AssertionError(f"probe: engine gave {len(engine_lps)} logprobs, "
+                             f"trainer {len(trainer_lps)}")
+    return sum(abs(a - b) for a, b in zip(engine_lps, trainer_lps)) / len(trainer_lps)
+
+
+# -- warm start ----------------------------------------------------------------------------------
+def warm_start(model: torch.nn.Module, task: AdditionTask, target: float, lr: float,
+               max_seconds: float, seed: int) -> dict[str, float]:
+    """Supervised steps on all 100 problems, stopped as soon as the expected accuracy reaches
+    ``target`` (deliberately partial: RL gets the rest). Returns what it did."""
+    torch.manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    start, steps, acc = time.perf_counter(), 0, expected_accuracy(model, task)
+    while acc < target and time.perf_counter() - start < max_seconds:
+        logp, mask = completion_logprobs(model, task.prompts, task.answers, task.eos)
+        loss = -(logp * mask).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        steps += 1
+        acc = expected_accuracy(model, task)
+    return {"warm_start_steps": steps, "warm_start_seconds": time.perf_counter() - start,
+            "warm_start_expected_accuracy": acc}
+
+
+# -- GRPO ----------------------------------------------------------------------------------------
+def group_advantages(rewards: list[float], n: int, eps: float = 1e-6) -> torch.Tensor:
+    """(r - mean of its group) / (std of its group + eps); groups are consecutive runs of n."""
+    r = torch.tensor(rewards, dtype=torch.float32).view(-1, n)
+    adv = (r - r.mean(-1, keepdim=True)) / (r.std(-1, keepdim=True, unbiased=False) + eps)
+    return adv.view(-1)
+
+
+def mismatch_stats(trainer_lp: torch.Tensor, rollout_lp: torch.Tensor,
+                   mask: torch.Tensor) -> dict[str, float]:
+    """Rollout-vs-trainer logprob mismatch: mean |delta| and the K3 estimate of
+    KL(rollout || trainer), ``(r - 1) - log r`` with ``r = p_trainer / p_rollout``."""
+    d = (trainer_lp - rollout_lp) * mask
+    k3 = (torch.exp(d) - 1 - d) * mask
+    tokens = mask.sum().clamp(min=1)
+    return {"logprob_abs_diff": float(d.abs().sum() / tokens),
+            "logprob_max_abs_diff": float(d.abs().max()),
+            "kl_k3": float(k3.sum() / tokens)}
+
+
+def grpo_loss(new_lp: torch.Tensor, rollout_lp: torch.Tensor, adv: torch.Tensor,
+              mask: torch.Tensor, clip: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token-mean clipped policy-gradient loss; the importance ratio is against the rollout
+    logprobs (the engine's, not a trainer recompute)."""
+    ratio = torch.exp(new_lp - rollout_lp)
+    a = adv[:, None]
+    unclipped, clipped = ratio * a, ratio.clamp(1 - clip, 1 + clip) * a
+    per_token = -torch.minimum(unclipped, clipped)
+    tokens = mask.sum().clamp(min=1)
+    loss = (per_token * mask).sum() / tokens
+    clip_frac = (((unclipped - clipped).abs() > 1e-8).float() * mask).sum() / tokens
+    return loss, {"clip_frac": float(clip_frac)}
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, prompts: list[list[int]],
+               completions: list[list[int]], rollout_lps: list[list[float]],
+               rewards: list[float], n: int, pad: int, clip: float, minibatches: int,
+               max_grad_norm: float = 1.0) -> dict[str, float]:
+    """Re-score the rollout tokens (mismatch, before any update), then one pass of
+    ``minibatches`` clipped-GRPO updates over the groups."""
+    adv = group_advantages(rewards, n)
+    with torch.no_grad():
+        old_lp, mask = completion_logprobs(model, prompts, completions, pad)
+    rollout_lp = torch.zeros_like(old_lp)
+    for i, lps in enumerate(rollout_lps):
+        rollout_lp[i, :len(lps)] = torch.tensor(lps)
+    stats = mismatch_stats(old_lp, rollout_lp, mask)
+    groups = len(rewards) // n
+    per_mb = max(1, math.ceil(groups / minibatches))
+    losses, clips = [], []
+    for g0 in range(0, groups, per_mb):
+        rows = list(range(g0 * n, min(groups, g0 + per_mb) * n))
+        if not bool(adv[rows].abs().sum() > 0):
+            continue  # every group here had equal rewards: no signal
+        new_lp, mb_mask = completion_logprobs(
+            model, [prompts[i] for i in rows], [completions[i] for i in rows], pad)
+        w = mb_mask.shape[1]
+        loss, info = grpo_loss(new_lp, rollout_lp[rows, :w], adv[rows], mb_mask, clip)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+        losses.append(float(loss))
+        clips.append(info["clip_frac"])
+    stats["loss"] = sum(losses) / len(losses) if losses else 0.0
+    stats["clip_frac"] = sum(clips) / len(clips) if clips else 0.0
+    stats["updates"] = len(losses)
+    return stats
+
+
+# -- logging -------------------------------------------------------------------------------------
+@dataclass
+class RunFiles:
+    out_dir: Path
+    jsonl: Path
+    plot: Path
+
+
+class RunLogger:
+    """One JSON line per step, wandb (offline by default, optional), and a reward-curve PNG."""
+
+    def __init__(self, out_dir: Path, name: str, config: dict[str, Any], use_wandb: bool) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.files = RunFiles(out_dir, out_dir / f"{name}.jsonl", out_dir / f"{name}_reward.png")
+        self.files.jsonl.write_text("")
+        self.rows: list[dict[str, Any]] = []
+        self.run = None
+        if use_wandb:
+            import os
+            os.environ.setdefault("WANDB_MODE", "offline")
+            os.environ.setdefault("WANDB_SILENT", "true")
+            try:
+                import wandb
+                self.run = wandb.init(project="rollout_engine-grpo", name=name, config=config,
+                                      dir=str(out_dir), reinit=True)
+            except Exception as e:  # noqa: BLE001 - wandb is optional
+                print(f"[grpo] wandb unavailable ({type(e).__name__}: {e}); logging to JSONL only")
+
+    def log(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        with self.files.jsonl.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.run is not None:
+            self.run.log({k: v for k, v in row.items() if isinstance(v, (int, float))},
+                         step=row.get("step"))
+
+    def finish(self, summary: dict[str, Any]) -> RunFiles:
+        with self.files.jsonl.open("a") as f:
+            f.write(json.dumps({"summary": summary}) + "\n")
+        self.plot()
+        if self.run is not None:
+            self.run.summary.update({k: v for k, v in summary.items()
+                                     if isinstance(v, (int, float, str))})
+            self.run.finish()
+        return self.files
+
+    def plot(self) -> None:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        steps = [r["step"] for r in self.rows]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for key, label in (("reward", "mean reward (sampled, T=1)"),
+                           ("accuracy", "accuracy (sampled, T=1)"),
+                           ("expected_accuracy", "expected accuracy, all 100 problems")):
+            ax.plot(steps, [r[key] for r in self.rows], label=label)
+        ax.set_xlabel("GRPO step")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+        ax.set_title("GRPO on single-digit addition (tiny qwen2, CPU)")
+        fig.tight_layout()
+        fig.savefig(self.files.plot, dpi=120)
+        plt.close(fig)
+
+
+def summarize(rows: list[dict[str, Any]], minutes: float, extra: dict[str, Any]) -> dict[str, Any]:
+    """Start/end figures (means over the first and last 10% of steps, at least 3)."""
+    k = max(3, len(rows) // 10)
+    head, tail = rows[:k], rows[-k:]
+
+    def mean(rs: list[dict[str, Any]], key: str) -> float:
+        return sum(r[key] for r in rs) / len(rs)
+
+    out = {"steps": len(rows), "minutes": minutes}
+    for key in ("reward", "accuracy", "expected_accuracy"):
+        out[f"start_{key}"], out[f"end_{key}"] = mean(head, key), mean(tail, key)
+    for key in ("refit_seconds", "sleep_seconds", "wake_seconds", "rollout_tokens_per_s",
+                "logprob_abs_diff", "kl_k3", "probe_abs_diff", "train_seconds"):
+        out[f"mean_{key}"] = mean(rows, key)
+    out["max_probe_abs_diff"] = max(r["probe_abs_diff"] for r in rows)
+    out.update(extra)
+    return out
+
+
+def asdict_files(files: RunFiles) -> dict[str, str]:
+    return {k: str(v) for k, v in asdict(files).items()}
