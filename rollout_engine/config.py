@@ -9,6 +9,7 @@ discover them, never here.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import typing
 from dataclasses import dataclass
@@ -91,6 +92,8 @@ class EngineConfig:
             bad("max_running_requests", f"must be >= 1, got {self.max_running_requests}")
         if self.chunked_prefill_size < 1:
             bad("chunked_prefill_size", f"must be >= 1, got {self.chunked_prefill_size}")
+        if self.cuda_graph_max_bs < 1:
+            bad("cuda_graph_max_bs", f"must be >= 1, got {self.cuda_graph_max_bs}")
         if self.max_prefill_tokens < 1:
             bad("max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
         if self.schedule_policy not in _POLICIES:
@@ -134,15 +137,24 @@ class EngineConfig:
         return getattr(torch, self.dtype)
 
     def resolved_attention_backend(self) -> str:
+        """torch_native on CPU; on CUDA flashinfer when it is installed and the model runs in
+        16-bit floats (its kernels have no float32 path), else the Triton kernels."""
         if self.attention_backend is not None:
             return self.attention_backend
-        return "triton" if self.resolved_device().type == "cuda" else "torch_native"
+        if self.resolved_device().type != "cuda":
+            return "torch_native"
+        half = self.resolved_dtype() in (torch.float16, torch.bfloat16)
+        return "flashinfer" if half and _importable("flashinfer") else "triton"
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         for secret in ("api_key", "admin_api_key"):
             d[secret] = None if d[secret] is None else "***"
         return d
+
+
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
 
 
 def _check_type(name: str, value: Any, hint: Any) -> None:

@@ -16,7 +16,12 @@ import torch
 
 
 class KVPool:
-    """Per-layer K/V buffers ``[num_slots, num_kv_heads, head_dim]``."""
+    """Per-layer K/V buffers ``[num_slots + 1, num_kv_heads, head_dim]``.
+
+    Slots ``[0, num_slots)`` are the allocator's. Row ``padding_slot == num_slots`` is never
+    allocated and no request reads it: padded rows of a fixed-size (CUDA-graph) decode batch
+    write their throw-away K/V there, so they cannot clobber a live request's slot.
+    """
 
     def __init__(
         self,
@@ -28,8 +33,9 @@ class KVPool:
         device: torch.device,
     ) -> None:
         self.num_slots = num_slots
+        self.padding_slot = num_slots
         self.num_layers = num_layers
-        self.shape = (num_slots, num_kv_heads, head_dim)
+        self.shape = (num_slots + 1, num_kv_heads, head_dim)
         self.dtype, self.device = dtype, device
         self.k_buffers: list[torch.Tensor] = []
         self.v_buffers: list[torch.Tensor] = []

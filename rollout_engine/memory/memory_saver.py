@@ -4,6 +4,10 @@ it, while the process, tokenizer, process groups and server stay up.
 Tags: ``weights`` (model parameters), ``kv_cache`` (the KV pool), ``cuda_graph`` (captured
 graphs; nothing on CPU). The CPU saver frees tensor storage and asks the C allocator to give
 the pages back to the OS (``malloc_trim``), so the process's RSS really drops.
+
+Captured decode graphs hold the addresses of the weights and KV buffers, so releasing *any* tag
+drops them (they are recaptured at the next decode); releasing ``cuda_graph`` also keeps them
+off until it is resumed.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import ctypes
 import ctypes.util
 import gc
 from abc import ABC, abstractmethod
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 from torch import nn
@@ -22,8 +26,32 @@ from rollout_engine.memory.kv_pool import KVPool
 TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
+class GraphMemory(Protocol):
+    """What the saver needs of the captured graphs (``model_runner.cuda_graph.DecodeGraphs``)."""
+
+    def drop(self) -> int: ...
+
+    def suspend(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+
+class _NoGraphs:
+    def drop(self) -> int:
+        return 0
+
+    def suspend(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+
 def _trim_heap() -> None:
-    gc.collect()
+    # Young generations only: the released storages are freed by refcount as soon as `p.data`
+    # is replaced; a full collection walks every long-lived object (torch, transformers: ~0.6 s
+    # per sleep on a busy 2-core machine) and finds nothing more to free.
+    gc.collect(1)
     name = ctypes.util.find_library("c")
     if name:
         try:
@@ -39,9 +67,11 @@ class MemorySaver(ABC):
     holds KV while ``kv_cache`` is released.
     """
 
-    def __init__(self, model: nn.Module, kv_pool: KVPool, weights_cpu_backup: bool) -> None:
+    def __init__(self, model: nn.Module, kv_pool: KVPool, weights_cpu_backup: bool,
+                 graphs: Optional[GraphMemory] = None) -> None:
         self.model = model
         self.kv_pool = kv_pool
+        self.graphs: GraphMemory = graphs if graphs is not None else _NoGraphs()
         self.weights_cpu_backup = weights_cpu_backup
         self.released: set[str] = set()
         self._shapes: dict[str, tuple[torch.Size, torch.dtype, torch.device]] = {}
@@ -50,10 +80,14 @@ class MemorySaver(ABC):
     def release(self, tags: list[str]) -> int:
         """Free the memory of ``tags``; returns bytes released. Releasing twice is a no-op."""
         freed = 0
+        if set(tags) - self.released:
+            freed += self.graphs.drop()   # before the buffers they point into go away
         for tag in tags:
             if tag in self.released:
                 continue
-            if tag == "weights":
+            if tag == "cuda_graph":
+                self.graphs.suspend()
+            elif tag == "weights":
                 freed += self._release_weights()
             elif tag == "kv_cache":
                 freed += self.kv_pool.nbytes()
@@ -69,7 +103,9 @@ class MemorySaver(ABC):
         for tag in tags:
             if tag not in self.released:
                 continue
-            if tag == "weights":
+            if tag == "cuda_graph":
+                self.graphs.resume()
+            elif tag == "weights":
                 stale = self._resume_weights()
             elif tag == "kv_cache":
                 self.kv_pool.allocate()
@@ -130,6 +166,7 @@ class CudaMemorySaver(MemorySaver):
 
 
 def create_memory_saver(model: nn.Module, kv_pool: KVPool, weights_cpu_backup: bool,
-                        device: torch.device) -> MemorySaver:
+                        device: torch.device, graphs: Optional[GraphMemory] = None
+                        ) -> MemorySaver:
     cls = CudaMemorySaver if device.type == "cuda" else CpuMemorySaver
-    return cls(model, kv_pool, weights_cpu_backup)
+    return cls(model, kv_pool, weights_cpu_backup, graphs)

@@ -10,6 +10,7 @@ import torch
 from rollout_engine.config import EngineConfig
 from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool
 from rollout_engine.model_runner.attention.base import create_attention_backend
+from rollout_engine.model_runner.cuda_graph import create_decode_graphs
 from rollout_engine.model_runner.forward_batch import ForwardBatch
 from rollout_engine.models.layers import compute_inv_freq
 from rollout_engine.models.llama import ModelArch
@@ -49,6 +50,11 @@ class ModelRunner:
                                            self.device)
         self.attn_backend = create_attention_backend(config.resolved_attention_backend(),
                                                      self.kv_pool, self.req_to_token)
+        self.graphs = create_decode_graphs(
+            self.model, self.kv_pool, self.req_to_token, device=self.device,
+            attention_backend=config.resolved_attention_backend(),
+            disabled=config.disable_cuda_graph,
+            max_bs=min(config.cuda_graph_max_bs, self.max_running_requests))
 
     def _kv_capacity(self) -> int:
         ps = self.config.page_size
@@ -69,6 +75,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits ``[len(fb.logits_indices), vocab]`` in float32."""
+        if self.graphs.can_run(fb):
+            return self.graphs.replay(fb)
         fb.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model(fb.input_ids, fb.positions, fb)

@@ -71,6 +71,20 @@ class RotaryEmbedding(nn.Module):
         return x * cos + rotated * sin
 
 
+def linear_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` with a float32 result, for logits. With 16-bit inputs the product still
+    accumulates in fp32 but is not rounded back to 16 bits (a bf16 logit near 12 can be off by
+    0.03, which would show up in every returned logprob)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.linear(x, weight)
+    if x.is_cuda and x.dim() == 2:
+        try:
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)  # cuBLAS, fp32 output
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass  # a torch without the fp32-output GEMM overload: upcast instead
+    return F.linear(x.float(), weight.float())
+
+
 class MergedLinear(nn.Module):
     """One matmul for several HF projections stacked on the output dim (qkv, gate_up).
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout_engine.models.layers import MergedLinear, RMSNorm, RotaryEmbedding
+from rollout_engine.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, linear_fp32_out
 
 
 @dataclass(frozen=True)
@@ -150,8 +150,9 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits (computed from 16-bit weights without a 16-bit rounding)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear_fp32_out(hidden, weight)
 
     # -- weights ------------------------------------------------------------------------------
     def weight_map(self) -> dict[str, tuple[nn.Parameter, int, int]]:

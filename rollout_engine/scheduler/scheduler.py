@@ -68,7 +68,8 @@ class Scheduler:
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "cached_tokens": 0,
                       "prompt_tokens": 0, "num_retractions": 0, "forward_passes": 0}
         self.memory_saver = create_memory_saver(self.runner.model, self.runner.kv_pool,
-                                                config.enable_weights_cpu_backup, self.device)
+                                                config.enable_weights_cpu_backup, self.device,
+                                                graphs=self.runner.graphs)
         self.weights_stale = False
         self.update_groups = WeightUpdateGroups(self.device)
         self.rl = RLControl(self)

@@ -4,7 +4,9 @@ W1 and W2 are the same tiny Qwen2 architecture with different random weights. On
 process-mode engine (tensor handles cross a real process boundary) starts from W1 and is
 shared by the whole package; each test puts it back on W1 first. Prompts are generated one
 at a time so every forward pass has the same batch shape: exact float equality then holds
-between engines (a batch's composition changes the matmul blocking, hence the last ulp).
+between engines (a batch's composition changes the matmul blocking, hence the last ulp). For
+the same reason a comparison starts from an empty radix cache: a prefix hit computes the
+prompt's last position alone, which can move the first logprob by an ulp.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [9, 30, 200, 11, 12]]
-GREEDY = {"max_new_tokens": 8, "temperature": 0.0}
+PROMPTS = [[1, 2, 3], [9, 30, 200, 11, 12]]
+GREEDY = {"max_new_tokens": 6, "temperature": 0.0}
 PROBE = "model.layers.0.mlp.down_proj.weight"
 
 
@@ -69,10 +71,11 @@ def engine(w1_w2: tuple[str, str]) -> Iterator[Any]:
 
 @pytest.fixture(scope="package")
 def second_engine(w1_w2: tuple[str, str]) -> Iterator[Any]:
-    """A second engine on W2; its first rollouts are the fresh-W2 reference."""
+    """A second engine on W2; its first rollouts are the fresh-W2 reference. A thread-mode
+    scheduler starts in half the time and computes bit-identical outputs."""
     from rollout_engine import Engine
 
-    eng = Engine(model_path=w1_w2[1], dtype="float32", device="cpu")
+    eng = Engine(model_path=w1_w2[1], dtype="float32", device="cpu", scheduler_mode="thread")
     yield eng
     eng.shutdown()
 
@@ -93,9 +96,10 @@ def w2(second_engine: Any, w1_w2: tuple[str, str]) -> Weights:
 
 @pytest.fixture
 def engine_on_w1(engine: Any, w1: Weights, w2: Weights) -> Any:
-    """The shared engine, reset to W1 (through its own checkpoint reader) and proven there."""
+    """The shared engine, reset to W1 (through its own checkpoint reader) and proven there;
+    the refit flushed the radix cache, so the next rollouts compute every prompt afresh."""
     ok, message = engine.update_weights_from_disk(w1.path, weight_version="w1")
     assert ok, message
-    assert tokens_and_logprobs(rollouts(engine)) == w1.expected != w2.expected
     assert engine.get_weights_by_name(PROBE, 4) == w1.probe != w2.probe
+    assert w1.expected != w2.expected
     return engine

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tests.rollout_engine.entrypoints.conftest import LiveServer
 
-SETTINGS = settings(max_examples=120, deadline=None, database=None,
+SETTINGS = settings(max_examples=100, deadline=None, database=None,
                     suppress_health_check=list(HealthCheck))
 
 # Integers from the edges (0, -1, huge) and a small range: a valid request stays cheap.
@@ -44,21 +44,24 @@ def with_random_fields(base: st.SearchStrategy, names: list[str]) -> st.SearchSt
         lambda t: {**t[0], **t[1]})
 
 
-sampling_params = with_random_fields(
-    st.fixed_dictionaries({}, optional=SAMPLING), list(SAMPLING))
+# max_new_tokens is always drawn (small or out of range), so valid requests stay short
+sampling_params = with_random_fields(st.fixed_dictionaries(
+    {"max_new_tokens": SAMPLING["max_new_tokens"]},
+    optional={k: v for k, v in SAMPLING.items() if k != "max_new_tokens"}), list(SAMPLING))
 GENERATE_FIELDS = {
-    "sampling_params": sampling_params, "return_logprob": st.booleans(),
+    "return_logprob": st.booleans(),
     "top_logprobs_num": ints, "logprob_start_len": ints, "stream": st.booleans(),
     "rid": st.text(max_size=6), "return_text_in_logprobs": st.booleans(),
     "extra_key": st.text(max_size=6),
 }
 GENERATE = with_random_fields(st.one_of(
-    st.fixed_dictionaries({"text": prompts}, optional=GENERATE_FIELDS),
-    st.fixed_dictionaries({"input_ids": token_ids | st.lists(token_ids, max_size=3)},
-                          optional=GENERATE_FIELDS)),
-    ["text", "input_ids", *GENERATE_FIELDS])
+    st.fixed_dictionaries({"text": prompts, "sampling_params": sampling_params},
+                          optional=GENERATE_FIELDS),
+    st.fixed_dictionaries({"input_ids": token_ids | st.lists(token_ids, max_size=3),
+                           "sampling_params": sampling_params}, optional=GENERATE_FIELDS)),
+    ["text", "input_ids", "sampling_params", *GENERATE_FIELDS])
 COMPLETION_FIELDS = {
-    "model": st.text(max_size=5), "max_tokens": ints, "n": st.integers(-1, 3),
+    "model": st.text(max_size=5), "n": st.integers(-1, 3),
     "temperature": st.floats(-1, 3), "top_p": st.floats(-0.5, 1.5), "logprobs": ints,
     "echo": st.booleans(), "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
@@ -69,8 +72,9 @@ COMPLETION_FIELDS = {
     "user": st.text(max_size=5),
 }
 COMPLETIONS = with_random_fields(
-    st.fixed_dictionaries({"prompt": prompts | token_ids}, optional=COMPLETION_FIELDS),
-    ["prompt", *COMPLETION_FIELDS])
+    st.fixed_dictionaries({"prompt": prompts | token_ids, "max_tokens": ints},
+                          optional=COMPLETION_FIELDS),
+    ["prompt", "max_tokens", *COMPLETION_FIELDS])
 
 
 def _check(r: httpx.Response) -> None:

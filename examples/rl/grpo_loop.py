@@ -1,0 +1,236 @@
+"""The GRPO loop both examples run, against anything with the Engine's methods: an in-process
+`rollout_engine.Engine` (colocated) or a `trainer_bridge.RolloutClient` (server).
+
+Each step: rollout (n samples per prompt, logprobs, weight versions) -> reward -> the engine
+sleeps (weights + KV released) while the trainer re-scores the rollout and updates -> the
+engine wakes and is refitted through a `WeightSyncer` (new weight version) -> checks: no KV
+survives the refit, and the engine's logprobs on a fixed probe equal the trainer's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from grpo_common import (  # noqa: E402
+    LOGPROB_TOL,
+    MAX_NEW_TOKENS,
+    MODEL_SPEC,
+    AdditionTask,
+    RunLogger,
+    asdict_files,
+    ensure_model,
+    expected_accuracy,
+    load_trainer_model,
+    probe_delta,
+    probe_logprobs,
+    summarize,
+    train_step,
+    warm_start,
+)
+
+from trainer_bridge import engine_sleeping  # noqa: E402
+from trainer_bridge.client import to_rollouts  # noqa: E402
+
+
+class RefitCheckError(AssertionError):
+    """The engine disagrees with the trainer after a refit (logprobs, version or stale KV)."""
+
+
+def add_common_args(p: argparse.ArgumentParser, out_dir: str) -> None:
+    p.add_argument("--steps", type=int, default=150, help="GRPO steps (upper bound)")
+    p.add_argument("--prompts-per-step", type=int, default=16)
+    p.add_argument("--n", type=int, default=8, help="samples per prompt (the GRPO group)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--clip", type=float, default=0.2, help="PPO ratio clip epsilon")
+    p.add_argument("--minibatches", type=int, default=2,
+                   help="optimizer steps per rollout batch (later ones are off-policy: the "
+                        "importance ratio and clipping matter)")
+    p.add_argument("--warm-start-target", type=float, default=0.2,
+                   help="stop the supervised warm-start at this expected accuracy")
+    p.add_argument("--warm-start-lr", type=float, default=3e-3)
+    p.add_argument("--out-dir", default=out_dir)
+    p.add_argument("--model-dir", default="runs/grpo_model",
+                   help="the tiny model directory (built with make_tiny_model if missing)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-minutes", type=float, default=9.0,
+                   help="stop after this much wall time (setup included)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of the trainer and of the engine (1 is fastest on a "
+                        "busy 2-core machine)")
+    p.add_argument("--no-wandb", action="store_true", help="JSONL and PNG only")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    p.add_argument("--tiny", action="store_true",
+                   help="CI settings: 3 steps, 4 prompts x 4 samples, no warm-start, no wandb")
+
+
+def apply_tiny(args: argparse.Namespace) -> None:
+    if args.tiny:
+        args.steps, args.prompts_per_step, args.n = min(args.steps, 3), 4, 4
+        args.warm_start_target, args.no_wandb, args.no_progress = 0.0, True, True
+
+
+class Trainer:
+    """The trainer's half: the HF model (float32, same directory), task, optimizer."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from transformers import AutoTokenizer
+
+        torch.set_num_threads(args.threads)
+        torch.manual_seed(args.seed)
+        self.model_dir = ensure_model(Path(args.model_dir), args.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.task = AdditionTask(self.tokenizer)
+        self.model = load_trainer_model(self.model_dir)
+        self.warm = warm_start(self.model, self.task, args.warm_start_target,
+                               args.warm_start_lr, max_seconds=60.0, seed=args.seed)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=0.0)
+
+
+def check_after_refit(engine: Any, trainer: Trainer, version: str) -> dict[str, Any]:
+    """Right after a refit: the engine reports `version`; a prompt it had cached under the old
+    weights gets no cache hit (and does the second time: the cache works); the engine's
+    logprobs on the probe equal the trainer's within LOGPROB_TOL. Raises RefitCheckError."""
+    probe = trainer.task.probe
+    got = engine.get_weight_version()
+    if got != version:
+        raise RefitCheckError(f"engine reports weight_version {got!r}, expected {version!r}")
+    plain = {"max_new_tokens": 1, "temperature": 0.0}
+    first = engine.generate(input_ids=probe, sampling_params=plain)["meta_info"]
+    out = engine.generate(input_ids=probe, sampling_params={"max_new_tokens": 1,
+                                                            "temperature": 1.0},
+                          return_logprob=True, logprob_start_len=0)
+    second = engine.generate(input_ids=probe, sampling_params=plain)["meta_info"]
+    delta = probe_delta(out, probe_logprobs(trainer.model, probe))
+    if first["cached_tokens"] != 0:
+        raise RefitCheckError(f"stale KV: the probe hit {first['cached_tokens']} cached tokens "
+                              f"right after the refit to {version!r}")
+    if second["cached_tokens"] == 0:
+        raise RefitCheckError("the radix cache never hits: the stale-KV check proves nothing")
+    for meta in (first, out["meta_info"], second):
+        if meta["weight_version"] != version:
+            raise RefitCheckError(f"a probe ran at {meta['weight_version']!r}, not {version!r}")
+    if not delta <= LOGPROB_TOL:
+        raise RefitCheckError(f"engine vs trainer logprobs on the probe after the refit to "
+                              f"{version!r}: mean |delta| {delta:.3g} > {LOGPROB_TOL:g}")
+    return {"probe_abs_diff": delta, "probe_cached_after_refit": first["cached_tokens"],
+            "probe_cached_second": second["cached_tokens"]}
+
+
+def rollout(engine: Any, trainer: Trainer, indices: list[int], n: int, version: str
+            ) -> tuple[list[Any], dict[str, Any]]:
+    prompts = [trainer.task.prompts[i] for i in indices]
+    start = time.perf_counter()
+    outputs = engine.generate(input_ids=prompts, sampling_params={
+        "n": n, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0}, return_logprob=True)
+    seconds = time.perf_counter() - start
+    rollouts = to_rollouts(outputs, n)
+    bad = sorted({v for r in rollouts for v in r.weight_versions} - {version})
+    if bad or any(not r.weight_versions for r in rollouts):
+        raise RefitCheckError(f"rollouts at weight version(s) {bad}, expected only {version!r}")
+    for r in rollouts:
+        if len(r.output_logprobs) != len(r.output_ids):
+            raise RefitCheckError("a rollout came back without one logprob per output token")
+    metas = [o["meta_info"] for o in outputs]
+    tokens = sum(len(r.output_ids) for r in rollouts)
+    prompt_tokens = sum(m["prompt_tokens"] for m in metas)
+    cached = sum(m["cached_tokens"] for m in metas)
+    return rollouts, {"rollout_seconds": seconds, "rollout_tokens": tokens,
+                      "rollout_tokens_per_s": tokens / seconds,
+                      "kv_hit_rate": cached / prompt_tokens, "cached_tokens": cached,
+                      "prompt_tokens": prompt_tokens}
+
+
+def run(args: argparse.Namespace, engine: Any, syncer: Any, trainer: Trainer, name: str,
+        t_start: float) -> dict[str, Any]:
+    """Warm-start refit (version "0"), then the GRPO steps; returns the summary."""
+    logger = RunLogger(Path(args.out_dir), name, dict(vars(args)), use_wandb=not args.no_wandb)
+    report = syncer.sync(trainer.model, version="0")
+    first_check = check_after_refit(engine, trainer, "0")
+    rng = random.Random(args.seed)
+    task, model = trainer.task, trainer.model
+    setup_s = time.perf_counter() - t_start
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+        bar = tqdm(total=args.steps, desc=name, unit="step", dynamic_ncols=True)
+    for step in range(args.steps):
+        if time.perf_counter() - t_start > args.max_minutes * 60:
+            print(f"[grpo] --max-minutes {args.max_minutes} reached after {step} steps")
+            break
+        version, new_version = str(step), str(step + 1)
+        step_start = time.perf_counter()
+        indices = task.sample(rng, args.prompts_per_step)
+        rollouts, roll = rollout(engine, trainer, indices, args.n, version)
+        idx = [indices[r.prompt_index] for r in rollouts]
+        scores = [task.score(i, r.output_ids) for i, r in zip(idx, rollouts)]
+        rewards = [s for s, _ in scores]
+        with engine_sleeping(engine, syncer, model, version=new_version) as sleep:
+            t = time.perf_counter()
+            stats = train_step(model, trainer.opt, [task.prompts[i] for i in idx],
+                               [r.output_ids for r in rollouts],
+                               [r.output_logprobs for r in rollouts], rewards, args.n,
+                               task.eos, args.clip, args.minibatches)
+            train_s = time.perf_counter() - t
+        if sleep.sync is None or sleep.sync.version != new_version or sleep.bytes_freed <= 0:
+            raise RefitCheckError(f"step {step}: the engine did not sleep and refit "
+                                  f"(freed {sleep.bytes_freed} B, sync {sleep.sync})")
+        if not stats["logprob_abs_diff"] <= LOGPROB_TOL:
+            raise RefitCheckError(f"step {step}: rollout vs trainer logprobs differ by "
+                                  f"{stats['logprob_abs_diff']:.3g} > {LOGPROB_TOL:g}")
+        check = check_after_refit(engine, trainer, new_version)
+        row = {"step": step, "weight_version": version, "new_weight_version": new_version,
+               "reward": sum(rewards) / len(rewards),
+               "accuracy": sum(c for _, c in scores) / len(scores),
+               "response_length": sum(len(r.output_ids) for r in rollouts) / len(rollouts),
+               "expected_accuracy": expected_accuracy(model, task),
+               **roll, **stats, **check, "train_seconds": train_s,
+               "sleep_seconds": sleep.release_seconds, "wake_seconds": sleep.resume_seconds,
+               "refit_seconds": sleep.refit_seconds, "refit_bytes": sleep.sync.bytes,
+               "refit_gbps": sleep.sync.gbps, "bytes_freed": sleep.bytes_freed,
+               "step_seconds": time.perf_counter() - step_start,
+               "elapsed_seconds": time.perf_counter() - t_start}
+        logger.log(row)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row['accuracy']:.2f}",
+                            exp_acc=f"{row['expected_accuracy']:.2f}")
+    if bar is not None:
+        bar.close()
+    if not logger.rows:
+        raise RuntimeError("no GRPO step ran (raise --max-minutes or --steps)")
+    minutes = (time.perf_counter() - t_start) / 60
+    summary = summarize(logger.rows, minutes, {
+        **trainer.warm, "setup_seconds": setup_s, "initial_refit_seconds": report.seconds,
+        "initial_probe_abs_diff": first_check["probe_abs_diff"], "transport": report.transport,
+        "model": dict(MODEL_SPEC),
+        "threads": args.threads, "cpu_count": os.cpu_count()})
+    files = logger.finish(summary)
+    summary["files"] = asdict_files(files)
+    print_summary(summary)
+    return summary
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    print(f"[grpo] {s['steps']} steps in {s['minutes']:.1f} min "
+          f"(warm-start {s['warm_start_steps']} SFT steps, {s['warm_start_seconds']:.1f}s)")
+    for key in ("reward", "accuracy", "expected_accuracy"):
+        print(f"[grpo] {key:18s} {s['start_' + key]:.3f} -> {s['end_' + key]:.3f} "
+              f"({100 * (s['end_' + key] - s['start_' + key]):+.1f} points)")
+    print(f"[grpo] per step: sleep {s['mean_sleep_seconds']:.3f}s, wake "
+          f"{s['mean_wake_seconds']:.3f}s, refit {s['mean_refit_seconds']:.3f}s "
+          f"({s['transport']}), train {s['mean_train_seconds']:.3f}s, rollout "
+          f"{s['mean_rollout_tokens_per_s']:.0f} tok/s")
+    print(f"[grpo] logprob mismatch: rollout vs trainer {s['mean_logprob_abs_diff']:.2e} "
+          f"(K3 KL {s['mean_kl_k3']:.2e}); probe after refit max {s['max_probe_abs_diff']:.2e}")
+    print(f"[grpo] reward curve: {s['files']['plot']}")
+    print(f"[grpo] step log:     {s['files']['jsonl']}")

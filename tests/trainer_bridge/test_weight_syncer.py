@@ -1,0 +1,128 @@
+"""WeightSyncer over every transport: an engine on W1 synced from a transformers model on W2
+answers exactly like a fresh W2 engine (greedy tokens and logprobs, bit for bit)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.trainer_bridge.conftest import PROBE, rollouts, tokens_and_logprobs
+from trainer_bridge import WeightSyncer
+from trainer_bridge.bucketing import nbytes, state_dict_items
+from trainer_bridge.transports import WeightSyncError
+
+BUCKET = 64 << 10  # the tiny model is ~420 KB: several buckets
+
+
+class Recorder:
+    """Wraps an engine and records the weight updates it is asked for."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.updates: list[dict[str, Any]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.engine, name)
+        if not name.startswith("update_weights_from"):
+            return attr
+
+        def record(*args: Any, **kwargs: Any) -> Any:
+            self.updates.append({"method": name, **kwargs})
+            return attr(*args, **kwargs)
+        return record
+
+
+@pytest.mark.parametrize("transport,bucket_bytes", [
+    ("tensor", None), ("tensor", BUCKET), ("distributed", None), ("distributed", BUCKET),
+    ("disk", None)])
+def test_sync_makes_a_w1_engine_answer_like_w2(engine_on_w1, w2, transport, bucket_bytes):
+    engine = Recorder(engine_on_w1)
+    payload = nbytes(state_dict_items(w2.model))
+    with WeightSyncer(engine, transport=transport, bucket_bytes=bucket_bytes) as syncer:
+        report = syncer.sync(w2.model, version="step-1")
+        rows = rollouts(engine_on_w1)
+        assert tokens_and_logprobs(rows) == w2.expected
+        assert {v for _, _, v in rows} == {"step-1"}
+        assert engine_on_w1.get_weights_by_name(PROBE, 4) == w2.probe
+        assert engine_on_w1.get_weight_version() == "step-1"
+
+        assert report.version == "step-1" and report.num_engines == 1
+        assert report.transport == transport
+        # buckets add at most 15 alignment bytes per tensor
+        num_tensors = len(list(state_dict_items(w2.model)))
+        assert payload <= report.bytes <= payload + 15 * num_tensors
+        assert report.seconds > 0
+        assert report.gbps == pytest.approx(report.bytes / report.seconds / 1e9)
+        # one engine call per bucket; only the last one names the final version
+        versions = [u["weight_version"] for u in engine.updates]
+        assert versions[-1] == "step-1"
+        if bucket_bytes is None:
+            assert len(versions) == 1
+        else:
+            assert len(versions) >= payload // BUCKET
+            assert versions[:-1] == [f"step-1.partial{i}" for i in range(len(versions) - 1)]
+            assert [u["flush_cache"] for u in engine.updates] == [False] * (
+                len(versions) - 1) + [True]
+        # a version of None counts up from an integer version
+        engine_on_w1.update_weight_version("41")
+        assert syncer.sync(w2.model).version == "42" == engine_on_w1.get_weight_version()
+    engine_on_w1.check_integrity()
+
+
+def test_a_rejected_update_changes_nothing(engine_on_w1, w1, w2):
+    """A bad tensor is refused as a whole; the group survives (the engine drained the
+    broadcast) and the next sync works."""
+    bad = [(n, torch.zeros(3, 3) if n == PROBE else t) for n, t in state_dict_items(w2.model)]
+    with WeightSyncer(engine_on_w1, transport="distributed", bucket_bytes=None) as syncer:
+        with pytest.raises(WeightSyncError, match="shape"):
+            syncer.sync(bad, version="bad")
+        assert engine_on_w1.get_weights_by_name(PROBE, 4) == w1.probe
+        engine_on_w1.flush_cache()  # the failed call left the cache alone, as it should
+        assert tokens_and_logprobs(rollouts(engine_on_w1)) == w1.expected
+        assert engine_on_w1.get_weight_version() == "w1"
+        syncer.sync(w2.model, version="good")
+        assert tokens_and_logprobs(rollouts(engine_on_w1)) == w2.expected
+    with pytest.raises(WeightSyncError, match="unknown weight name"):
+        WeightSyncer(engine_on_w1, "tensor").sync([("nope", torch.zeros(1))], "bad")
+    assert engine_on_w1.get_weight_version() == "good"
+
+
+def test_two_engines_are_synced_at_once(engine_on_w1, second_engine, w1, w2):
+    engines = [engine_on_w1, second_engine]
+    with WeightSyncer(engines, transport="distributed", bucket_bytes=BUCKET) as syncer:
+        assert syncer.transport.world_size == 3
+        report = syncer.sync(w1.model, version="both-w1")
+        assert report.num_engines == 2
+        for e in engines:
+            assert tokens_and_logprobs(rollouts(e)) == w1.expected
+            assert e.get_weights_by_name(PROBE, 4) == w1.probe
+        syncer.sync(w2.model, version="both-w2")
+        for e in engines:
+            assert tokens_and_logprobs(rollouts(e)) == w2.expected
+            assert e.get_weight_version() == "both-w2"
+    # close() destroyed the group on both engines: the name is free again
+    for e in engines:
+        ok, message = e.destroy_weights_update_group("weight_update_group")
+        assert not ok and "no weight update group" in message
+    with WeightSyncer(engines, transport="distributed", bucket_bytes=None) as syncer:
+        syncer.sync(w2.model, version="again")
+    assert second_engine.get_weight_version() == "again"
+
+
+def test_bad_arguments_are_refused(engine_on_w1):
+    with pytest.raises(ValueError, match="transport"):
+        WeightSyncer(engine_on_w1, transport="carrier-pigeon")
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        WeightSyncer(engine_on_w1, transport="tensor", bucket_bytes=0)
+    with pytest.raises(ValueError, match="backend"):
+        WeightSyncer(engine_on_w1, transport="distributed", backend="mpi")
+    with pytest.raises(ValueError, match="engines"):
+        WeightSyncer([], transport="tensor")
+    syncer = WeightSyncer(engine_on_w1, transport="tensor")
+    with pytest.raises(ValueError, match="version"):
+        syncer.sync([], version="")
+    syncer.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        syncer.sync([], version="x")
