@@ -1,0 +1,175 @@
+"""RolloutClient / AsyncRolloutClient against a mock transport: each method hits its route
+with API.md's body, parses the answer, and turns error statuses into RolloutError."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from rollout_engine.protocol.tensor_payload import deserialize_named_tensors
+from trainer_bridge import AsyncRolloutClient, RolloutClient, RolloutError
+
+OK = {"success": True, "message": "ok"}
+GEN_OUT = {"text": "ab", "output_ids": [5, 6], "meta_info": {
+    "id": "r", "finish_reason": {"type": "length", "length": 2}, "weight_version": "3",
+    "weight_versions": ["3"], "output_token_logprobs": [[-0.5, 5, None], [-1.5, 6, None]]}}
+
+# (call, method, path, body the server must see (None: no body), answer, expected return)
+ROUTES: list[tuple[Any, str, str, Any, Any, Any]] = [
+    (lambda c: c.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 2}),
+     "POST", "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2},
+                           "return_logprob": False, "top_logprobs_num": 0,
+                           "logprob_start_len": -1}, GEN_OUT, GEN_OUT),
+    (lambda c: c.health(), "GET", "/health", None, {"status": "ok"}, True),
+    (lambda c: c.health_generate(), "GET", "/health_generate", None, {"status": "ok"}, True),
+    (lambda c: c.get_model_info(), "GET", "/get_model_info", None, {"model_path": "m"},
+     {"model_path": "m"}),
+    (lambda c: c.get_server_info(), "GET", "/get_server_info", None, {"paused": False},
+     {"paused": False}),
+    (lambda c: c.flush_cache(), "POST", "/flush_cache", None, OK, True),
+    (lambda c: c.abort_request(abort_all=True), "POST", "/abort_request",
+     {"rid": "", "abort_all": True}, OK, None),
+    (lambda c: c.pause_generation("retract"), "POST", "/pause_generation", {"mode": "retract"},
+     {**OK, "result": {"mode": "retract"}}, {"mode": "retract"}),
+    (lambda c: c.continue_generation(), "POST", "/continue_generation", {},
+     {**OK, "result": {"paused": False}}, {"paused": False}),
+    (lambda c: c.release_memory_occupation(["kv_cache"]), "POST", "/release_memory_occupation",
+     {"tags": ["kv_cache"]}, {**OK, "result": {"released": ["kv_cache"]}},
+     {"released": ["kv_cache"]}),
+    (lambda c: c.resume_memory_occupation(), "POST", "/resume_memory_occupation", {},
+     {**OK, "result": {"released": []}}, {"released": []}),
+    (lambda c: c.update_weights_from_disk("/ckpt", weight_version="7"), "POST",
+     "/update_weights_from_disk", {"model_path": "/ckpt", "load_format": None,
+                                   "weight_version": "7", "flush_cache": True,
+                                   "abort_all_requests": False}, OK, (True, "ok")),
+    (lambda c: c.init_weights_update_group("127.0.0.1", 29500, 1, 2, backend="gloo"), "POST",
+     "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 29500,
+                                    "rank_offset": 1, "world_size": 2,
+                                    "group_name": "weight_update_group", "backend": "gloo"},
+     OK, (True, "ok")),
+    (lambda c: c.update_weights_from_distributed(["w"], [torch.bfloat16], [(2, 3)],
+                                                 load_format="flattened_bucket"),
+     "POST", "/update_weights_from_distributed",
+     {"names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2, 3]],
+      "group_name": "weight_update_group", "load_format": "flattened_bucket",
+      "flush_cache": True, "weight_version": None}, {"success": False, "message": "no"},
+     (False, "no")),
+    (lambda c: c.destroy_weights_update_group(), "POST", "/destroy_weights_update_group",
+     {"group_name": "weight_update_group"}, OK, (True, "ok")),
+    (lambda c: c.get_weights_by_name("w", 2), "POST", "/get_weights_by_name",
+     {"name": "w", "truncate_size": 2}, [[1.0, 2.0]], [[1.0, 2.0]]),
+    (lambda c: c.get_weight_version(), "GET", "/get_weight_version", None,
+     {"weight_version": "3"}, "3"),
+    (lambda c: c.update_weight_version("4"), "POST", "/update_weight_version",
+     {"new_version": "4"}, {**OK, "result": {"weight_version": "4"}}, "4"),
+]
+ADMIN = {"/flush_cache", "/abort_request", "/pause_generation", "/continue_generation",
+         "/release_memory_occupation", "/resume_memory_occupation", "/update_weights_from_disk",
+         "/update_weights_from_tensor", "/init_weights_update_group",
+         "/update_weights_from_distributed", "/destroy_weights_update_group",
+         "/update_weight_version"}
+
+
+class FakeServer:
+    def __init__(self, answer: Any = None, status: int = 200) -> None:
+        self.answer, self.status = answer, status
+        self.seen: list[httpx.Request] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.seen.append(request)
+        if isinstance(self.answer, str):
+            return httpx.Response(self.status, text=self.answer)
+        return httpx.Response(self.status, json=self.answer)
+
+    def body(self) -> Any:
+        content = self.seen[-1].content
+        return json.loads(content) if content else None
+
+
+def _client(server: FakeServer, **kw: Any) -> RolloutClient:
+    return RolloutClient("http://rollout:30000/", transport=httpx.MockTransport(server), **kw)
+
+
+@pytest.mark.parametrize("call,method,path,body,answer,expected", ROUTES,
+                         ids=[r[2] for r in ROUTES])
+def test_every_route_sync_and_async(call, method, path, body, answer, expected):
+    server = FakeServer(answer)
+    with _client(server, api_key="user", admin_api_key="admin") as client:
+        assert call(client) == expected
+    request = server.seen[-1]
+    assert (request.method, request.url.path, server.body()) == (method, path, body)
+    key = "admin" if path in ADMIN else "user"
+    assert request.headers["authorization"] == f"Bearer {key}"
+
+    async def run() -> Any:
+        async with AsyncRolloutClient("http://rollout:30000",
+                                      transport=httpx.MockTransport(server)) as client:
+            return await call(client)
+    assert asyncio.run(run()) == expected
+    assert (server.seen[-1].url.path, server.body()) == (path, body)
+    assert "authorization" not in server.seen[-1].headers
+
+
+def test_update_weights_from_tensor_sends_handles():
+    server = FakeServer(OK)
+    tensors = [("a", torch.arange(6.0).view(2, 3)), ("b", torch.ones(2, dtype=torch.int64))]
+    with _client(server) as client:
+        assert client.update_weights_from_tensor(iter(tensors), weight_version="2") == (
+            True, "ok")
+    body = server.body()
+    assert set(body) == {"serialized_named_tensors", "load_format", "flush_cache",
+                         "weight_version"} and body["weight_version"] == "2"
+    (payload,) = body["serialized_named_tensors"]
+    got = deserialize_named_tensors(payload)
+    assert [n for n, _ in got] == ["a", "b"]
+    assert all(torch.equal(g, t) for (_, g), (_, t) in zip(got, tensors))
+
+
+def test_generate_batch_returns_rollouts():
+    second = {**GEN_OUT, "output_ids": [7], "meta_info": {
+        **GEN_OUT["meta_info"], "weight_versions": ["3", "4"],
+        "output_token_logprobs": [[-0.25, 7, None]]}}
+    server = FakeServer([GEN_OUT, second, GEN_OUT, GEN_OUT])
+    with _client(server) as client:
+        rollouts = client.generate_batch(["x", "y"], {"temperature": 1.0}, n=2)
+    assert server.body() == {"text": ["x", "y"], "sampling_params": {"temperature": 1.0, "n": 2},
+                             "return_logprob": True}
+    assert [(r.prompt_index, r.sample_index) for r in rollouts] == [(0, 0), (0, 1), (1, 0),
+                                                                     (1, 1)]
+    assert rollouts[0].output_ids == [5, 6] and rollouts[0].output_logprobs == [-0.5, -1.5]
+    assert rollouts[1].weight_versions == ["3", "4"] and rollouts[1].weight_version == "4"
+    with pytest.raises(ValueError, match="prompts_or_ids"):
+        _client(server).generate_batch([])
+
+
+@pytest.mark.parametrize("status,answer,message", [
+    (400, {"error": {"message": "max_new_tokens: must be >= 0", "code": 400}},
+     "max_new_tokens: must be >= 0"),
+    (409, {"success": False, "message": "busy", "error": {"message": "busy"}}, "busy"),
+    (401, {"detail": "bad key"}, "bad key"),
+    (500, "Internal Server Error", "Internal Server Error"),
+])
+def test_errors_raise_rollout_error(status, answer, message):
+    with _client(FakeServer(answer, status)) as client, pytest.raises(RolloutError) as info:
+        client.flush_cache()
+    assert (info.value.status, info.value.message) == (status, message)
+
+
+def test_health_and_wait_healthy():
+    with _client(FakeServer({"error": {"message": "asleep"}}, 503)) as client:
+        assert client.health() is False
+        with pytest.raises(TimeoutError, match="not healthy"):
+            client.wait_healthy(timeout=0.3, interval=0.05)
+    with _client(FakeServer({"status": "ok"})) as client:
+        client.wait_healthy(timeout=5)
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+    client = RolloutClient("http://rollout:1", transport=httpx.MockTransport(refuse))
+    with pytest.raises(TimeoutError, match="refused"):
+        client.wait_healthy(timeout=0.2, interval=0.05)
