@@ -65,6 +65,7 @@ ROUTES: list[tuple[Any, str, str, Any, Any, Any]] = [
      {"name": "w", "truncate_size": 2}, [[1.0, 2.0]], [[1.0, 2.0]]),
     (lambda c: c.get_weight_version(), "GET", "/get_weight_version", None,
      {"weight_version": "3"}, "3"),
+    (lambda c: c.metrics(), "GET", "/metrics", None, "up 1\n", "up 1\n"),
     (lambda c: c.update_weight_version("4"), "POST", "/update_weight_version",
      {"new_version": "4"}, {**OK, "result": {"weight_version": "4"}}, "4"),
 ]

@@ -1,0 +1,102 @@
+"""RolloutClient against a live server (create_app over the shared engine, uvicorn in a
+thread): rollouts, and WeightSyncer / engine_sleeping driving the server through the client.
+Routes the server does not have yet are skipped, by name."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.trainer_bridge.conftest import GREEDY, PROBE, PROMPTS, tokens_and_logprobs
+from trainer_bridge import RolloutClient, RolloutError, WeightSyncer, engine_sleeping
+from trainer_bridge.transports.distributed import free_port
+
+ADMIN_KEY = "admin-secret"
+
+
+@pytest.fixture(scope="module")
+def served(engine: Any) -> Iterator[tuple[RolloutClient, set[str]]]:
+    uvicorn = pytest.importorskip("uvicorn")
+    from rollout_engine.entrypoints.http_server import create_app
+
+    app = create_app(engine, admin_api_key=ADMIN_KEY)
+    routes = {getattr(r, "path", "") for r in app.routes}
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    client = RolloutClient(f"http://127.0.0.1:{port}", admin_api_key=ADMIN_KEY, timeout=120)
+    client.wait_healthy(30)
+    yield client, routes
+    client.close()
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def needs(routes: set[str], *paths: str) -> None:
+    missing = [p for p in paths if p not in routes]
+    if missing:
+        pytest.skip(f"the server has no {', '.join(missing)} yet")
+
+
+def client_rollouts(client: RolloutClient) -> list[Any]:
+    out = []
+    for ids in PROMPTS:
+        (r,) = client.generate_batch([ids], GREEDY, n=1)
+        out.append((r.output_ids, r.output_logprobs))
+    return out
+
+
+def test_rollouts_over_http(served, engine_on_w1, w1):
+    client, _ = served
+    assert client.health() and client.get_model_info()["weight_version"] == "w1"
+    assert client_rollouts(client) == w1.expected  # same numbers as the Python Engine
+    rollouts = client.generate_batch(PROMPTS, {"temperature": 1.0, "max_new_tokens": 4,
+                                               "sampling_seed": 3}, n=3)
+    assert [(r.prompt_index, r.sample_index) for r in rollouts] == [
+        (p, s) for p in range(len(PROMPTS)) for s in range(3)]
+    for r in rollouts:
+        assert len(r.output_ids) == len(r.output_logprobs) == 4
+        assert all(lp <= 0 for lp in r.output_logprobs) and r.weight_versions == ["w1"]
+    assert client.get_weight_version() == "w1"
+    assert "# TYPE" in client.metrics()
+    with pytest.raises(RolloutError) as info:
+        client.generate(input_ids=[1], sampling_params={"max_new_tokens": -1})
+    assert info.value.status == 400 and "max_new_tokens" in info.value.message
+    with pytest.raises(RolloutError) as info:
+        RolloutClient(client.base_url, admin_api_key="wrong").flush_cache()
+    assert info.value.status == 401
+
+
+@pytest.mark.parametrize("transport,route", [
+    ("tensor", "/update_weights_from_tensor"),
+    ("distributed", "/update_weights_from_distributed"),
+    ("disk", "/update_weights_from_disk")])
+def test_weight_syncer_through_the_client(served, engine_on_w1, w2, transport, route):
+    client, routes = served
+    needs(routes, route, "/get_weights_by_name", "/init_weights_update_group",
+          "/destroy_weights_update_group")
+    with WeightSyncer(client, transport=transport, bucket_bytes=96 << 10) as syncer:
+        report = syncer.sync(w2.model, version="http-1")
+    assert report.version == client.get_weight_version() == "http-1"
+    assert client_rollouts(client) == w2.expected
+    assert client.get_weights_by_name(PROBE, 4) == w2.probe
+
+
+def test_engine_sleeping_through_the_client(served, engine_on_w1, w2):
+    client, routes = served
+    needs(routes, "/release_memory_occupation", "/resume_memory_occupation",
+          "/update_weights_from_tensor")
+    with WeightSyncer(client, transport="tensor") as syncer:
+        with engine_sleeping(client, syncer, w2.model, version="woke") as report:
+            assert client.get_server_info()["released_memory"] != []
+    assert report.bytes_freed > 0 and report.sync.version == "woke"
+    assert client_rollouts(client) == w2.expected
