@@ -234,7 +234,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, prompts: list
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         clips.append(info["clip_frac"])
     stats["loss"] = sum(losses) / len(losses) if losses else 0.0
     stats["clip_frac"] = sum(clips) / len(clips) if clips else 0.0

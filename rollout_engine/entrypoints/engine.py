@@ -136,6 +136,9 @@ class Engine:
         if isinstance(named_tensors, list) and named_tensors and isinstance(named_tensors[0], str):
             serialized = named_tensors
         else:
+            if not isinstance(named_tensors, (list, tuple, dict)) and hasattr(named_tensors,
+                                                                             "__iter__"):
+                named_tensors = list(named_tensors)   # e.g. model.named_parameters()
             serialized = [serialize_named_tensors(named_tensors)]
         return self._update("update_weights_from_tensor", serialized_named_tensors=serialized,
                             load_format=load_format, flush_cache=flush_cache,

@@ -91,14 +91,14 @@ def parse_args(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> 
 
 
 def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
-    from rollout_engine.entrypoints.http_server import run_server
-
     kwargs = parse_args(argv, prog)
     try:
         EngineConfig.from_kwargs(**kwargs)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from rollout_engine.entrypoints.http_server import run_server  # heavy: after validation
+
     return run_server(kwargs)
 
 

@@ -65,8 +65,11 @@ def engine(w1_w2: tuple[str, str]) -> Iterator[Any]:
     from rollout_engine import Engine
 
     eng = Engine(model_path=w1_w2[0], dtype="float32", device="cpu")
-    yield eng
-    eng.shutdown()
+    try:
+        yield eng
+        eng.check_integrity()  # no KV slot leaked across all the refits
+    finally:
+        eng.shutdown()
 
 
 @pytest.fixture(scope="package")
@@ -76,8 +79,11 @@ def second_engine(w1_w2: tuple[str, str]) -> Iterator[Any]:
     from rollout_engine import Engine
 
     eng = Engine(model_path=w1_w2[1], dtype="float32", device="cpu", scheduler_mode="thread")
-    yield eng
-    eng.shutdown()
+    try:
+        yield eng
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
 
 
 @pytest.fixture(scope="package")

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.trainer_bridge.conftest import GREEDY, PROBE, PROMPTS, tokens_and_logprobs
+from tests.trainer_bridge.conftest import GREEDY, PROBE, PROMPTS
 from trainer_bridge import RolloutClient, RolloutError, WeightSyncer, engine_sleeping
 from trainer_bridge.transports.distributed import free_port
 

@@ -3,6 +3,7 @@ answers exactly like a fresh W2 engine (greedy tokens and logprobs, bit for bit)
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -126,3 +127,15 @@ def test_bad_arguments_are_refused(engine_on_w1):
     syncer.close()
     with pytest.raises(RuntimeError, match="closed"):
         syncer.sync([], version="x")
+
+
+def test_an_engine_refusing_the_group_fails_fast(engine_on_w1, w2):
+    """init_weights_update_group blocks until all ranks join; a refusal must not leave the
+    trainer waiting for the gloo timeout."""
+    with WeightSyncer(engine_on_w1, transport="distributed") as first:
+        start = time.monotonic()
+        with pytest.raises(WeightSyncError, match="already exists"):
+            WeightSyncer(engine_on_w1, transport="distributed")
+        assert time.monotonic() - start < 30
+        first.sync(w2.model, version="still-works")  # the first group is untouched
+    assert engine_on_w1.get_weight_version() == "still-works"

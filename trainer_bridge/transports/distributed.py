@@ -68,6 +68,7 @@ class DistributedTransport(WeightTransport):
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
             else torch.device("cpu")
         self.store: Optional[dist.TCPStore] = None
+        self.port: Optional[int] = None  # the group's port (master_port, or a free one)
         self.pg: Any = None
         self.world_size = 0
         self.broken: Optional[str] = None
@@ -84,23 +85,27 @@ class DistributedTransport(WeightTransport):
             raise ValueError(f"group_name: {self.group_name!r} is already initialized")
         if not engines:
             raise ValueError("engines: need at least one engine")
-        if self.master_port is None:
-            self.master_port = free_port(self.master_address)
-        self.world_size = 1 + len(engines)
+        port = self.master_port if self.master_port is not None else free_port(
+            self.master_address)
+        world_size = 1 + len(engines)
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        self.store = dist.TCPStore(self.master_address, self.master_port, self.world_size,
-                                   is_master=True, timeout=timeout, wait_for_workers=False)
-        joins = [spawn(checked, e, "init_weights_update_group", self.master_address,
-                       self.master_port, i + 1, self.world_size, group_name=self.group_name,
-                       backend=self.backend) for i, e in enumerate(engines)]
-        own = spawn(self._make_group, timeout)
+        store = dist.TCPStore(self.master_address, port, world_size, is_master=True,
+                              timeout=timeout, wait_for_workers=False)
+        joins = [spawn(checked, e, "init_weights_update_group", self.master_address, port,
+                       i + 1, world_size, group_name=self.group_name, backend=self.backend)
+                 for i, e in enumerate(engines)]
+        own = spawn(self._make_group, store, world_size, timeout)
+        # on failure, engines still waiting give up at their own timeout, and the trainer's
+        # half-made group (and its store) dies with its thread
         self.pg = call_all([*joins, own], self.timeout_s)[-1]
+        self.store, self.port, self.world_size = store, port, world_size
 
-    def _make_group(self, timeout: datetime.timedelta) -> Any:
-        prefix = dist.PrefixStore(self.group_name, self.store)
+    def _make_group(self, store: dist.TCPStore, world_size: int,
+                    timeout: datetime.timedelta) -> Any:
+        prefix = dist.PrefixStore(self.group_name, store)
         if self.backend == "gloo":
-            return dist.ProcessGroupGloo(prefix, 0, self.world_size, timeout)
-        return dist.ProcessGroupNCCL(prefix, 0, self.world_size)
+            return dist.ProcessGroupGloo(prefix, 0, world_size, timeout)
+        return dist.ProcessGroupNCCL(prefix, 0, world_size)
 
     def close(self, engines: Sequence[Any]) -> None:
         """Destroy the group on every engine, then drop the trainer's side."""
@@ -112,7 +117,8 @@ class DistributedTransport(WeightTransport):
                 checked(e, "destroy_weights_update_group", self.group_name)
             except Exception as exc:  # noqa: BLE001 - tear down the rest anyway
                 errors.append(exc)
-        self.pg, self.store = None, None
+        self.pg, self.store, self.port, self.world_size = None, None, None, 0
+        self.broken = None
         if errors:
             raise errors[0]
 

@@ -59,6 +59,16 @@ def _indptr(lens: list[int]) -> torch.Tensor:
     return out
 
 
+def check_supported(device: torch.device, dtype: torch.dtype) -> None:
+    """FlashInfer runs on CUDA, in float16 or bfloat16 (its kernels have no float32 path)."""
+    if device.type != "cuda":
+        raise ValueError(f"attention_backend 'flashinfer' needs CUDA, the KV pool is on "
+                         f"{device.type!r}; use 'torch_native' on CPU")
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"attention_backend 'flashinfer' needs dtype float16 or bfloat16, "
+                         f"got {dtype}; use attention_backend='triton' for float32")
+
+
 class FlashInferBackend(AttentionBackend):
     """Decode: ``BatchDecodeWithPagedKVCacheWrapper``; extend (with or without a cached
     prefix): ``BatchPrefillWithPagedKVCacheWrapper`` with a causal mask."""
@@ -71,12 +81,7 @@ class FlashInferBackend(AttentionBackend):
             raise ValueError(
                 "attention_backend 'flashinfer' needs the flashinfer-python package "
                 "(pip install flashinfer-python); or choose attention_backend='triton'") from e
-        if kv_pool.device.type != "cuda":
-            raise ValueError(f"attention_backend 'flashinfer' needs CUDA, the KV pool is on "
-                             f"{kv_pool.device.type!r}; use 'torch_native' on CPU")
-        if kv_pool.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"attention_backend 'flashinfer' needs dtype float16 or bfloat16, "
-                             f"got {kv_pool.dtype}; use attention_backend='triton' for float32")
+        check_supported(kv_pool.device, kv_pool.dtype)
         self._fi: Any = flashinfer
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=kv_pool.device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")

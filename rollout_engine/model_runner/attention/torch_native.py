@@ -14,8 +14,11 @@ from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
 
 @dataclass
 class _DecodeMeta:
-    slot_index: torch.Tensor   # [B, L] slots, padded
+    slot_index: torch.Tensor   # [B * L] slots of each row, padded to L (flattened)
     mask: torch.Tensor         # [B, 1, 1, L] True where the slot is a real token
+    max_len: int               # L
+    k_gather: torch.Tensor     # [B * L, Hkv, D] scratch, reused by every layer of this forward
+    v_gather: torch.Tensor
 
 
 @dataclass
@@ -29,10 +32,15 @@ class TorchNativeBackend(AttentionBackend):
         table = self.req_to_token.table
         if fb.mode == ForwardMode.DECODE:
             max_len = max(fb.seq_lens_list)
-            idx = table[fb.req_pool_indices, :max_len]
+            idx = table[fb.req_pool_indices, :max_len].reshape(-1)
             ar = torch.arange(max_len, device=idx.device)
             mask = (ar[None, :] < fb.seq_lens[:, None])[:, None, None, :]
-            fb.attn_metadata = _DecodeMeta(idx, mask)
+            pool = self.kv_pool
+            scratch = (idx.numel(), *pool.shape[1:])
+            fb.attn_metadata = _DecodeMeta(
+                idx, mask, max_len,
+                torch.empty(scratch, dtype=pool.dtype, device=pool.device),
+                torch.empty(scratch, dtype=pool.dtype, device=pool.device))
             return
         rows, masks = [], []
         for b, row in enumerate(fb.req_pool_indices.tolist()):
@@ -53,20 +61,28 @@ class TorchNativeBackend(AttentionBackend):
         kbuf, vbuf = pool.k_buffers[layer_id], pool.v_buffers[layer_id]
         meta = fb.attn_metadata
         if isinstance(meta, _DecodeMeta):
-            keys = kbuf[meta.slot_index].transpose(1, 2)     # [B, Hkv, L, D]
-            values = vbuf[meta.slot_index].transpose(1, 2)
-            out = F.scaled_dot_product_attention(
-                q[:, :, None, :], keys, values, attn_mask=meta.mask, scale=scaling,
-                enable_gqa=True)
-            return out[:, :, 0, :]
+            # index_select into per-forward scratch: no fresh 10-100 MB allocation (page faults)
+            # per layer, and much faster than advanced indexing on CPU
+            bsz, hkv, hd = q.shape[0], kbuf.shape[1], kbuf.shape[2]
+            shape = (bsz, meta.max_len, hkv, hd)
+            keys = torch.index_select(kbuf, 0, meta.slot_index, out=meta.k_gather)
+            values = torch.index_select(vbuf, 0, meta.slot_index, out=meta.v_gather)
+            keys = keys.view(shape).transpose(1, 2)          # [B, Hkv, L, D]
+            values = values.view(shape).transpose(1, 2)
+            # GQA without repeating K/V: the G query heads of each KV head act as G queries
+            # (query head h reads KV head h // G, as enable_gqa does)
+            qg = q.reshape(bsz, hkv, q.shape[1] // hkv, hd)  # [B, Hkv, G, D]
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.mask,
+                                                 scale=scaling)
+            return out.reshape(bsz, q.shape[1], hd)
         assert isinstance(meta, _ExtendMeta)
         outs = []
         start = 0
         for b, slots in enumerate(meta.slot_rows):
             ext = fb.extend_lens_list[b]
             qb = q[start:start + ext].transpose(0, 1)[None]     # [1, Hq, E, D]
-            keys = kbuf[slots].transpose(0, 1)[None]             # [1, Hkv, L, D]
-            values = vbuf[slots].transpose(0, 1)[None]
+            keys = kbuf.index_select(0, slots).transpose(0, 1)[None]    # [1, Hkv, L, D]
+            values = vbuf.index_select(0, slots).transpose(0, 1)[None]
             out = F.scaled_dot_product_attention(
                 qb, keys, values, attn_mask=meta.masks[b], scale=scaling, enable_gqa=True)
             outs.append(out[0].transpose(0, 1))
