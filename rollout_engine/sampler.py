@@ -60,10 +60,19 @@ class SampleOutput:
     top_logprobs: Optional[list[list[tuple[float, int]]]]  # when top_logprobs_num > 0
 
 
+def _scaled(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """``logits / T`` per row, ``T = 1`` where ``T == 0``. When every ``T`` is 1 it returns
+    ``logits`` itself (``x / 1 == x`` exactly), saving a [B, V] pass and allocation: callers
+    must not modify the result in place."""
+    t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
+    if bool((t == 1).all()):
+        return logits
+    return logits / t[:, None]
+
+
 def compute_logprobs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """``log_softmax(logits / T)`` with ``T = 1`` where ``T == 0`` (greedy)."""
-    t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
-    return torch.log_softmax(logits / t[:, None], dim=-1)
+    return torch.log_softmax(_scaled(logits, temperatures), dim=-1)
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
@@ -71,10 +80,13 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
     logprobs = compute_logprobs(logits, sb.temperatures)
     logits = apply_penalties(logits, sb)
     greedy = sb.temperatures == 0
-    tokens = torch.argmax(logits, dim=-1)
-    if not bool(greedy.all()):
+    all_greedy = bool(greedy.all())
+    # argmax over [B, V] only when some row is greedy
+    tokens = torch.argmax(logits, dim=-1) if all_greedy or bool(greedy.any()) else None
+    if not all_greedy:
         sampled = _sample_filtered(logits, sb)
-        tokens = torch.where(greedy, tokens, sampled)
+        tokens = sampled if tokens is None else torch.where(greedy, tokens, sampled)
+    assert tokens is not None
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
     top = None
     if sb.top_logprobs_num > 0:
@@ -95,8 +107,7 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 def filtered_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """softmax(logits / T) restricted by top-k, top-p and min-p, renormalised. [B, V]."""
-    t = torch.where(sb.temperatures > 0, sb.temperatures, torch.ones_like(sb.temperatures))
-    probs = torch.softmax(logits / t[:, None], dim=-1)
+    probs = torch.softmax(_scaled(logits, sb.temperatures), dim=-1)
     vocab = probs.shape[-1]
     need_sort = bool((sb.top_ks < vocab).any()) or bool((sb.top_ps < 1.0).any())
     if need_sort:
@@ -112,12 +123,15 @@ def filtered_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     if bool((sb.min_ps > 0).any()):
         threshold = probs.max(dim=-1, keepdim=True).values * sb.min_ps[:, None]
         probs = torch.where(probs >= threshold, probs, torch.zeros_like(probs))
-    return probs / probs.sum(dim=-1, keepdim=True)
+    # every path above leaves ``probs`` a fresh tensor of our own: normalise in place
+    return probs.div_(probs.sum(dim=-1, keepdim=True))
 
 
 def _sample_filtered(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    probs = filtered_probs(logits, sb).double()
-    cdf = probs.cumsum(dim=-1)
+    probs = filtered_probs(logits, sb)
+    # accumulate in float64 without materialising a float64 copy of probs (float32 -> float64
+    # is exact, so this equals probs.double().cumsum(-1))
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     u = sb.uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
     idx = torch.searchsorted(cdf, u, right=True).squeeze(1)
     idx = idx.clamp_(max=probs.shape[-1] - 1)

@@ -2,8 +2,8 @@
 model, the supervised warm-start, the trainer's re-scoring and the clipped GRPO loss.
 
 Task: the prompt is ``<bos>a+b=`` (a, b in 0..9, one token per digit); the answer is the sum's
-digits then ``<eos>``. Reward: 1.0 for the exact answer, 0.1 for a wrong but well-formed
-number ending in ``<eos>``, 0.0 otherwise. Accuracy is the exact-match rate. Because the whole
+digits then ``<eos>``. Reward: 1.0 for the exact answer, else partial credit: 0.5 x the
+fraction of answer positions (digits, ``<eos>``) it gets right. Accuracy is the exact-match rate. Because the whole
 task is 100 problems, the trainer can also compute the *expected* accuracy at temperature 1
 exactly (the mean probability of the correct completion), a noise-free learning curve.
 """
@@ -26,6 +26,7 @@ MODEL_SPEC = dict(arch="qwen2", hidden_size=128, num_layers=2, num_heads=4, num_
                   intermediate_size=512, vocab_size=512)
 MAX_NEW_TOKENS = 4          # longest answer is "18" + <eos>; room for one malformed token
 PROBE_TEXT = "7+8=15"       # the fixed sequence whose logprobs must match after every refit
+PARTIAL_CREDIT = 0.5        # reward share of a wrong answer with some right digits
 LOGPROB_TOL = 1e-4          # float32 on CPU: engine and trainer agree to ~1e-6
 
 
@@ -62,8 +63,9 @@ def load_trainer_model(model_dir: Path) -> torch.nn.Module:
 class AdditionTask:
     """``a+b=`` for a, b in 0..9, tokenized with the model's own tokenizer."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, partial_credit: float = PARTIAL_CREDIT) -> None:
         self.tok = tokenizer
+        self.partial_credit = partial_credit
         self.bos, self.eos = tokenizer.bos_token_id, tokenizer.eos_token_id
         self.problems = [(a, b) for a in range(10) for b in range(10)]
         self.prompts = [self.encode(f"{a}+{b}=") for a, b in self.problems]
@@ -79,14 +81,15 @@ class AdditionTask:
         return rng.sample(range(len(self.problems)), k)
 
     def score(self, index: int, output_ids: list[int]) -> tuple[float, bool]:
-        """(reward, exact) of one completion of problem ``index``."""
-        if output_ids == self.answers[index]:
+        """(reward, exact) of one completion of problem ``index``: 1.0 when exact, else partial
+        credit ``partial_credit`` x the fraction of positions (digits and <eos>) that match."""
+        answer = self.answers[index]
+        if output_ids == answer:
             return 1.0, True
-        if output_ids and output_ids[-1] == self.eos and len(output_ids) >= 2:
-            body = self.tok.decode(output_ids[:-1])
-            if body.isdigit() and len(body) <= 2:
-                return 0.1, False
-        return 0.0, False
+        if self.partial_credit == 0.0:
+            return 0.0, False
+        hits = sum(a == b for a, b in zip(output_ids, answer))
+        return self.partial_credit * hits / max(len(output_ids), len(answer)), False
 
 
 # -- trainer-side scoring ------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from grpo_common import (  # noqa: E402
     LOGPROB_TOL,
     MAX_NEW_TOKENS,
     MODEL_SPEC,
+    PARTIAL_CREDIT,
     AdditionTask,
     RunLogger,
     asdict_files,
@@ -55,6 +56,8 @@ def add_common_args(p: argparse.ArgumentParser, out_dir: str) -> None:
     p.add_argument("--minibatches", type=int, default=2,
                    help="optimizer steps per rollout batch (later ones are off-policy: the "
                         "importance ratio and clipping matter)")
+    p.add_argument("--partial-credit", type=float, default=PARTIAL_CREDIT,
+                   help="reward share of a wrong answer, times its fraction of right positions")
     p.add_argument("--warm-start-target", type=float, default=0.2,
                    help="stop the supervised warm-start at this expected accuracy")
     p.add_argument("--warm-start-lr", type=float, default=3e-3)
@@ -89,7 +92,7 @@ class Trainer:
         torch.manual_seed(args.seed)
         self.model_dir = ensure_model(Path(args.model_dir), args.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        self.task = AdditionTask(self.tokenizer)
+        self.task = AdditionTask(self.tokenizer, args.partial_credit)
         self.model = load_trainer_model(self.model_dir)
         self.warm = warm_start(self.model, self.task, args.warm_start_target,
                                args.warm_start_lr, max_seconds=60.0, seed=args.seed)

@@ -220,7 +220,9 @@ class CudaGraphRunner(DecodeGraphs):
                 self.run_static(bs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+        # thread_local: in thread mode other threads of the process may touch CUDA meanwhile
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream,
+                              capture_error_mode="thread_local"):
             logits = self.run_static(bs)
         return Captured(replay=graph.replay, logits=logits)
 

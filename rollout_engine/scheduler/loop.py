@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -13,6 +14,7 @@ import queue
 import threading
 import traceback
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -153,7 +155,10 @@ class ProcessHost(SchedulerHost):
         parent, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(target=_process_main, args=(config, child),
                                 name="rollout-scheduler", daemon=True)
-        self.proc.start()
+        # OpenMP workers that spin while waiting make small decode matmuls ~5x slower when the
+        # cores are shared (the frontend, a colocated trainer); the child reads this at import.
+        with _env(OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE")):
+            self.proc.start()
         child.close()
         self.chan = PipeChannel(parent)
         self.pid = self.proc.pid
@@ -171,6 +176,20 @@ class ProcessHost(SchedulerHost):
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(timeout)
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def start_scheduler(config: EngineConfig) -> SchedulerHost:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+# Tiny-model sizes every GPU backend can run (FlashInfer wants head_dim 64, 128 or 256).
+GPU_TINY_SIZES = dict(hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512)
 # bf16 keeps 8 significant bits: a logit near 12 is rounded by up to 0.03 in transformers' own
 # 16-bit lm_head output, and a few layers of bf16 residuals add as much again.
 MIN_TOP2_GAP = 0.05
