@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 # the tiny model both examples train: ~0.6M parameters, learns the task in minutes on 2 cores
 MODEL_SPEC = dict(arch="qwen2", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,

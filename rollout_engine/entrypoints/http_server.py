@@ -12,6 +12,7 @@ import asyncio
 import logging
 import signal
 import sys
+from contextlib import aclosing
 from typing import Any, Optional
 
 from fastapi import Depends, FastAPI, Request
@@ -104,10 +105,11 @@ def create_app(engine: Engine, *, api_key: Optional[str] = None,
 
         async def chunks() -> Any:
             try:
-                async for i, chunk in service.stream(states):
-                    if with_text:
-                        chunk = _add_token_text(service, chunk)
-                    yield sse(chunk if single else {**chunk, "index": i})
+                async with aclosing(service.stream(states)) as stream:
+                    async for i, chunk in stream:
+                        if with_text:
+                            chunk = _add_token_text(service, chunk)
+                        yield sse(chunk if single else {**chunk, "index": i})
             except SchedulerDeadError as e:
                 yield sse({"error": {"message": str(e), "code": 503}})
             yield SSE_DONE

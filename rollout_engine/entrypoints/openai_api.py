@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
@@ -79,7 +80,8 @@ class OpenAIServing:
             out["text_offset"].append(len(before.decode("utf-8", "ignore")))
             before += raw
             top = tops[k] if tops is not None and k < len(tops) else None
-            entry = None if top is None and lp is None else {piece(t)[0]: v for v, t, _ in top or []}
+            entry = (None if top is None and lp is None
+                     else {piece(t)[0]: v for v, t, _ in top or []})
             if entry is not None:
                 entry.setdefault(s, lp)
             out["top_logprobs"].append(entry)
@@ -140,21 +142,23 @@ class OpenAIServing:
         metas: list[Optional[dict[str, Any]]] = [None] * len(states)
         before = [b""] * len(states)
         try:
-            async for i, chunk in self.service.stream(states):
-                meta = chunk["meta_info"]
-                reason = meta["finish_reason"]
-                logprobs = None
-                if req.logprobs is not None and chunk["output_ids"]:
-                    logprobs, before[i] = self.completion_logprobs(
-                        meta.get("output_token_logprobs") or [],
-                        meta.get("output_top_logprobs") if req.logprobs else None, before[i])
-                if reason is not None:
-                    metas[i] = meta
-                elif not chunk["text"] and logprobs is None:
-                    continue
-                yield sse({**header, "choices": [{
-                    "index": i, "text": chunk["text"], "logprobs": logprobs,
-                    "finish_reason": _finish_reason(reason), "matched_stop": _matched_stop(reason)}]})
+            async with aclosing(self.service.stream(states)) as stream:
+                async for i, chunk in stream:
+                    meta = chunk["meta_info"]
+                    reason = meta["finish_reason"]
+                    logprobs = None
+                    if req.logprobs is not None and chunk["output_ids"]:
+                        logprobs, before[i] = self.completion_logprobs(
+                            meta.get("output_token_logprobs") or [],
+                            meta.get("output_top_logprobs") if req.logprobs else None, before[i])
+                    if reason is not None:
+                        metas[i] = meta
+                    elif not chunk["text"] and logprobs is None:
+                        continue
+                    yield sse({**header, "choices": [{
+                        "index": i, "text": chunk["text"], "logprobs": logprobs,
+                        "finish_reason": _finish_reason(reason),
+                        "matched_stop": _matched_stop(reason)}]})
             if req.include_usage:
                 yield sse({**header, "choices": [], "usage": _usage(metas, req.n)})
         except SchedulerDeadError as e:
@@ -206,19 +210,21 @@ class OpenAIServing:
                 yield sse({**header, "choices": [{
                     "index": i, "delta": {"role": "assistant", "content": ""},
                     "logprobs": None, "finish_reason": None}]})
-            async for i, chunk in self.service.stream(states):
-                meta = chunk["meta_info"]
-                reason = meta["finish_reason"]
-                logprobs = (self.chat_logprobs(meta) if req.logprobs and chunk["output_ids"]
-                            else None)
-                if reason is not None:
-                    metas[i] = meta
-                elif not chunk["text"] and logprobs is None:
-                    continue
-                delta = {"content": chunk["text"]} if chunk["text"] else {}
-                yield sse({**header, "choices": [{
-                    "index": i, "delta": delta, "logprobs": logprobs,
-                    "finish_reason": _finish_reason(reason), "matched_stop": _matched_stop(reason)}]})
+            async with aclosing(self.service.stream(states)) as stream:
+                async for i, chunk in stream:
+                    meta = chunk["meta_info"]
+                    reason = meta["finish_reason"]
+                    logprobs = (self.chat_logprobs(meta) if req.logprobs and chunk["output_ids"]
+                                else None)
+                    if reason is not None:
+                        metas[i] = meta
+                    elif not chunk["text"] and logprobs is None:
+                        continue
+                    delta = {"content": chunk["text"]} if chunk["text"] else {}
+                    yield sse({**header, "choices": [{
+                        "index": i, "delta": delta, "logprobs": logprobs,
+                        "finish_reason": _finish_reason(reason),
+                        "matched_stop": _matched_stop(reason)}]})
             if req.include_usage:
                 yield sse({**header, "choices": [], "usage": _usage(metas, req.n)})
         except SchedulerDeadError as e:

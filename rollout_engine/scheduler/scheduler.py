@@ -35,10 +35,10 @@ from rollout_engine.scheduler import policy
 from rollout_engine.scheduler.batch import ScheduleBatch, build_sampling_batch
 from rollout_engine.scheduler.control import ControlHandlers
 from rollout_engine.scheduler.kv_manager import KVManager
-from rollout_engine.scheduler.rl_control import RLControl
-from rollout_engine.weights.refit import WeightUpdateGroups
 from rollout_engine.scheduler.request import Req, ReqState
+from rollout_engine.scheduler.rl_control import RLControl
 from rollout_engine.scheduler.stop import StopChecker, eos_token_ids
+from rollout_engine.weights.refit import WeightUpdateGroups
 
 logger = logging.getLogger(__name__)
 
