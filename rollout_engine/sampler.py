@@ -139,8 +139,13 @@ def _sample_filtered(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     probs = filtered_probs(logits, sb)
     b, v = probs.shape
     nb = -(-v // _BLOCK)
-    padded = torch.nn.functional.pad(probs, (0, nb * _BLOCK - v)).view(b, nb, _BLOCK)
-    block_cdf = padded.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)        # [B, nb]
+    if nb * _BLOCK != v:
+        probs_padded = torch.nn.functional.pad(probs, (0, nb * _BLOCK - v))
+    else:
+        probs_padded = probs
+    padded = probs_padded.view(b, nb, _BLOCK)
+    # float32 sums of 256 entries are exact to ~1e-7; the running total is kept in float64
+    block_cdf = padded.sum(dim=-1).to(torch.float64).cumsum(dim=-1)          # [B, nb]
     target = sb.uniforms.to(torch.float64)[:, None] * block_cdf[:, -1:]
     block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=nb - 1)   # [B, 1]
     before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)),

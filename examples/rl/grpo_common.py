@@ -104,30 +104,35 @@ def pad_batch(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def completion_logprobs(model: torch.nn.Module, prompts: list[list[int]],
-                        completions: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+                        completions: list[list[int]], pad: int, with_entropy: bool = False
+                        ) -> tuple[torch.Tensor, ...]:
     """log p(completion token | prefix) at temperature 1 for every completion token.
 
     Returns (logprobs [B, T], mask [B, T]) where T is the longest completion; row i holds the
-    logprobs of ``completions[i]`` left-aligned, mask 1 where a token exists."""
+    logprobs of ``completions[i]`` left-aligned, mask 1 where a token exists; with
+    ``with_entropy`` also the entropy [B, T] of the full next-token distribution there."""
     seqs = [p + c for p, c in zip(prompts, completions)]
     ids, attn = pad_batch(seqs, pad)
     logits = model(input_ids=ids, attention_mask=attn).logits.float()
-    logp_all = torch.log_softmax(logits[:, :-1], dim=-1)
-    token_logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)         # [B, L-1]
     width = max(1, max(len(c) for c in completions))
-    out = torch.zeros((len(seqs), width))
-    mask = torch.zeros((len(seqs), width))
     rows, cols, src = [], [], []
     for i, (p, c) in enumerate(zip(prompts, completions)):
         for j in range(len(c)):
             rows.append(i)
             cols.append(j)
-            src.append(len(p) - 1 + j)
-    if rows:
-        r, c_, s = torch.tensor(rows), torch.tensor(cols), torch.tensor(src)
-        out = out.index_put((r, c_), token_logp[r, s])
-        mask[r, c_] = 1.0
-    return out, mask
+            src.append(len(p) - 1 + j)   # the position whose logits predict completion token j
+    r, c_, s_ = torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long), \
+        torch.tensor(src, dtype=torch.long)
+    logp_all = torch.log_softmax(logits[r, s_], dim=-1)                     # [N, V]
+    targets = ids[r, s_ + 1]
+    out = torch.zeros((len(seqs), width)).index_put((r, c_), logp_all.gather(
+        -1, targets[:, None]).squeeze(-1))
+    mask = torch.zeros((len(seqs), width))
+    mask[r, c_] = 1.0
+    if not with_entropy:
+        return out, mask
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    return out, mask, torch.zeros((len(seqs), width)).index_put((r, c_), ent)
 
 
 def expected_accuracy(model: torch.nn.Module, task: AdditionTask) -> float:
@@ -175,10 +180,14 @@ def warm_start(model: torch.nn.Module, task: AdditionTask, target: float, lr: fl
 
 
 # -- GRPO ----------------------------------------------------------------------------------------
-def group_advantages(rewards: list[float], n: int, eps: float = 1e-6) -> torch.Tensor:
-    """(r - mean of its group) / (std of its group + eps); groups are consecutive runs of n."""
+def group_advantages(rewards: list[float], n: int, std_norm: bool = True,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """r - mean of its group, divided by the group's std + eps when ``std_norm`` (GRPO; off:
+    Dr. GRPO); groups are consecutive runs of n."""
     r = torch.tensor(rewards, dtype=torch.float32).view(-1, n)
-    adv = (r - r.mean(-1, keepdim=True)) / (r.std(-1, keepdim=True, unbiased=False) + eps)
+    adv = r - r.mean(-1, keepdim=True)
+    if std_norm:
+        adv = adv / (r.std(-1, keepdim=True, unbiased=False) + eps)
     return adv.view(-1)
 
 
@@ -211,10 +220,12 @@ def grpo_loss(new_lp: torch.Tensor, rollout_lp: torch.Tensor, adv: torch.Tensor,
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, prompts: list[list[int]],
                completions: list[list[int]], rollout_lps: list[list[float]],
                rewards: list[float], n: int, pad: int, clip: float, minibatches: int,
+               entropy_coef: float = 0.0, std_norm: bool = True,
                max_grad_norm: float = 1.0) -> dict[str, float]:
     """Re-score the rollout tokens (mismatch, before any update), then one pass of
-    ``minibatches`` clipped-GRPO updates over the groups."""
-    adv = group_advantages(rewards, n)
+    ``minibatches`` clipped-GRPO updates over the groups (minus ``entropy_coef`` x the
+    token-mean entropy: keeps the policy exploring)."""
+    adv = group_advantages(rewards, n, std_norm)
     with torch.no_grad():
         old_lp, mask = completion_logprobs(model, prompts, completions, pad)
     rollout_lp = torch.zeros_like(old_lp)
@@ -223,23 +234,28 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, prompts: list
     stats = mismatch_stats(old_lp, rollout_lp, mask)
     groups = len(rewards) // n
     per_mb = max(1, math.ceil(groups / minibatches))
-    losses, clips = [], []
+    losses, clips, ents = [], [], []
     for g0 in range(0, groups, per_mb):
         rows = list(range(g0 * n, min(groups, g0 + per_mb) * n))
         if not bool(adv[rows].abs().sum() > 0):
             continue  # every group here had equal rewards: no signal
-        new_lp, mb_mask = completion_logprobs(
-            model, [prompts[i] for i in rows], [completions[i] for i in rows], pad)
+        new_lp, mb_mask, ent = completion_logprobs(
+            model, [prompts[i] for i in rows], [completions[i] for i in rows], pad, True)
         w = mb_mask.shape[1]
         loss, info = grpo_loss(new_lp, rollout_lp[rows, :w], adv[rows], mb_mask, clip)
+        entropy = (ent * mb_mask).sum() / mb_mask.sum()
+        if entropy_coef:
+            loss = loss - entropy_coef * entropy
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
         losses.append(float(loss.detach()))
         clips.append(info["clip_frac"])
+        ents.append(float(entropy.detach()))
     stats["loss"] = sum(losses) / len(losses) if losses else 0.0
     stats["clip_frac"] = sum(clips) / len(clips) if clips else 0.0
+    stats["entropy"] = sum(ents) / len(ents) if ents else float("nan")
     stats["updates"] = len(losses)
     return stats
 
@@ -296,11 +312,19 @@ class RunLogger:
         import matplotlib.pyplot as plt
 
         steps = [r["step"] for r in self.rows]
+
+        def smooth(key: str, w: int = 10) -> list[float]:
+            vals = [r[key] for r in self.rows]
+            return [sum(vals[max(0, i - w + 1):i + 1]) / len(vals[max(0, i - w + 1):i + 1])
+                    for i in range(len(vals))]
+
         fig, ax = plt.subplots(figsize=(7, 4))
-        for key, label in (("reward", "mean reward (sampled, T=1)"),
-                           ("accuracy", "accuracy (sampled, T=1)"),
-                           ("expected_accuracy", "expected accuracy, all 100 problems")):
-            ax.plot(steps, [r[key] for r in self.rows], label=label)
+        ax.plot(steps, [r["reward"] for r in self.rows], color="C0", alpha=0.25, lw=0.8)
+        ax.plot(steps, smooth("reward"), color="C0", label="mean reward (sampled, 10-step avg)")
+        ax.plot(steps, [r["accuracy"] for r in self.rows], color="C1", alpha=0.25, lw=0.8)
+        ax.plot(steps, smooth("accuracy"), color="C1", label="accuracy (sampled, 10-step avg)")
+        ax.plot(steps, [r["expected_accuracy"] for r in self.rows], color="C2",
+                label="expected accuracy at T=1, all 100 problems")
         ax.set_xlabel("GRPO step")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)

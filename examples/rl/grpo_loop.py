@@ -48,11 +48,15 @@ class RefitCheckError(AssertionError):
 
 
 def add_common_args(p: argparse.ArgumentParser, out_dir: str) -> None:
-    p.add_argument("--steps", type=int, default=150, help="GRPO steps (upper bound)")
-    p.add_argument("--prompts-per-step", type=int, default=16)
+    p.add_argument("--steps", type=int, default=250, help="GRPO steps (upper bound)")
+    p.add_argument("--prompts-per-step", type=int, default=32)
     p.add_argument("--n", type=int, default=8, help="samples per prompt (the GRPO group)")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--clip", type=float, default=0.2, help="PPO ratio clip epsilon")
+    p.add_argument("--entropy-coef", type=float, default=0.0,
+                   help="entropy bonus (keeps the policy from collapsing onto wrong answers)")
+    p.add_argument("--no-std-norm", action="store_true",
+                   help="advantages r - group mean, not divided by the group std (Dr. GRPO)")
     p.add_argument("--minibatches", type=int, default=2,
                    help="optimizer steps per rollout batch (later ones are off-policy: the "
                         "importance ratio and clipping matter)")
@@ -153,12 +157,24 @@ def rollout(engine: Any, trainer: Trainer, indices: list[int], n: int, version: 
                       "prompt_tokens": prompt_tokens}
 
 
+def evaluate(engine: Any, trainer: Trainer, n: int, version: str) -> dict[str, float]:
+    """Sampled (T=1) reward and accuracy over all 100 problems, n samples each."""
+    task = trainer.task
+    indices = list(range(len(task.problems)))
+    rollouts, _ = rollout(engine, trainer, indices, n, version)
+    scores = [task.score(indices[r.prompt_index], r.output_ids) for r in rollouts]
+    return {"reward": sum(s for s, _ in scores) / len(scores),
+            "accuracy": sum(c for _, c in scores) / len(scores),
+            "expected_accuracy": expected_accuracy(trainer.model, task)}
+
+
 def run(args: argparse.Namespace, engine: Any, syncer: Any, trainer: Trainer, name: str,
         t_start: float) -> dict[str, Any]:
     """Warm-start refit (version "0"), then the GRPO steps; returns the summary."""
     logger = RunLogger(Path(args.out_dir), name, dict(vars(args)), use_wandb=not args.no_wandb)
     report = syncer.sync(trainer.model, version="0")
     first_check = check_after_refit(engine, trainer, "0")
+    eval_start = evaluate(engine, trainer, args.n, "0")
     rng = random.Random(args.seed)
     task, model = trainer.task, trainer.model
     setup_s = time.perf_counter() - t_start
@@ -182,7 +198,8 @@ def run(args: argparse.Namespace, engine: Any, syncer: Any, trainer: Trainer, na
             stats = train_step(model, trainer.opt, [task.prompts[i] for i in idx],
                                [r.output_ids for r in rollouts],
                                [r.output_logprobs for r in rollouts], rewards, args.n,
-                               task.eos, args.clip, args.minibatches)
+                               task.eos, args.clip, args.minibatches, args.entropy_coef,
+                               not args.no_std_norm)
             train_s = time.perf_counter() - t
         if sleep.sync is None or sleep.sync.version != new_version or sleep.bytes_freed <= 0:
             raise RefitCheckError(f"step {step}: the engine did not sleep and refit "
@@ -211,8 +228,11 @@ def run(args: argparse.Namespace, engine: Any, syncer: Any, trainer: Trainer, na
         bar.close()
     if not logger.rows:
         raise RuntimeError("no GRPO step ran (raise --max-minutes or --steps)")
+    eval_end = evaluate(engine, trainer, args.n, logger.rows[-1]["new_weight_version"])
     minutes = (time.perf_counter() - t_start) / 60
     summary = summarize(logger.rows, minutes, {
+        **{f"eval_start_{k}": v for k, v in eval_start.items()},
+        **{f"eval_end_{k}": v for k, v in eval_end.items()},
         **trainer.warm, "setup_seconds": setup_s, "initial_refit_seconds": report.seconds,
         "initial_probe_abs_diff": first_check["probe_abs_diff"], "transport": report.transport,
         "model": dict(MODEL_SPEC),
@@ -227,8 +247,9 @@ def print_summary(s: dict[str, Any]) -> None:
     print(f"[grpo] {s['steps']} steps in {s['minutes']:.1f} min "
           f"(warm-start {s['warm_start_steps']} SFT steps, {s['warm_start_seconds']:.1f}s)")
     for key in ("reward", "accuracy", "expected_accuracy"):
-        print(f"[grpo] {key:18s} {s['start_' + key]:.3f} -> {s['end_' + key]:.3f} "
-              f"({100 * (s['end_' + key] - s['start_' + key]):+.1f} points)")
+        a, b = s["eval_start_" + key], s["eval_end_" + key]
+        print(f"[grpo] {key:18s} {a:.3f} -> {b:.3f} ({100 * (b - a):+.1f} points; all 100 "
+              f"problems x n before step 0 / after the last step)")
     print(f"[grpo] per step: sleep {s['mean_sleep_seconds']:.3f}s, wake "
           f"{s['mean_wake_seconds']:.3f}s, refit {s['mean_refit_seconds']:.3f}s "
           f"({s['transport']}), train {s['mean_train_seconds']:.3f}s, rollout "

@@ -202,9 +202,9 @@ class CudaGraphRunner(DecodeGraphs):
         self._reset_buffers()
         before = torch.cuda.memory_reserved(self.device)
         self.pool = torch.cuda.graph_pool_handle()
-        for bs in reversed(self.batch_sizes):
-            self.captured[bs] = self.capture(bs)
+        captured = {bs: self.capture(bs) for bs in reversed(self.batch_sizes)}
         torch.cuda.synchronize(self.device)
+        self.captured = captured   # all or nothing: a failed capture leaves none to replay
         self.graph_bytes = max(0, torch.cuda.memory_reserved(self.device) - before)
         self.num_captures += 1
         logger.info("captured decode CUDA graphs for batch sizes %s (%.1f MiB)",
