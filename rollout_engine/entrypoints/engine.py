@@ -28,6 +28,16 @@ class Engine:
         self.tokenizer = self.tm.tokenizer
 
     # -- generation ------------------------------------------------------------------------------
+    def _submit(self, prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: Any,
+                top_logprobs_num: Any, logprob_start_len: Any, stream: bool, rid: Any,
+                extra_key: Optional[str]) -> tuple[list[Any], bool]:
+        reqs, single = self.tm.build_requests(
+            prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
+            -1 if logprob_start_len is None else logprob_start_len, stream, rid, extra_key)
+        if stream and len(reqs) != 1:
+            raise ValueError("stream: streaming takes one prompt with n = 1")
+        return self.tm.submit(reqs), single
+
     def generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                  return_logprob: Any = False, top_logprobs_num: Any = 0,
                  logprob_start_len: Any = -1, stream: bool = False, rid: Any = None,
@@ -37,12 +47,8 @@ class Engine:
         With ``stream=True`` returns an iterator of chunks whose ``text`` and ``output_ids`` are
         deltas; the last chunk has ``meta_info.finish_reason`` set.
         """
-        reqs, single = self.tm.build_requests(
-            prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
-            -1 if logprob_start_len is None else logprob_start_len, stream, rid, extra_key)
-        if stream and len(reqs) != 1:
-            raise ValueError("stream: streaming takes one prompt with n = 1")
-        states = self.tm.submit(reqs)
+        states, single = self._submit(prompt, sampling_params, input_ids, return_logprob,
+                                      top_logprobs_num, logprob_start_len, stream, rid, extra_key)
         if stream:
             return self.tm.iter_chunks(states[0])
         results = [self.tm.wait(st) for st in states]
@@ -54,12 +60,8 @@ class Engine:
                              stream: bool = False, rid: Any = None,
                              extra_key: Optional[str] = None
                              ) -> Union[Output, AsyncIterator[dict[str, Any]]]:
-        reqs, single = self.tm.build_requests(
-            prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
-            -1 if logprob_start_len is None else logprob_start_len, stream, rid, extra_key)
-        if stream and len(reqs) != 1:
-            raise ValueError("stream: streaming takes one prompt with n = 1")
-        states = self.tm.submit(reqs)
+        states, single = self._submit(prompt, sampling_params, input_ids, return_logprob,
+                                      top_logprobs_num, logprob_start_len, stream, rid, extra_key)
         if stream:
             return self.tm.async_iter_chunks(states[0])
         try:

@@ -106,14 +106,14 @@ def test_malicious_payload_is_refused(rl_server, tmp_path):
         assert _gen(c).json()["output_ids"] == before
 
 
-def test_release_while_busy_is_409_and_requests_complete(rl_server):
-    url = rl_server[0]
+def _start_long_request(url: str, max_new_tokens: int) -> tuple[threading.Thread, dict]:
+    """A long greedy request in a thread; returns once the scheduler is running it."""
     box: dict = {}
 
     def long_request() -> None:
         with _client(url) as c:
             box["r"] = c.post("/generate", json={"input_ids": PROMPT, "sampling_params": {
-                "temperature": 0, "max_new_tokens": 300, "ignore_eos": True}})
+                "temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}})
 
     t = threading.Thread(target=long_request)
     t.start()
@@ -122,6 +122,13 @@ def test_release_while_busy_is_409_and_requests_complete(rl_server):
         while c.get("/get_server_info").json()["num_running_reqs"] == 0:
             assert time.time() < deadline
             time.sleep(0.02)
+    return t, box
+
+
+def test_release_while_busy_is_409_and_requests_complete(rl_server):
+    url = rl_server[0]
+    t, box = _start_long_request(url, 300)
+    with _client(url) as c:
         r = c.post("/release_memory_occupation", json={"tags": ["kv_cache"]})
         assert r.status_code == 409, r.text
         assert c.post("/flush_cache").status_code == 409
@@ -132,20 +139,8 @@ def test_release_while_busy_is_409_and_requests_complete(rl_server):
 
 def test_pause_abort_and_continue(rl_server):
     url = rl_server[0]
-    box: dict = {}
-
-    def long_request() -> None:
-        with _client(url) as c:
-            box["r"] = c.post("/generate", json={"input_ids": PROMPT, "sampling_params": {
-                "temperature": 0, "max_new_tokens": 400, "ignore_eos": True}})
-
-    t = threading.Thread(target=long_request)
-    t.start()
+    t, box = _start_long_request(url, 400)
     with _client(url) as c:
-        deadline = time.time() + 30
-        while c.get("/get_server_info").json()["num_running_reqs"] == 0:
-            assert time.time() < deadline
-            time.sleep(0.02)
         assert c.post("/pause_generation", json={"mode": "abort"}).status_code == 200
         t.join()
         assert box["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
