@@ -57,15 +57,17 @@ class EngineSide:
         eng.flush_cache()  # every timed run starts from an empty prefix cache
         before = eng.get_server_info()["stats"]
         load = os.getloadavg()[0]
+        cpu0 = common.cpu_seconds(self.engine.tm.host.pid)
         t0 = time.perf_counter()
         outs = eng.generate(input_ids=self.prompts, sampling_params=self.sp)
         wall = time.perf_counter() - t0
+        cpu = common.cpu_seconds(self.engine.tm.host.pid) - cpu0
         after = eng.get_server_info()["stats"]
         assert len(outs) == len(self.prompts) * self.n, len(outs)
         assert all(len(o["output_ids"]) == self.new_tokens for o in outs), "ignore_eos lengths"
         gen = sum(len(o["output_ids"]) for o in outs)
         return {"wall_s": wall, "generated_tokens": gen, "tok_s": gen / wall,
-                "loadavg_1m_at_start": load,
+                "cpu_s": cpu, "tok_per_cpu_s": gen / cpu, "loadavg_1m_at_start": load,
                 "stats_delta": {k: after[k] - before.get(k, 0) for k in after}}
 
     def close(self) -> None:
@@ -96,6 +98,7 @@ class HFSide:
 
     def run(self) -> dict[str, Any]:
         load = os.getloadavg()[0]
+        cpu0 = common.cpu_seconds()
         t0 = time.perf_counter()
         gen = 0
         for i in range(0, len(self.prompts), self.chunk):
@@ -105,8 +108,9 @@ class HFSide:
             assert new == self.new_tokens, (new, self.new_tokens)
             gen += out.shape[0] * new
         wall = time.perf_counter() - t0
+        cpu = common.cpu_seconds() - cpu0
         return {"wall_s": wall, "generated_tokens": gen, "tok_s": gen / wall,
-                "loadavg_1m_at_start": load}
+                "cpu_s": cpu, "tok_per_cpu_s": gen / cpu, "loadavg_1m_at_start": load}
 
     def close(self) -> None:
         del self.model
@@ -162,12 +166,12 @@ def main() -> None:
             e = eng_side.run()
             eng_runs.append(e)
             print(f"[{r}] engine:       {e['tok_s']:8.1f} tok/s  ({e['generated_tokens']} tokens "
-                  f"in {e['wall_s']:.2f} s; load {e['loadavg_1m_at_start']:.1f}; "
+                  f"in {e['wall_s']:.2f} s, {e['tok_per_cpu_s']:.0f} tok/cpu-s; load {e['loadavg_1m_at_start']:.1f}; "
                   f"stats {e['stats_delta']})", flush=True)
             h = hf_side.run()
             hf_runs.append(h)
             print(f"[{r}] transformers: {h['tok_s']:8.1f} tok/s  ({h['generated_tokens']} tokens "
-                  f"in {h['wall_s']:.2f} s; load {h['loadavg_1m_at_start']:.1f}; "
+                  f"in {h['wall_s']:.2f} s, {h['tok_per_cpu_s']:.0f} tok/cpu-s; load {h['loadavg_1m_at_start']:.1f}; "
                   f"{-(-num // chunk)} generate call(s) of {chunk} prompts x {n})", flush=True)
     finally:
         eng_side.close()
@@ -180,6 +184,10 @@ def main() -> None:
             ["transformers (best)", hf["tok_s"], hf["wall_s"], hf["tok_s"] / roof],
             ["compute roofline (2P, P=matmul params)", roof, "", 1.0]]
     print(common.table(rows, ["", "tok/s", "wall s", "fraction of roofline"]))
+    cpu_ratio = (max(x["tok_per_cpu_s"] for x in eng_runs)
+                 / max(x["tok_per_cpu_s"] for x in hf_runs))
+    print(f"tokens per CPU-second (contention-robust cross-check, both sides' processes): "
+          f"engine / transformers = {cpu_ratio:.2f}x")
     print(f"(roofline with P = total incl. tied head, the '55M' convention: {roof_total:.0f} tok/s;"
           f" per-pair ratios {[round(x, 2) for x in pair_ratios]})")
     path = common.save_result(args.name, {
@@ -198,6 +206,7 @@ def main() -> None:
         "engine_runs": eng_runs,
         "transformers_runs": hf_runs,
         "pair_ratios": pair_ratios,
+        "ratio_tok_per_cpu_s": cpu_ratio,
         "engine_fraction_of_roofline": eng["tok_s"] / roof,
         "transformers_fraction_of_roofline": hf["tok_s"] / roof,
         "ratio_engine_over_transformers": ratio,

@@ -13,7 +13,7 @@ import platform
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -121,6 +121,21 @@ def model_params(model_dir: str | os.PathLike) -> dict[str, int]:
 def compute_roofline_tok_s(gflops: float, params: int) -> float:
     """Tokens/s if every token cost ``2 * params`` FLOPs at the measured matmul rate."""
     return gflops * 1e9 / (2.0 * params)
+
+
+def cpu_seconds(*pids: Optional[int]) -> float:
+    """User + system CPU seconds used so far by this process and the processes ``pids``
+    (e.g. the engine's scheduler process). Unlike wall time this barely moves when other
+    jobs share the cores, so tokens per CPU-second is a contention-robust cross-check."""
+    import psutil
+
+    total = 0.0
+    for pid in (None, *pids):
+        if pid is not None and pid == os.getpid():
+            continue
+        t = psutil.Process(pid).cpu_times()
+        total += t.user + t.system
+    return total
 
 
 def percentile(values: Sequence[float], q: float) -> float:

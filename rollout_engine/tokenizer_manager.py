@@ -246,7 +246,7 @@ class TokenizerManager:
                 raise ValueError("prompt: the batch is empty")
             if any(t == "" for t in texts):
                 raise ValueError("prompt: must not be empty")
-            ids_list = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+            ids_list = [self._encode(t) for t in texts]
         else:
             single = isinstance(input_ids, list) and (
                 not input_ids or not isinstance(input_ids[0], list))
@@ -281,6 +281,14 @@ class TokenizerManager:
                     top_logprobs_num=tln, logprob_start_len=lsl, stream=stream,
                     extra_key=extra_key))
         return reqs, single and sps[0].n == 1
+
+    def _encode(self, text: str) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"prompt: not valid Unicode text ({e.reason} at index {e.start})"
+                             ) from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _validate(self, ids: list[int], sp: SamplingParams, top_logprobs_num: int,
                   logprob_start_len: int) -> None:

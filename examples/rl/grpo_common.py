@@ -6,6 +6,11 @@ digits then ``<eos>``. Reward: 1.0 for the exact answer, else partial credit: 0.
 fraction of answer positions (digits, ``<eos>``) it gets right. Accuracy is the exact-match rate. Because the whole
 task is 100 problems, the trainer can also compute the *expected* accuracy at temperature 1
 exactly (the mean probability of the correct completion), a noise-free learning curve.
+
+What limits the final accuracy is exploration: GRPO sharpens the policy (entropy ~1.2 -> ~0.05),
+and a problem the policy answers wrongly with near certainty never yields a correct sample,
+hence no signal. A gentle warm-start (small learning rate, more steps) leaves more probability
+on the right answers and so ends higher (seed 0: 22% -> ~61-70%; seeds 1, 2: -> 76%, 67%).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ class RefitCheckError(AssertionError):
 
 
 def add_common_args(p: argparse.ArgumentParser, out_dir: str) -> None:
-    p.add_argument("--steps", type=int, default=250, help="GRPO steps (upper bound)")
+    p.add_argument("--steps", type=int, default=300, help="GRPO steps (upper bound)")
     p.add_argument("--prompts-per-step", type=int, default=32)
     p.add_argument("--n", type=int, default=8, help="samples per prompt (the GRPO group)")
     p.add_argument("--lr", type=float, default=1e-4)
@@ -64,7 +64,8 @@ def add_common_args(p: argparse.ArgumentParser, out_dir: str) -> None:
                    help="reward share of a wrong answer, times its fraction of right positions")
     p.add_argument("--warm-start-target", type=float, default=0.2,
                    help="stop the supervised warm-start at this expected accuracy")
-    p.add_argument("--warm-start-lr", type=float, default=3e-3)
+    p.add_argument("--warm-start-lr", type=float, default=2e-4,
+                   help="small: the warm-start spreads probability over answers (exploration)")
     p.add_argument("--out-dir", default=out_dir)
     p.add_argument("--model-dir", default="runs/grpo_model",
                    help="the tiny model directory (built with make_tiny_model if missing)")
@@ -77,13 +78,13 @@ def add_common_args(p: argparse.ArgumentParser, out_dir: str) -> None:
     p.add_argument("--no-wandb", action="store_true", help="JSONL and PNG only")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     p.add_argument("--tiny", action="store_true",
-                   help="CI settings: 3 steps, 4 prompts x 4 samples, no warm-start, no wandb")
+                   help="CI settings: at most 3 steps, 4 prompts x 4 samples, no wandb, no bar")
 
 
 def apply_tiny(args: argparse.Namespace) -> None:
     if args.tiny:
         args.steps, args.prompts_per_step, args.n = min(args.steps, 3), 4, 4
-        args.warm_start_target, args.no_wandb, args.no_progress = 0.0, True, True
+        args.no_wandb, args.no_progress = True, True
 
 
 class Trainer:
