@@ -9,7 +9,6 @@ import logging
 import random
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -28,13 +27,11 @@ from rollout_engine.protocol.messages import (
     SchedulerDied,
     SchedulerReady,
 )
-from rollout_engine.sampler import derive_seed
-from rollout_engine.sampling_params import SamplingParams
+from rollout_engine.request_builder import RequestBuilder
 from rollout_engine.scheduler.loop import SchedulerHost, start_scheduler
 
 logger = logging.getLogger(__name__)
 
-MAX_REQUESTS_PER_CALL = 4096   # prompts x n of one generate call; more is a 400, not an OOM
 
 
 class SchedulerDeadError(RuntimeError):
@@ -95,6 +92,8 @@ class TokenizerManager:
         self.server_info: dict[str, Any] = ready.info
         self.vocab_size: int = ready.info["vocab_size"]
         self.context_len: int = ready.info["context_length"]
+        self.builder = RequestBuilder(self.tokenizer, self.vocab_size, self.context_len,
+                                      self.rng)
         self.receiver = threading.Thread(target=self._receive_loop, name="rollout-receiver",
                                          daemon=True)
         self.receiver.start()
@@ -224,89 +223,9 @@ class TokenizerManager:
         if self.weights_stale:
             raise EngineAsleepError("weights were released without a CPU backup and are stale; "
                                     "refit (update_weights_*) before generating")
-
-    def build_requests(self, prompt: Any = None, input_ids: Any = None,
-                       sampling_params: Any = None, return_logprob: Any = False,
-                       top_logprobs_num: Any = 0, logprob_start_len: Any = -1,
-                       stream: bool = False, rid: Any = None, extra_key: Any = None
-                       ) -> tuple[list[GenerateReq], bool]:
-        """Validate a generate call and expand it (batch, n) into scheduler requests.
-
-        Returns the requests and whether the caller asked for a single (non-list) answer.
-        Raises ValueError naming the bad field; nothing is submitted then.
-        """
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompt (text) or input_ids")
-        if prompt is not None:
-            single = isinstance(prompt, str)
-            texts = [prompt] if single else prompt
-            if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-                raise ValueError("prompt: must be a string or a list of strings")
-            if not texts:
-                raise ValueError("prompt: the batch is empty")
-            if any(t == "" for t in texts):
-                raise ValueError("prompt: must not be empty")
-            ids_list = [self._encode(t) for t in texts]
-        else:
-            single = isinstance(input_ids, list) and (
-                not input_ids or not isinstance(input_ids[0], list))
-            ids_list = [input_ids] if single else input_ids
-            if not isinstance(ids_list, list) or not ids_list:
-                raise ValueError("input_ids: must be a list of token ids or a list of such lists")
-            for ids in ids_list:
-                if not isinstance(ids, list) or not all(
-                        isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                    raise ValueError("input_ids: must contain only integer token ids")
-        nb = len(ids_list)
-        params = _per_item(sampling_params, nb, "sampling_params", dict)
-        sps = [SamplingParams.from_dict(p) for p in params]
-        if sum(sp.n for sp in sps) > MAX_REQUESTS_PER_CALL:
-            raise ValueError(f"n: the call expands to {sum(sp.n for sp in sps)} requests "
-                             f"(prompts x n); at most {MAX_REQUESTS_PER_CALL} per call")
-        flags = [_per_item(return_logprob, nb, "return_logprob", bool),
-                 _per_item(top_logprobs_num, nb, "top_logprobs_num", int),
-                 _per_item(logprob_start_len, nb, "logprob_start_len", int)]
-        rids = _per_item(rid, nb, "rid", str) if rid is not None else [None] * nb
-        reqs: list[GenerateReq] = []
-        for i, (ids, sp) in enumerate(zip(ids_list, sps)):
-            rl, tln, lsl = (f[i] for f in flags)
-            self._validate(ids, sp, tln, lsl)
-            base_rid = rids[i] or uuid.uuid4().hex
-            base_seed = sp.sampling_seed if sp.sampling_seed is not None else self.rng.getrandbits(63)
-            for j in range(sp.n):
-                seed = base_seed if sp.n == 1 else derive_seed(base_seed, j)
-                reqs.append(GenerateReq(
-                    rid=base_rid if sp.n == 1 else f"{base_rid}-{j}", input_ids=list(ids),
-                    sampling_params=sp, seed=seed, return_logprob=bool(rl or tln),
-                    top_logprobs_num=tln, logprob_start_len=lsl, stream=stream,
-                    extra_key=extra_key))
-        return reqs, single and sps[0].n == 1
-
-    def _encode(self, text: str) -> list[int]:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"prompt: not valid Unicode text ({e.reason} at index {e.start})"
-                             ) from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def _validate(self, ids: list[int], sp: SamplingParams, top_logprobs_num: int,
-                  logprob_start_len: int) -> None:
-        if not ids:
-            raise ValueError("input_ids: the prompt is empty (it has no tokens)")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"input_ids: token id {bad[0]} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
-        sp.verify(self.vocab_size)
-        if len(ids) + sp.max_new_tokens > self.context_len:
-            raise ValueError(
-                f"max_new_tokens: prompt ({len(ids)} tokens) + max_new_tokens "
-                f"({sp.max_new_tokens}) exceeds the context length ({self.context_len})")
-        if not 0 <= top_logprobs_num <= min(self.vocab_size, 1000):
-            raise ValueError(f"top_logprobs_num: must be in [0, {min(self.vocab_size, 1000)}]")
-        if not -1 <= logprob_start_len < len(ids):
-            raise ValueError(f"logprob_start_len: must be -1 or in [0, {len(ids)}) for this prompt")
+    def build_requests(self, *args: Any, **kwargs: Any) -> tuple[list[GenerateReq], bool]:
+        """Validate a generate call and expand it into scheduler requests (RequestBuilder)."""
+        return self.builder.build(*args, **kwargs)
 
     def submit(self, reqs: list[GenerateReq]) -> list[RequestState]:
         self.check_can_generate()
@@ -422,26 +341,3 @@ class TokenizerManager:
             if not st.done:
                 st.error = "the engine was shut down"
                 st.notify()
-
-
-def _per_item(value: Any, n: int, name: str, kind: type) -> list[Any]:
-    """A scalar applies to every item of a batch; a list must have one entry per item."""
-    if isinstance(value, list):
-        if len(value) != n:
-            raise ValueError(f"{name}: list has {len(value)} entries for a batch of {n}")
-        items = value
-    else:
-        items = [value] * n
-    for v in items:
-        if v is None:
-            continue
-        if kind is int and (isinstance(v, bool) or not isinstance(v, int)):
-            raise ValueError(f"{name}: must be an integer, got {v!r}")
-        if kind is bool and not isinstance(v, bool):
-            raise ValueError(f"{name}: must be a boolean, got {v!r}")
-        if kind is dict and not isinstance(v, dict):
-            raise ValueError(f"{name}: must be an object, got {type(v).__name__}")
-        if kind is str and not isinstance(v, str):
-            raise ValueError(f"{name}: must be a string, got {v!r}")
-    defaults = {int: 0, bool: False}
-    return [defaults.get(kind) if v is None and kind in defaults else v for v in items]
