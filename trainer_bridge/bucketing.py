@@ -10,12 +10,17 @@ broadcast buffer described by names, dtypes and shapes) exactly as it was packed
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
-from rollout_engine.protocol.bucket import FlattenedBucket, bucket_layout, pack_buckets
+from rollout_engine.protocol.bucket import (
+    Allocator,
+    FlattenedBucket,
+    bucket_layout,
+    pack_buckets,
+)
 
 __all__ = [
     "FlattenedBucket",
@@ -30,11 +35,13 @@ __all__ = [
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
 
-def pack(named_tensors: NamedTensors, bucket_bytes: int) -> Iterator[FlattenedBucket]:
+def pack(named_tensors: NamedTensors, bucket_bytes: int,
+         allocate: Optional[Allocator] = None) -> Iterator[FlattenedBucket]:
     """Pack tensors in order into buckets of at most `bucket_bytes` (a bigger tensor gets a
     bucket of its own). Lazy: each bucket is built when asked for, so holding only the current
-    one keeps one bucket of memory alive. The tensors are copied; the sources are not touched."""
-    return pack_buckets(named_tensors, bucket_bytes)
+    one keeps one bucket of memory alive. The tensors are copied; the sources are not touched.
+    `allocate(num_bytes, device)` makes each buffer (default `torch.empty`)."""
+    return pack_buckets(named_tensors, bucket_bytes, allocate)
 
 
 def unpack(bucket: FlattenedBucket) -> list[tuple[str, torch.Tensor]]:

@@ -14,7 +14,7 @@ Sending a bucket costs one handle instead of one per tensor (SGLang's "flattened
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -172,14 +172,24 @@ class FlattenedBucket:
         return (FlattenedBucket, (self.buffer, self.metas))
 
 
+Allocator = Callable[[int, torch.device], torch.Tensor]
+"""Makes a bucket's 1-D contiguous uint8 buffer of `num_bytes` on `device`."""
+
+
 def _align(num_bytes: int) -> int:
     return -(-num_bytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
 def _build_bucket(
-    pending: list[tuple[TensorMeta, torch.Tensor]], num_bytes: int, device: torch.device
+    pending: list[tuple[TensorMeta, torch.Tensor]],
+    num_bytes: int,
+    device: torch.device,
+    allocate: Allocator | None = None,
 ) -> FlattenedBucket:
-    buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    if allocate is None:
+        buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    else:
+        buffer = allocate(num_bytes, device)
     with torch.no_grad():  # a requires_grad source must not make the buffer part of a graph
         for meta, tensor in pending:
             dst = buffer[meta.offset : meta.offset + meta.nbytes].view(tensor.dtype)
@@ -188,14 +198,17 @@ def _build_bucket(
 
 
 def pack_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    allocate: Allocator | None = None,
 ) -> Iterator[FlattenedBucket]:
     """Greedily pack tensors, in order, into buckets of at most `bucket_bytes` bytes.
 
     A tensor larger than `bucket_bytes` gets a bucket of its own. Dtypes may mix within a bucket;
     devices may not (a device change starts a new bucket; the buffer lives on that device).
     A generator: each bucket is built only when the next one starts, and the caller holding just
-    the current bucket keeps only one alive.
+    the current bucket keeps only one alive. `allocate(num_bytes, device)` (default
+    `torch.empty`) makes each 1-D uint8 buffer, e.g. one born in shared memory.
     """
     if not _is_int(bucket_bytes) or bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
@@ -207,14 +220,14 @@ def pack_buckets(
         offset = _align(used)
         if pending and (offset + nbytes > bucket_bytes or tensor.device != device):
             assert device is not None
-            yield _build_bucket(pending, used, device)
+            yield _build_bucket(pending, used, device, allocate)
             pending, offset = [], 0
         meta = TensorMeta(name, dtype_to_str(tensor.dtype), tuple(tensor.shape), offset, nbytes)
         pending.append((meta, tensor))
         used, device = offset + nbytes, tensor.device
     if pending:
         assert device is not None
-        yield _build_bucket(pending, used, device)
+        yield _build_bucket(pending, used, device, allocate)
 
 
 def bucket_layout(

@@ -7,7 +7,8 @@
 
 Unbucketed CPU tensors are moved into shared memory *in place* by the serializer (as
 `Tensor.share_memory_()` does): the trainer's parameters keep their values and stay usable.
-Buckets cost one extra copy on the trainer side and far fewer handles (one per bucket).
+Buckets cost one extra copy on the trainer side and far fewer handles (one per bucket); CPU
+buckets are packed straight into shared memory, so the serializer does not copy them again.
 """
 
 from __future__ import annotations
@@ -30,6 +31,15 @@ from trainer_bridge.transports.base import (
 __all__ = ["TensorTransport"]
 
 
+def shared_buffer(num_bytes: int, device: torch.device) -> torch.Tensor:
+    """A bucket buffer; on CPU born in POSIX shared memory (file-name handle), which the
+    serializer then sends as is instead of copying the packed bucket into a new shm segment."""
+    if device.type != "cpu" or num_bytes == 0:
+        return torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    storage = torch.UntypedStorage._new_using_filename_cpu(num_bytes)
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (num_bytes,), (1,))
+
+
 class TensorTransport(WeightTransport):
     """Each call goes to all engines at once (a thread per engine); the next bucket is built
     only after every engine has copied the current one, so at most one bucket is alive."""
@@ -50,7 +60,8 @@ class TensorTransport(WeightTransport):
             self._call(engines, tensors, None, version, True)
             return nbytes(tensors)
         moved = 0
-        for index, bucket, last in with_last(pack(named_tensors, self.bucket_bytes)):
+        for index, bucket, last in with_last(pack(named_tensors, self.bucket_bytes,
+                                                         shared_buffer)):
             self._call(engines, bucket, "flattened_bucket",
                        version if last else step_version(version, index), last)
             moved += bucket.buffer.numel()

@@ -134,9 +134,10 @@ def _run_child(tensors: dict[str, torch.Tensor], bucket: FlattenedBucket):
         tensors["w"].mul_(10.0)  # modified after the child rebuilt: it must see the change
         bucket.named_tensors()[0][1].add_(1.0)
         _sync(tensors["w"])
+        expected_w = tensors["w"].tolist()  # before the child may write -5.0 into it
         parent.send("reread")
         seen_w, seen_bucket = _recv(parent)
-        assert seen_w == tensors["w"].tolist()
+        assert seen_w == expected_w
         assert seen_bucket == bucket.named_tensors()[0][1].tolist()
         assert _recv(parent) == "written"
         assert tensors["w"].view(-1)[0].item() == -5.0
