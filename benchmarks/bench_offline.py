@@ -18,7 +18,9 @@ import sys
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# this checkout's engine, even if another checkout is the installed (editable) one
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 
 import common  # noqa: E402
 import torch  # noqa: E402

@@ -9,14 +9,15 @@ submitted concurrently through ``async_generate(stream=True)``:
   each with 64 new tokens, ``ignore_eos``, seeded sampling at temperature 1.0.
 
 For each: prefill tokens computed (``stats.prefill_tokens`` delta), time to first token p50 / p90
-(first streamed chunk), generated tokens / wall second, and on/off ratios. Both engines live for
-the whole run; each workload runs on the cache-on engine and then on the cache-off engine, each
-starting from an empty cache (``flush_cache``).
+(first streamed chunk after the request's submission), generated tokens / wall second, and
+on/off ratios. Both engines live for the whole run; each workload runs on both, each run starting
+from an empty cache (``flush_cache``); with ``--repeats`` (default 1 quick, 2 full) the order
+alternates and the best run per engine is kept (the machines are shared and noisy).
 
     python benchmarks/bench_prefix.py --quick   # 16 requests, 512-token prefix, 16 new tokens
     python benchmarks/bench_prefix.py           # full
 
-The last line printed is the hot-prefix throughput ratio (cache on / off).
+The last line printed is the throughput ratio cache on / off per workload (a, b, c).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# this checkout's engine, even if another checkout is the installed (editable) one
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 
 import common  # noqa: E402
 import torch  # noqa: E402
@@ -73,20 +76,24 @@ def make_workloads(quick: bool, seed: int = 0) -> list[Workload]:
 
 async def _run_async(engine: Any, wl: Workload) -> dict[str, Any]:
     t0 = time.perf_counter()
-
-    async def one(ids: list[int], seed: int) -> tuple[float, float, list[int]]:
+    # submit every request first (a burst), then read all streams concurrently
+    streams = []
+    for ids, seed in zip(wl.prompts, wl.seeds):
         sp = {"max_new_tokens": wl.new_tokens, "temperature": 1.0, "ignore_eos": True,
               "sampling_seed": seed}
         it = await engine.async_generate(input_ids=ids, sampling_params=sp, stream=True)
+        streams.append((time.perf_counter(), it))
+
+    async def one(submitted: float, it: Any) -> tuple[float, float, list[int]]:
         first = None
         out: list[int] = []
         async for chunk in it:
             if first is None and chunk["output_ids"]:
-                first = time.perf_counter() - t0
+                first = time.perf_counter() - submitted   # time to first token of this request
             out.extend(chunk["output_ids"])
         return (first if first is not None else float("nan")), time.perf_counter() - t0, out
 
-    res = await asyncio.gather(*(one(p, s) for p, s in zip(wl.prompts, wl.seeds)))
+    res = await asyncio.gather(*(one(sub, it) for sub, it in streams))
     wall = time.perf_counter() - t0
     ttft = [r[0] for r in res]
     outs = [r[2] for r in res]
@@ -128,6 +135,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=common.DEFAULT_THREADS)
     ap.add_argument("--max-total-tokens", type=int, default=131072)
+    ap.add_argument("--repeats", type=int, default=0,
+                    help="runs per workload and engine, best kept (default 1 quick, 2 full)")
     ap.add_argument("--only", default="", help="comma list of workload names (prefix match)")
     ap.add_argument("--name", default="bench_prefix", help="results/<name>.json")
     args = ap.parse_args()
@@ -145,6 +154,7 @@ def main() -> None:
           f"(2P, P = {params['matmul'] / 1e6:.1f}M matmul params)", flush=True)
 
     workloads = make_workloads(args.quick)
+    repeats = args.repeats or (1 if args.quick else 2)
     if args.only:
         keep = tuple(args.only.split(","))
         workloads = [w for w in workloads if w.name.startswith(keep)]
@@ -155,26 +165,35 @@ def main() -> None:
     try:
         for wl in workloads:
             print(f"[{wl.name}] {wl.description}, {wl.new_tokens} new tokens", flush=True)
-            r_on = run_workload(on, wl)
-            print(f"  cache on : {r_on['tok_s']:7.1f} tok/s, prefill {r_on['prefill_tokens']}, "
-                  f"ttft p50 {r_on['ttft_p50_s']:.2f} s, wall {r_on['wall_s']:.1f} s", flush=True)
-            r_off = run_workload(off, wl)
-            print(f"  cache off: {r_off['tok_s']:7.1f} tok/s, prefill {r_off['prefill_tokens']}, "
-                  f"ttft p50 {r_off['ttft_p50_s']:.2f} s, wall {r_off['wall_s']:.1f} s", flush=True)
-            same = sum(a == b for a, b in zip(r_on.pop("_outputs"), r_off.pop("_outputs")))
+            runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+            outputs: dict[str, list[list[int]]] = {}
+            for r in range(repeats):
+                # alternate which engine goes first so load drift does not favour one side
+                order = ("on", "off") if r % 2 == 0 else ("off", "on")
+                for side in order:
+                    res_ = run_workload(on if side == "on" else off, wl)
+                    outputs[side] = res_.pop("_outputs")
+                    runs[side].append(res_)
+                    print(f"  [{r}] cache {side:3s}: {res_['tok_s']:7.1f} tok/s, prefill "
+                          f"{res_['prefill_tokens']}, ttft p50 {res_['ttft_p50_s']:.2f} s, wall "
+                          f"{res_['wall_s']:.1f} s, load {res_['loadavg_1m'][0]:.1f}", flush=True)
+            r_on = max(runs["on"], key=lambda x: x["tok_s"])
+            r_off = max(runs["off"], key=lambda x: x["tok_s"])
+            same = sum(a == b for a, b in zip(outputs["on"], outputs["off"]))
             res = {
                 "description": wl.description, "requests": len(wl.prompts),
                 "prompt_tokens": sum(len(p) for p in wl.prompts), "new_tokens": wl.new_tokens,
                 "cache_on": r_on, "cache_off": r_off,
+                "cache_on_runs": runs["on"], "cache_off_runs": runs["off"],
                 "throughput_ratio_on_over_off": r_on["tok_s"] / r_off["tok_s"],
                 "ttft_p50_ratio_off_over_on": r_off["ttft_p50_s"] / r_on["ttft_p50_s"],
                 "prefill_ratio_off_over_on": r_off["prefill_tokens"] / max(1, r_on["prefill_tokens"]),
                 "identical_outputs": f"{same}/{len(wl.prompts)}",
             }
             results[wl.name] = res
-            for label, r in (("on", r_on), ("off", r_off)):
-                rows.append([wl.name, label, r["prefill_tokens"], r["ttft_p50_s"], r["ttft_p90_s"],
-                             r["tok_s"], r["wall_s"]])
+            for label, r_ in (("on", r_on), ("off", r_off)):
+                rows.append([wl.name, label, r_["prefill_tokens"], r_["ttft_p50_s"],
+                             r_["ttft_p90_s"], r_["tok_s"], r_["wall_s"]])
             rows.append([wl.name, "on/off", f"1/{res['prefill_ratio_off_over_on']:.1f}",
                          f"1/{res['ttft_p50_ratio_off_over_on']:.1f}", "",
                          f"{res['throughput_ratio_on_over_off']:.2f}x", ""])
@@ -186,16 +205,18 @@ def main() -> None:
                               "tok/s", "wall s"]))
     path = common.save_result(args.name, {
         "mode": "quick" if args.quick else "full", "machine": mach, "params": params,
-        "roofline_tok_s": roof, "threads": threads,
+        "roofline_tok_s": roof, "threads": threads, "repeats": repeats,
         "engine_flags": {"dtype": "float32", "max_total_tokens": args.max_total_tokens,
                          "max_running_requests": 256, "sampling": "T=1.0 seeded, ignore_eos",
-                         "cache_state_at_start": "flushed (cold)"},
+                         "cache_state_at_start": "flushed (cold)",
+                         "arrival": "burst: all requests submitted, then streams read",
+                         "best_of": "highest tok/s run per engine"},
         "workloads": results,
     })
     print(f"saved {path}")
     summary = ", ".join(f"{k[:1]}: {v['throughput_ratio_on_over_off']:.2f}x"
                         for k, v in results.items())
-    print(f"cache on / off throughput ratio ({summary})")
+    print(f"cache on / off throughput ratio, best of {repeats} ({summary})")
 
 
 if __name__ == "__main__":
