@@ -234,7 +234,9 @@ class Scheduler:
             rows = [row for _, row in to_sample]
             reqs = [r for r, _ in to_sample]
             sb = build_sampling_batch(reqs, self.vocab_size, self.eos_ids, self.device)
-            out = sample(logits[rows], sb)
+            # decode samples every row in order: skip the [B, V] copy of an index
+            whole = rows == list(range(logits.shape[0]))
+            out = sample(logits if whole else logits[rows], sb)
             for i, req in enumerate(reqs):
                 self._append_token(req, out.token_ids[i], out.logprobs[i],
                                    out.top_logprobs[i] if out.top_logprobs else None)
