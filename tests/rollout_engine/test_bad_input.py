@@ -11,13 +11,8 @@ GOOD = {"temperature": 0, "max_new_tokens": 2}
 
 
 @pytest.fixture(scope="module")
-def engine(qwen2_path):
-    eng = Engine(model_path=qwen2_path, scheduler_mode="thread", dtype="float32", device="cpu")
-    yield eng
-    try:
-        eng.check_integrity()
-    finally:
-        eng.shutdown()
+def engine(qwen2_engine):
+    return qwen2_engine
 
 
 def sp(**fields) -> dict:

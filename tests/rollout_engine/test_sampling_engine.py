@@ -21,15 +21,8 @@ PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def engine(qwen2_path):
-    from rollout_engine import Engine
-
-    eng = Engine(model_path=qwen2_path, scheduler_mode="thread", dtype="float32", device="cpu")
-    yield eng
-    try:
-        eng.check_integrity()
-    finally:
-        eng.shutdown()
+def engine(qwen2_engine):
+    return qwen2_engine
 
 
 def greedy(engine, prompt: str, n: int = 16, **extra) -> dict:
