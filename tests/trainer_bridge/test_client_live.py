@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.trainer_bridge.conftest import GREEDY, PROBE, PROMPTS
+from tests.trainer_bridge.conftest import GREEDY, PROBE, PROMPTS, assert_same_rollouts
 from trainer_bridge import RolloutClient, RolloutError, WeightSyncer, engine_sleeping
 from trainer_bridge.transports.distributed import free_port
 
@@ -58,7 +58,7 @@ def client_rollouts(client: RolloutClient) -> list[Any]:
 def test_rollouts_over_http(served, engine_on_w1, w1):
     client, _ = served
     assert client.health() and client.get_model_info()["weight_version"] == "w1"
-    assert client_rollouts(client) == w1.expected  # same numbers as the Python Engine
+    assert_same_rollouts(client_rollouts(client), w1.expected)  # same numbers as the Python Engine
     rollouts = client.generate_batch(PROMPTS, {"temperature": 1.0, "max_new_tokens": 4,
                                                "sampling_seed": 3}, n=3)
     assert [(r.prompt_index, r.sample_index) for r in rollouts] == [
@@ -87,7 +87,7 @@ def test_weight_syncer_through_the_client(served, engine_on_w1, w2, transport, r
     with WeightSyncer(client, transport=transport, bucket_bytes=96 << 10) as syncer:
         report = syncer.sync(w2.model, version="http-1")
     assert report.version == client.get_weight_version() == "http-1"
-    assert client_rollouts(client) == w2.expected
+    assert_same_rollouts(client_rollouts(client), w2.expected)
     assert client.get_weights_by_name(PROBE, 4) == w2.probe
 
 
@@ -99,4 +99,4 @@ def test_engine_sleeping_through_the_client(served, engine_on_w1, w2):
         with engine_sleeping(client, syncer, w2.model, version="woke") as report:
             assert client.get_server_info()["released_memory"] != []
     assert report.bytes_freed > 0 and report.sync.version == "woke"
-    assert client_rollouts(client) == w2.expected
+    assert_same_rollouts(client_rollouts(client), w2.expected)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.trainer_bridge.conftest import PROBE, rollouts, tokens_and_logprobs
+from tests.trainer_bridge.conftest import PROBE, assert_same_rollouts, rollouts
 from trainer_bridge import WeightSyncer, engine_sleeping
 
 
@@ -23,7 +23,7 @@ def test_sleep_wake_refit_cycles(engine_on_w1, w1, w2):
             assert report.refit_seconds >= report.sync.seconds > 0
             assert report.sync.version == f"step-{step}"
             assert engine_on_w1.get_server_info()["released_memory"] == []
-            assert tokens_and_logprobs(rollouts(engine_on_w1)) == weights.expected
+            assert_same_rollouts(rollouts(engine_on_w1), weights.expected)
             assert engine_on_w1.get_weights_by_name(PROBE, 4) == weights.probe
             engine_on_w1.check_integrity()
 
@@ -38,14 +38,14 @@ def test_wakes_without_refit_when_the_body_fails(engine_on_w1, w1):
     assert engine_on_w1.get_server_info()["released_memory"] == []
     assert engine_on_w1.get_weight_version() == "w1"
     engine_on_w1.flush_cache()
-    assert tokens_and_logprobs(rollouts(engine_on_w1)) == w1.expected
+    assert_same_rollouts(rollouts(engine_on_w1), w1.expected)
 
 
 def test_sleeping_without_refit_keeps_kv_only_sleep_servable(engine_on_w1, w1):
     with engine_sleeping(engine_on_w1, tags=["kv_cache"]) as report:
         pass
     assert report.sync is None and report.bytes_freed > 0
-    assert tokens_and_logprobs(rollouts(engine_on_w1)) == w1.expected
+    assert_same_rollouts(rollouts(engine_on_w1), w1.expected)
     with pytest.raises(ValueError, match="both"):
         with engine_sleeping(engine_on_w1, model=w1.model):
             pass
