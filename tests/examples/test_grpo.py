@@ -68,9 +68,6 @@ def test_grpo_colocated_tiny(tmp_path, model_dir):
 def test_grpo_server_tiny(tmp_path, model_dir):
     import grpo_server
 
-    try:
-        summary = grpo_server.main(_argv(tmp_path, model_dir))
-    except NotImplementedError as e:  # the RL routes are not in the server yet
-        pytest.xfail(str(e))
+    summary = grpo_server.main(_argv(tmp_path, model_dir))
     assert summary["transport"] == "distributed"
     _check_run(summary, tmp_path / "grpo_server.jsonl", 3)

@@ -238,7 +238,9 @@ def test_flush_cache_busy_then_idle(qwen2_path, make_engine):
     busy = engine.tm.call("flush_cache")
     assert not busy.success and busy.status == 409
     assert "in flight" in busy.message and "retry" in busy.message
-    assert engine.flush_cache() is False or not t.is_alive()
+    engine.pause_generation("in_place")   # still holding its KV, it cannot finish meanwhile
+    assert engine.flush_cache() is False
+    engine.continue_generation()
     t.join()
     out = box["out"]
     assert out["output_ids"] == hf_ref(qwen2_path, prompt, 48)  # serving went on, unharmed

@@ -242,6 +242,13 @@ def test_failed_refits_change_nothing(w1_w2, w1_engine, tmp_path):
     assert _same(_run(engine), before)
 
 
+def wait_until(pred, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
 def test_busy_and_asleep_errors(w1_w2, make_engine):
     engine = make_engine(w1_w2[0])
     rid = "long-one"
@@ -250,10 +257,12 @@ def test_busy_and_asleep_errors(w1_w2, make_engine):
         input_ids=PROMPTS[0], sampling_params={"temperature": 0, "max_new_tokens": 400,
                                                "ignore_eos": True}, rid=rid)))
     t.start()
-    time.sleep(0.3)
+    wait_until(lambda: engine.get_server_info()["num_running_reqs"] == 1)
+    engine.pause_generation("in_place")   # it keeps its KV and cannot finish: busy for sure
     with pytest.raises(EngineBusyError):
         engine.release_memory_occupation()
     assert engine.tm.call("flush_cache").status == 409
+    engine.continue_generation()
     t.join()
     assert box["out"]["meta_info"]["finish_reason"]["type"] == "length"
     engine.release_memory_occupation(["kv_cache"])

@@ -53,16 +53,19 @@ def test_seed_reproduces_across_runs_and_batch_compositions(engine, make_engine,
     lps = [lp for lp, _, _ in first["meta_info"]["output_token_logprobs"]]
     batch_lps = [lp for lp, _, _ in batch[4]["meta_info"]["output_token_logprobs"]]
     assert max(abs(a - b) for a, b in zip(lps, batch_lps)) < 1e-4
-    # joining a batch that is already decoding
-    threads = [threading.Thread(target=engine.generate,
-                                kwargs={"input_ids": i, "sampling_params": s})
-               for i, s in zip(other_ids, other_sps)]
-    for t in threads:
-        t.start()
-    time.sleep(0.05)
+    # joining a batch that is already decoding: a long blocker runs throughout
+    blocker = threading.Thread(target=engine.generate, kwargs={
+        "input_ids": other_ids[0], "rid": "blocker",
+        "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}})
+    blocker.start()
+    deadline = time.monotonic() + 30
+    while engine.get_server_info()["num_running_reqs"] < 1:
+        assert time.monotonic() < deadline, "the blocker never started"
+        time.sleep(0.005)
     assert engine.generate(PROMPT, SEEDED)["output_ids"] == ids
-    for t in threads:
-        t.join()
+    assert blocker.is_alive()   # it was decoding alongside the whole time
+    engine.abort_request("blocker")
+    blocker.join()
     # one request at a time
     alone = make_engine(qwen2_path, max_running_requests=1)
     assert alone.generate(PROMPT, SEEDED)["output_ids"] == ids

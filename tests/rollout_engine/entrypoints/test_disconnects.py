@@ -86,11 +86,12 @@ def test_200_streams_with_a_quarter_disconnecting(live_server: LiveServer) -> No
         stats = c.get("/get_server_info").json()["stats"]
     assert after - before == NUM_STREAMS // DROP_EVERY
     # the disconnect counter only counts streams aborted while unfinished; and the dropped
-    # requests did not all run to DROP_MAX_NEW (how early the server notices a closed socket
-    # depends on load, so the bound is the no-abort total)
+    # requests stopped early: together they decoded at most half of what they would have run
+    # to (measured: ~50 of 300 tokens each
+    # on 2 busy cores; how soon a closed socket is noticed depends on load, hence the margin)
     num_dropped = NUM_STREAMS // DROP_EVERY
-    assert stats["decode_tokens"] - decoded_before < (
-        (NUM_STREAMS - num_dropped) * MAX_NEW + num_dropped * (DROP_MAX_NEW - 1)), stats
+    dropped_decode = stats["decode_tokens"] - decoded_before - (NUM_STREAMS - num_dropped) * MAX_NEW
+    assert dropped_decode <= num_dropped * DROP_MAX_NEW // 2, stats
     assert time.time() - t0 < 100
 
 

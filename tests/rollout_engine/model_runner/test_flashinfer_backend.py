@@ -1,11 +1,12 @@
 """FlashInfer backend: page-table construction (CPU), clear errors, the default backend choice,
-and (``gpu``, with flashinfer installed) outputs against the torch-native reference."""
+and (``gpu``, with flashinfer installed) outputs against the torch-native reference. The calls
+into flashinfer itself are only tested against the real library (a stand-in written from its
+documentation would prove nothing about the library), so on CPU only the parts that are ours
+run."""
 
 from __future__ import annotations
 
 import importlib.util
-import sys
-import types
 
 import pytest
 import torch
@@ -13,7 +14,6 @@ import torch
 import rollout_engine.config as config_module
 from rollout_engine.config import EngineConfig
 from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool
-from rollout_engine.model_runner.attention import flashinfer_backend
 from rollout_engine.model_runner.attention.base import create_attention_backend
 from rollout_engine.model_runner.attention.flashinfer_backend import kv_indices_from_table
 from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
@@ -109,96 +109,3 @@ def test_flashinfer_matches_torch_native(mode, num_q_heads, num_kv_heads, head_d
         backend.init_forward_metadata(fb)
         outs[name] = backend.forward(q, k, v, 0, head_dim ** -0.5, fb).float()
     torch.testing.assert_close(outs["flashinfer"], outs["torch_native"], rtol=2e-2, atol=2e-2)
-
-
-# -- a stand-in for flashinfer's wrappers, written from their documented contract -------------
-def _attend(q, k, v, scale, causal):
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = torch.einsum("ehd,lhd->hel", q.float(), k.float()) * scale
-    if causal:  # aligned to the end of the keys
-        e, n = q.shape[0], k.shape[0]
-        q_pos = n - e + torch.arange(e)
-        scores = scores.masked_fill(torch.arange(n)[None, None, :] > q_pos[None, :, None],
-                                    float("-inf"))
-    return torch.einsum("hel,lhd->ehd", scores.softmax(-1), v.float()).to(q.dtype)
-
-
-class _FakeWrapper:
-    plans = 0
-
-    def __init__(self, workspace, kv_layout="NHD", use_tensor_cores=False):
-        assert kv_layout == "NHD" and workspace.dtype == torch.uint8
-
-    def _gather(self, cache, b):
-        pages = self.indices[self.indptr[b]:self.indptr[b + 1]].long()
-        rows = cache[pages].reshape(-1, *cache.shape[2:])
-        return rows[:(len(pages) - 1) * self.page_size + int(self.last_page_len[b])]
-
-
-class _FakeDecode(_FakeWrapper):
-    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
-             page_size, *, q_data_type="float16", kv_data_type=None, sm_scale=None, **_):
-        type(self).plans += 1
-        self.indptr, self.indices, self.last_page_len = indptr, indices, last_page_len
-        self.page_size, self.scale = page_size, sm_scale
-
-    def run(self, q, paged_kv_cache):
-        k, v = paged_kv_cache
-        assert k.shape[1] == self.page_size and q.shape[0] == len(self.last_page_len)
-        return torch.cat([_attend(q[b:b + 1], self._gather(k, b), self._gather(v, b),
-                                  self.scale, False) for b in range(q.shape[0])])
-
-
-class _FakePrefill(_FakeWrapper):
-    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-             num_qo_heads, num_kv_heads, head_dim_qk, page_size, head_dim_vo=None,
-             custom_mask=None, packed_custom_mask=None, causal=False, pos_encoding_mode="NONE",
-             use_fp16_qk_reduction=False, sm_scale=None, *, q_data_type="float16",
-             kv_data_type=None, **_):
-        type(self).plans += 1
-        self.qo_indptr, self.indptr, self.indices = qo_indptr, paged_kv_indptr, paged_kv_indices
-        self.last_page_len, self.page_size = paged_kv_last_page_len, page_size
-        self.scale, self.causal = sm_scale, causal
-
-    def run(self, q, paged_kv_cache):
-        k, v = paged_kv_cache
-        qo = self.qo_indptr.tolist()
-        return torch.cat([_attend(q[qo[b]:qo[b + 1]], self._gather(k, b), self._gather(v, b),
-                                  self.scale, self.causal) for b in range(len(qo) - 1)])
-
-
-@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
-def test_backend_drives_the_wrappers_like_torch_native(monkeypatch, mode):
-    """The page table, plan arguments and per-layer runs, against the documented contract."""
-    fake = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=_FakeDecode,
-                                 BatchPrefillWithPagedKVCacheWrapper=_FakePrefill)
-    monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    monkeypatch.setattr(flashinfer_backend, "check_supported", lambda device, dtype: None)
-    _FakeDecode.plans = _FakePrefill.plans = 0
-    gen = torch.Generator().manual_seed(0)
-    prefix = [9, 1, 30] if mode == ForwardMode.DECODE else [9, 0, 30]
-    ext = [1, 1, 1] if mode == ForwardMode.DECODE else [4, 6, 1]
-    rows, outs = [2, 0, 1], {}
-    for name in ("torch_native", "flashinfer"):
-        pool = KVPool(128, 2, 2, 16, torch.float32, torch.device("cpu"))
-        table = ReqToTokenPool(4, 64, torch.device("cpu"))
-        perm, used = torch.randperm(128, generator=gen.manual_seed(1)).tolist(), 0
-        for row, p, e in zip(rows, prefix, ext):
-            table.write(row, 0, perm[used:used + p + e])
-            used += p + e
-        for layer in range(2):
-            pool.k_buffers[layer][:128] = torch.randn(128, 2, 16, generator=gen)
-            pool.v_buffers[layer][:128] = torch.randn(128, 2, 16, generator=gen)
-        loc = torch.cat([table.table[r, p:p + e] for r, p, e in zip(rows, prefix, ext)])
-        backend = create_attention_backend(name, pool, table)
-        fb = _batch(mode, rows, prefix, ext, loc, "cpu")
-        backend.init_forward_metadata(fb)
-        gen.manual_seed(7)
-        outs[name] = [backend.forward(torch.randn(sum(ext), 8, 16, generator=gen),
-                                      torch.randn(sum(ext), 2, 16, generator=gen),
-                                      torch.randn(sum(ext), 2, 16, generator=gen),
-                                      layer, 0.25, fb) for layer in range(2)]
-    for got, want in zip(outs["flashinfer"], outs["torch_native"]):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert _FakeDecode.plans + _FakePrefill.plans == 1   # one plan, two layers
