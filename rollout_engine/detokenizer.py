@@ -1,39 +1,118 @@
-"""Incremental, UTF-8-safe detokenization and stop-string trimming."""
+"""Incremental, UTF-8-safe detokenization and stop-string trimming.
+
+A stream's deltas must concatenate to the final text, ``decode(output_ids)`` trimmed at the stop
+string. Two things make that hard: a byte-level token can end inside a multi-byte character (the
+tail decodes to U+FFFD until the next token completes it), and some tokenizers rewrite earlier
+text when a later token arrives (``clean_up_tokenization_spaces`` turns ``"a ."`` into ``"a."``).
+
+Decoding re-reads a window that starts a few tokens back, at a boundary where no character is
+split (SGLang / vLLM's prefix and read offsets)::
+
+    ids:   [ ... committed ... | context (>= CONTEXT_TOKENS) | newest ]
+                               ^ prefix_offset               ^ read_offset
+    text  = committed_text[:-len(decode(context))] + decode(context + newest)
+
+so a change anywhere in the window replaces the window's old text, and each step decodes a few
+tokens instead of the whole sequence. Text is shown only once no later token can change it: no
+trailing U+FFFD, no unfinished run of byte-fallback tokens, nothing that could still grow into a
+stop string, and, for a tokenizer that rewrites earlier text, not the last
+``REWRITE_HOLD_CHARS`` characters (``DecodeTraits``).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
 
 _REPLACEMENT = "\ufffd"
+CONTEXT_TOKENS = 8        # the decode window re-reads at least this many earlier tokens
+REWRITE_HOLD_CHARS = 8    # longest rewrite of transformers' space cleanup (" n ' t" -> "n't")
+
+
+@dataclass(frozen=True)
+class DecodeTraits:
+    """What a tokenizer's decoder can do to text already decoded; found once per tokenizer.
+
+    ``hold_chars``: characters held back while a request runs (transformers' space cleanup can
+    delete a space a few characters back). ``byte_ids``: byte-fallback tokens (``<0xE4>``): a
+    run of them decodes to one U+FFFD per byte, earlier bytes included, until it forms valid
+    UTF-8, so text inside such a run is shown only once a normal token ends it.
+    """
+
+    hold_chars: int = 0
+    byte_ids: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> DecodeTraits:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        decoder = getattr(backend, "decoder", None)
+        rewrites = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False)
+                        or getattr(decoder, "cleanup", False))
+        byte_ids: frozenset[int] = frozenset()
+        if "ByteFallback" in repr(decoder):
+            ids = tokenizer.convert_tokens_to_ids([f"<0x{b:02X}>" for b in range(256)])
+            byte_ids = frozenset(i for i in ids if i is not None and i != tokenizer.unk_token_id)
+        return cls(REWRITE_HOLD_CHARS if rewrites else 0, byte_ids)
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas.
+    """Turns a growing list of token ids into text deltas (see the module docstring).
 
-    Byte-level tokens may end in the middle of a multi-byte character; such a tail decodes to
-    U+FFFD and is held back until the next tokens complete it. Decoding re-reads a short window
-    of earlier tokens so that merges across token boundaries come out as a full decode would.
+    ``traits``: ``DecodeTraits.of(tokenizer)``, found here when not given (pass it when making
+    many detokenizers for one tokenizer).
     """
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True,
-                 stop: list[str] | None = None, no_stop_trim: bool = False) -> None:
+                 stop: Optional[list[str]] = None, no_stop_trim: bool = False,
+                 traits: Optional[DecodeTraits] = None, min_new_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
         self.stop = stop or []
         self.no_stop_trim = no_stop_trim
+        self.min_new_tokens = min_new_tokens
+        self._stop_from: Optional[int] = None   # see stop_from()
+        self.traits = traits if traits is not None else DecodeTraits.of(tokenizer)
         self.ids: list[int] = []
-        self.emitted = ""          # text already returned
+        self.emitted = ""          # text already returned (what the caller has)
         self.finished = False
         self.drop_last = False     # the last id is a matched stop token, kept out of the text
+        self.diverged = False      # a rewrite reached text already shown (logged once)
+        # the decode window (see the module docstring)
+        self.text = ""             # text of ids[:read_offset]
+        self.prefix_offset = 0     # window start: a token boundary that splits no character
+        self.read_offset = 0
+        self.prefix_text = ""      # decode(ids[prefix_offset:read_offset])
+        self.boundaries: list[int] = [0]   # recent clean boundaries, >= prefix_offset
+        self.final_text: Optional[str] = None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
 
-    def _text(self) -> str:
-        return self._decode(self.ids[:-1] if self.drop_last else self.ids)
+    def _end(self) -> int:
+        return len(self.ids) - 1 if self.drop_last else len(self.ids)
+
+    def stop_from(self) -> int:
+        """Stop strings count only if they end past this many characters: the text of the first
+        ``min_new_tokens - 1`` tokens, where the scheduler skipped them (and kept generating)."""
+        if self._stop_from is not None:
+            return self._stop_from
+        k = self.min_new_tokens - 1
+        if k <= 0 or not self.stop:
+            return 0
+        below = len(self._decode(self.ids[:k]).rstrip(_REPLACEMENT))
+        if len(self.ids) >= k:
+            self._stop_from = below
+        return below
 
     def full_text(self) -> str:
-        return trim_stop(self._text(), self.stop, self.no_stop_trim)
+        """The whole text, trimmed at the first stop string (a full decode, not the window)."""
+        if self.final_text is not None:
+            return self.final_text
+        return trim_stop(self._decode(self.ids[:self._end()]), self.stop, self.no_stop_trim,
+                         self.stop_from())
 
     def push(self, new_ids: list[int], finished: bool, stop_token: bool = False) -> str:
         """Add tokens; return the new text that is safe to show.
@@ -44,34 +123,68 @@ class IncrementalDetokenizer:
         """
         self.ids.extend(new_ids)
         self.drop_last = finished and stop_token and not self.no_stop_trim and bool(self.ids)
-        text = self._text()
         if finished:
-            text = trim_stop(text, self.stop, self.no_stop_trim)
+            self.finished = True
+            self.final_text = None
+            self.final_text = self.full_text()
+            return self._emit(self.final_text)
+        text = self._window_text()
+        text = text.rstrip(_REPLACEMENT)
+        if self.traits.hold_chars:
+            text = text[:max(len(text) - self.traits.hold_chars, 0)]
+        cut = _first_stop(text, self.stop, self.stop_from())
+        if cut is not None:
+            text = text[:cut] if not self.no_stop_trim else text
         else:
-            text = text.rstrip(_REPLACEMENT)
             # hold back a tail that could still grow into a stop string
             hold = max((len(s) - 1 for s in self.stop), default=0)
-            cut = _first_stop(text, self.stop)
-            if cut is not None:
-                text = text[:cut] if not self.no_stop_trim else text
-            elif hold:
+            if hold:
                 text = text[:max(len(self.emitted), len(text) - hold)]
-        if not text.startswith(self.emitted):
-            # a later token changed how earlier bytes decode; never retract shown text
-            return ""
+        return self._emit(text)
+
+    def _window_text(self) -> str:
+        """The text of every id so far, decoding only the window; commits a clean boundary."""
+        end = self._end()
+        if end and self.ids[end - 1] in self.traits.byte_ids:
+            return self.text   # inside a run of byte tokens: only the text before it is sure
+        window = self._decode(self.ids[self.prefix_offset:end])
+        text = self.text[:len(self.text) - len(self.prefix_text)] + window
+        if end > self.read_offset and not window.endswith(_REPLACEMENT):
+            # ``end`` splits no character: the next window may start here
+            self.text, self.read_offset, self.prefix_text = text, end, window
+            self.boundaries.append(end)
+            starts = [b for b in self.boundaries if end - b >= CONTEXT_TOKENS]
+            if starts and starts[-1] != self.prefix_offset:
+                # move the window up only where its text is a suffix of the whole text (a
+                # rewrite across that boundary, e.g. "a ' b" -> "a'b", would misalign it)
+                prefix_text = self._decode(self.ids[starts[-1]:end])
+                if text.endswith(prefix_text):
+                    self.prefix_offset, self.prefix_text = starts[-1], prefix_text
+            self.boundaries = [b for b in self.boundaries if b >= self.prefix_offset]
+        return text
+
+    def _emit(self, text: str) -> str:
+        n = min(len(text), len(self.emitted))
+        if text[:n] != self.emitted[:n] and not self.diverged:
+            # shown text cannot be taken back; keep streaming from the same character count
+            self.diverged = True
+            logger.warning("detokenizer: a later token rewrote text already streamed "
+                           "(%r is no longer a prefix of %r)", self.emitted[-20:], text[-40:])
         delta = text[len(self.emitted):]
-        self.emitted = text
+        self.emitted += delta
         return delta
 
 
-def _first_stop(text: str, stop: list[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+def _first_stop(text: str, stop: list[str], ends_after: int = 0) -> Optional[int]:
+    hits = [i for i in (text.find(s, max(ends_after - len(s) + 1, 0)) for s in stop) if i >= 0]
     return min(hits) if hits else None
 
 
-def trim_stop(text: str, stop: list[str], no_stop_trim: bool = False) -> str:
-    """Cut ``text`` at the first stop string (the stop string itself is removed)."""
-    cut = _first_stop(text, stop)
+def trim_stop(text: str, stop: list[str], no_stop_trim: bool = False,
+              ends_after: int = 0) -> str:
+    """Cut ``text`` at the first stop string that ends past ``ends_after`` characters (the stop
+    string itself is removed)."""
+    cut = _first_stop(text, stop, ends_after)
     if cut is None or no_stop_trim:
         return text
     return text[:cut]

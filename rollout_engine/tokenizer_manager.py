@@ -9,14 +9,12 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from transformers import AutoTokenizer
 
 from rollout_engine.config import EngineConfig
-from rollout_engine.detokenizer import IncrementalDetokenizer
+from rollout_engine.detokenizer import DecodeTraits, IncrementalDetokenizer
 from rollout_engine.protocol.messages import (
     AbortReq,
     BatchOutput,
@@ -28,14 +26,13 @@ from rollout_engine.protocol.messages import (
     SchedulerReady,
 )
 from rollout_engine.request_builder import RequestBuilder
+from rollout_engine.request_state import ChunkStream, RequestState, SchedulerDeadError
 from rollout_engine.scheduler.loop import SchedulerHost, start_scheduler
 
 logger = logging.getLogger(__name__)
 
-
-
-class SchedulerDeadError(RuntimeError):
-    """The scheduler is gone; nothing can be served (HTTP 503)."""
+__all__ = ["EngineAsleepError", "EngineBusyError", "RequestState", "SchedulerDeadError",
+           "TokenizerManager"]
 
 
 class EngineAsleepError(RuntimeError):
@@ -46,39 +43,11 @@ class EngineBusyError(RuntimeError):
     """A control call that needs an idle engine arrived while requests run (HTTP 409)."""
 
 
-@dataclass
-class RequestState:
-    """Outputs of one request as they arrive; waited on by threads or asyncio tasks."""
-
-    req: GenerateReq
-    detok: IncrementalDetokenizer
-    created: float = field(default_factory=time.time)
-    output_ids: list[int] = field(default_factory=list)
-    pending: list[dict[str, Any]] = field(default_factory=list)   # stream chunks not yet taken
-    final: Optional[dict[str, Any]] = None
-    error: Optional[str] = None
-    cond: threading.Condition = field(default_factory=threading.Condition)
-    waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(default_factory=list)
-
-    @property
-    def done(self) -> bool:
-        return self.final is not None or self.error is not None
-
-    def notify(self) -> None:
-        with self.cond:
-            self.cond.notify_all()
-            waiters = list(self.waiters)
-        for loop, event in waiters:
-            try:
-                loop.call_soon_threadsafe(event.set)
-            except RuntimeError:
-                pass  # that loop is closed; its caller is gone
-
-
 class TokenizerManager:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path)
+        self.decode_traits = DecodeTraits.of(self.tokenizer)
         self.rng = random.Random(config.random_seed)
         self.states: dict[str, RequestState] = {}
         self.calls: dict[int, tuple[threading.Event, list[ControlResult]]] = {}
@@ -164,7 +133,9 @@ class TokenizerManager:
         delta = st.detok.push(out.token_ids, finished,
                               stop_token=isinstance(matched, int) and not isinstance(matched, bool))
         if st.req.stream:
-            st.pending.append(self._chunk(st, out, delta))
+            chunk = self._chunk(st, out, delta)
+            with st.cond:   # a reader swaps the list under this lock
+                st.pending.append(chunk)
         if finished:
             st.final = self._final(st, out)
             with self.lock:
@@ -239,7 +210,8 @@ class TokenizerManager:
             for r in reqs:
                 sp = r.sampling_params
                 st = RequestState(r, IncrementalDetokenizer(
-                    self.tokenizer, sp.skip_special_tokens, sp.stop, sp.no_stop_trim))
+                    self.tokenizer, sp.skip_special_tokens, sp.stop, sp.no_stop_trim,
+                    traits=self.decode_traits, min_new_tokens=sp.min_new_tokens))
                 self.states[r.rid] = st
                 states.append(st)
         for r in reqs:
@@ -260,29 +232,13 @@ class TokenizerManager:
         assert st.final is not None
         return st.final
 
-    def iter_chunks(self, st: RequestState) -> Iterator[dict[str, Any]]:
-        while True:
-            with st.cond:
-                st.cond.wait_for(lambda: st.pending or st.done)
-                chunks, st.pending = st.pending, []
-            yield from chunks
-            if st.error is not None:
-                raise SchedulerDeadError(st.error)
-            if st.done and not st.pending:
-                return
+    def iter_chunks(self, st: RequestState) -> ChunkStream:
+        """The request's chunks (``for`` or ``async for``); closing the stream early, or
+        dropping it, aborts the request."""
+        return ChunkStream(st, lambda rid: self.abort(rid=rid))
 
     async def async_wait_change(self, st: RequestState) -> None:
-        loop = asyncio.get_running_loop()
-        event = asyncio.Event()
-        with st.cond:
-            if st.pending or st.done:
-                return
-            st.waiters.append((loop, event))
-        try:
-            await event.wait()
-        finally:
-            with st.cond:
-                st.waiters.remove((loop, event))
+        await st.changed()
 
     async def async_wait(self, st: RequestState) -> dict[str, Any]:
         while not st.done:
@@ -292,17 +248,8 @@ class TokenizerManager:
         assert st.final is not None
         return st.final
 
-    async def async_iter_chunks(self, st: RequestState):
-        while True:
-            await self.async_wait_change(st)
-            with st.cond:
-                chunks, st.pending = st.pending, []
-            for c in chunks:
-                yield c
-            if st.error is not None:
-                raise SchedulerDeadError(st.error)
-            if st.done and not st.pending:
-                return
+    def async_iter_chunks(self, st: RequestState) -> ChunkStream:
+        return self.iter_chunks(st)
 
     # -- control -------------------------------------------------------------------------------
     def call(self, method: str, timeout: Optional[float] = None, **kwargs: Any) -> ControlResult:
