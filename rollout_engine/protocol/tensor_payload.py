@@ -7,10 +7,20 @@
       CUDA tensor -> CUDA IPC handle                  rebuild_cuda_tensor opens the IPC handle
 
 No tensor bytes travel in the string, so the receiver sees the sender's memory, not a copy.
-The receiver uses a restricted unpickler: it admits only the globals in `ALLOWED_GLOBALS` (plus
-torch dtypes) and refuses opcodes that could mutate objects, so a payload cannot run code.
-It does not make a hostile *handle* harmless (a bad shm name or size can still fail or crash
-on access), so the endpoint must only be reachable by the trainer.
+
+The receiver reads with a restricted unpickler (pickle's Python implementation, opcode by
+opcode) that executes nothing it does not know:
+
+- globals resolve only through `GLOBALS`: our vetted reconstructors (tensor_handles.py), class
+  tokens that cannot be called, and torch dtypes;
+- REDUCE calls only those reconstructors; NEWOBJ + BUILD only fill plain-data records (pickled
+  dataclasses such as SGLang's FlattenedTensorMetadata); SETITEM(S), APPEND(S) and ADDITEMS
+  write only into plain dicts, lists and sets: nothing can write into a tensor or a class;
+- every storage is bounded: by the tensors declared on it, by the shm file it names (never
+  grown), and by a per-payload byte cap; names and sockets must be of the forms torch creates.
+
+Unpickling builds descriptors only; memory is mapped after every check passed, so a refused
+payload maps and allocates nothing. Every refusal is a ValueError (HTTP 400).
 """
 
 from __future__ import annotations
@@ -20,67 +30,242 @@ import binascii
 import io
 import pickle
 import pickletools
+from collections import OrderedDict
 from multiprocessing.reduction import ForkingPickler
+from typing import Any
 
 import torch
 from torch.multiprocessing import reductions  # importing it registers torch's reducers
 
 from rollout_engine.protocol.bucket import FlattenedBucket, TensorMeta
+from rollout_engine.protocol.tensor_handles import (
+    TORCH_RECONSTRUCTORS,
+    ClassToken,
+    Lazy,
+    PayloadBudget,
+    ReadContext,
+    Reconstructor,
+    Record,
+    UnsafePayloadError,
+)
 
 __all__ = [
     "ALLOWED_GLOBALS",
+    "DEFAULT_MAX_PAYLOAD_BYTES",
     "UnsafePayloadError",
     "deserialize_named_tensors",
     "serialize_named_tensors",
 ]
 
-_REDUCTIONS = "torch.multiprocessing.reductions"
-
-ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
-    {
-        # CPU tensor: rebuild_tensor(Tensor|Parameter,
-        #     rebuild_typed_storage(rebuild_storage_filename(UntypedStorage, manager, name, size),
-        #                           dtype), (storage_offset, Size, stride, requires_grad))
-        (_REDUCTIONS, "rebuild_tensor"),
-        (_REDUCTIONS, "rebuild_typed_storage"),
-        (_REDUCTIONS, "rebuild_storage_filename"),
-        ("torch.storage", "UntypedStorage"),
-        # CUDA tensor: rebuild_cuda_tensor(Tensor|Parameter, Size, stride, offset, TypedStorage,
-        #     dtype, device index, IPC handle, sizes, requires_grad, ref-counter and event handles)
-        (_REDUCTIONS, "rebuild_cuda_tensor"),
-        ("torch.storage", "TypedStorage"),
-        # Shared by both.
-        ("torch", "Tensor"),
-        ("torch.nn.parameter", "Parameter"),
-        ("torch", "Size"),
-        # Containers and bucket metadata.
-        ("collections", "OrderedDict"),
-        (TensorMeta.__module__, "TensorMeta"),
-        (FlattenedBucket.__module__, "FlattenedBucket"),
-    }
-)
-"""Exactly the (module, name) globals ForkingPickler emits for our payloads (torch 2.13).
-
-Deliberately absent: `rebuild_storage_fd` (see `deserialize_named_tensors`),
-`rebuild_storage_empty` (the file_system path shares empty storages too), and
-`torch._utils._rebuild_tensor_v2` (emitted only by plain pickle/torch.save, whose storages
-travel as torch.load bytes). torch dtypes (`torch.float32`, ...) are admitted by `_DTYPE_NAMES`.
-"""
-
-_DTYPE_NAMES = frozenset(n for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype))
-
-# BUILD would let a payload setattr on an admitted class (e.g. torch.Tensor); the others create
-# or look up objects without going through find_class. None of them occur in our payloads.
-_REFUSED_OPCODES = frozenset(
-    {"BUILD", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX", "EXT1", "EXT2", "EXT4", "PERSID",
-     "BINPERSID", "NEXT_BUFFER", "READONLY_BUFFER"}
-)  # fmt: skip
+DEFAULT_MAX_PAYLOAD_BYTES = 64 << 30
+"""Storage bytes one payload may map when the caller gives no cap (the refit path passes one
+derived from the model's size)."""
 
 _PROTOCOL = 4
 
 
-class UnsafePayloadError(ValueError):
-    """A tensor payload referred to a global, or used an opcode, that is not allowed."""
+def _size(ctx: ReadContext, dims: Any) -> torch.Size:
+    if not isinstance(dims, tuple) or len(dims) > 64 or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims
+    ):
+        raise UnsafePayloadError(f"torch.Size must hold at most 64 non-negative ints: {dims!r}")
+    return torch.Size(dims)
+
+
+def _ordered_dict(ctx: ReadContext, *args: Any) -> OrderedDict:
+    if args:  # OrderedDict pickles as OrderedDict() followed by SETITEMS
+        raise UnsafePayloadError("collections.OrderedDict must be built empty")
+    return OrderedDict()
+
+
+def _tensor_meta(ctx: ReadContext, *args: Any) -> TensorMeta:
+    return TensorMeta(*args)  # plain data, validated in __post_init__
+
+
+class _Bucket(Lazy):
+    """FlattenedBucket(buffer, metas), built once its buffer is a tensor."""
+
+    def __init__(self, buffer: Any, metas: Any) -> None:
+        self.buffer, self.metas = buffer, metas
+
+    def materialize(self, ctx, convert):
+        return FlattenedBucket(convert(self.buffer), convert(self.metas))
+
+
+def _bucket(ctx: ReadContext, *args: Any) -> _Bucket:
+    if len(args) != 2:
+        raise UnsafePayloadError(f"FlattenedBucket takes (buffer, metas), got {len(args)} args")
+    return _Bucket(*args)
+
+
+GLOBALS: dict[tuple[str, str], Any] = {
+    **TORCH_RECONSTRUCTORS,
+    ("torch", "Size"): Reconstructor("torch.Size", _size),
+    ("collections", "OrderedDict"): Reconstructor("collections.OrderedDict", _ordered_dict),
+    (TensorMeta.__module__, "TensorMeta"): Reconstructor("TensorMeta", _tensor_meta),
+    (FlattenedBucket.__module__, "FlattenedBucket"): Reconstructor("FlattenedBucket", _bucket),
+}
+"""(module, name) -> what a payload gets for that global; torch dtypes are admitted too."""
+
+ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(GLOBALS)
+
+_DTYPES = {n: getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}
+
+# Never needed by a tensor payload; refused by a walk over the opcodes before anything runs.
+_REFUSED_OPCODES = frozenset(
+    {"INST", "OBJ", "NEWOBJ_EX", "EXT1", "EXT2", "EXT4", "PERSID", "BINPERSID", "NEXT_BUFFER",
+     "READONLY_BUFFER"}
+)  # fmt: skip
+
+_FD_HINT = (
+    "; CPU tensors shared with torch's default 'file_descriptor' strategy can be opened only "
+    "by the sender's own children: call torch.multiprocessing.set_sharing_strategy"
+    "('file_system') in the trainer before serializing, or use serialize_named_tensors"
+)
+
+
+class _RestrictedUnpickler(pickle._Unpickler):
+    """pickle's Python unpickler with every opcode that can call or mutate something vetted."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def __init__(self, file: io.BytesIO, ctx: ReadContext) -> None:
+        super().__init__(file, fix_imports=False)
+        self.ctx = ctx
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in GLOBALS:
+            return GLOBALS[module, name]
+        if module == "torch" and name in _DTYPES:
+            return _DTYPES[name]
+        hint = _FD_HINT if name == "rebuild_storage_fd" else (
+            "; payloads may contain only tensors, containers and bucket metadata")
+        raise UnsafePayloadError(
+            f"tensor payload refers to {module}.{name}, which is not allowed{hint}"
+        )
+
+    def _refuse(self, opcode: str, target: Any) -> None:
+        raise UnsafePayloadError(
+            f"tensor payload uses pickle opcode {opcode} on {_describe(target)}, which is not "
+            "allowed (it could call or modify an object)"
+        )
+
+    def load_reduce(self) -> None:
+        args = self.stack.pop()
+        func = self.stack[-1]
+        if not isinstance(func, Reconstructor) or not isinstance(args, tuple):
+            self._refuse("REDUCE", func)
+        self.stack[-1] = func(self.ctx, args)
+
+    def load_newobj(self) -> None:
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        if not (isinstance(cls, type) and issubclass(cls, Record) and args == ()):
+            self._refuse("NEWOBJ", cls)
+        self.append(cls())
+
+    def load_build(self) -> None:
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        if not isinstance(inst, Record):
+            self._refuse("BUILD", inst)
+        inst.fill(state)
+
+    def load_setitem(self) -> None:
+        value = self.stack.pop()
+        key = self.stack.pop()
+        self._mapping("SETITEM")[key] = value
+
+    def load_setitems(self) -> None:
+        items = self.pop_mark()
+        target = self._mapping("SETITEMS")
+        for i in range(0, len(items), 2):
+            target[items[i]] = items[i + 1]
+
+    def _mapping(self, opcode: str) -> dict:
+        target = self.stack[-1]
+        if type(target) not in (dict, OrderedDict):
+            self._refuse(opcode, target)
+        return target
+
+    def load_append(self) -> None:
+        value = self.stack.pop()
+        self._list("APPEND").append(value)
+
+    def load_appends(self) -> None:
+        items = self.pop_mark()
+        self._list("APPENDS").extend(items)
+
+    def _list(self, opcode: str) -> list:
+        if type(self.stack[-1]) is not list:
+            self._refuse(opcode, self.stack[-1])
+        return self.stack[-1]
+
+    def load_additems(self) -> None:
+        items = self.pop_mark()
+        if type(self.stack[-1]) is not set:
+            self._refuse("ADDITEMS", self.stack[-1])
+        self.stack[-1].update(items)
+
+    def _load_refused(self) -> None:  # the opcode walk refuses these first
+        raise UnsafePayloadError("tensor payload uses a refused pickle opcode")
+
+    dispatch[pickle.REDUCE[0]] = load_reduce
+    dispatch[pickle.NEWOBJ[0]] = load_newobj
+    dispatch[pickle.BUILD[0]] = load_build
+    dispatch[pickle.SETITEM[0]] = load_setitem
+    dispatch[pickle.SETITEMS[0]] = load_setitems
+    dispatch[pickle.APPEND[0]] = load_append
+    dispatch[pickle.APPENDS[0]] = load_appends
+    dispatch[pickle.ADDITEMS[0]] = load_additems
+    for _op in _REFUSED_OPCODES:
+        dispatch[getattr(pickle, _op)[0]] = _load_refused
+    del _op
+
+
+def _describe(obj: Any) -> str:
+    if isinstance(obj, (ClassToken, Reconstructor)):
+        return repr(obj)
+    if isinstance(obj, Lazy):
+        return f"a {type(obj).__name__}"
+    if isinstance(obj, type):
+        return f"{obj.__module__}.{obj.__qualname__}"
+    return f"a {type(obj).__name__}"
+
+
+_ATOMS = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.Size, TensorMeta)
+
+
+def _materialize(root: Any, ctx: ReadContext) -> Any:
+    """Replace every descriptor in the unpickled tree by its value; keeps shared references."""
+    memo: dict[int, Any] = {}
+
+    def convert(obj: Any) -> Any:
+        if isinstance(obj, _ATOMS):
+            return obj
+        key = id(obj)
+        if key in memo:
+            return memo[key]
+        kind = type(obj)
+        if kind is list:
+            out: Any = memo.setdefault(key, [])
+            out.extend(convert(x) for x in obj)
+        elif kind is tuple:
+            out = memo.setdefault(key, tuple(convert(x) for x in obj))
+        elif kind in (dict, OrderedDict):
+            out = memo.setdefault(key, kind())
+            for k, v in obj.items():
+                out[convert(k)] = convert(v)
+        elif kind in (set, frozenset):
+            out = memo.setdefault(key, kind(convert(x) for x in obj))
+        elif isinstance(obj, Lazy):
+            out = memo.setdefault(key, obj.materialize(ctx, convert))
+        else:
+            raise UnsafePayloadError(f"tensor payload holds {_describe(obj)} as a value, "
+                                     "which is not allowed")
+        return out
+
+    return convert(root)
 
 
 def _reduce_storage_by_filename(storage: torch.UntypedStorage):
@@ -120,20 +305,8 @@ def serialize_named_tensors(payload: object) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
-    """Resolves only `ALLOWED_GLOBALS` and torch dtypes; everything else is refused."""
-
-    def find_class(self, module: str, name: str):
-        if (module, name) in ALLOWED_GLOBALS or (module == "torch" and name in _DTYPE_NAMES):
-            return super().find_class(module, name)
-        raise UnsafePayloadError(
-            f"tensor payload refers to {module}.{name}, which is not allowed; payloads may "
-            "contain only tensors, containers, TensorMeta and FlattenedBucket"
-        )
-
-
 def _check_opcodes(data: bytes) -> None:
-    """Walk the pickle without executing it: refuse mutating opcodes, reject malformed data."""
+    """Walk the pickle without executing it: refuse unneeded opcodes, reject malformed data."""
     stop_pos = None
     try:
         for opcode, _arg, pos in pickletools.genops(data):
@@ -151,12 +324,40 @@ def _check_opcodes(data: bytes) -> None:
         raise ValueError(f"malformed tensor payload: {len(data) - 1 - stop_pos} trailing bytes")
 
 
-def deserialize_named_tensors(data: str) -> object:
-    """Decode a `serialize_named_tensors` string, rebuilding tensors from their handles.
+def _decode(data: Any) -> bytes:
+    if isinstance(data, bytes):
+        return data  # a raw pickle, as SGLang's MultiprocessingSerializer also accepts
+    if not isinstance(data, str):
+        raise ValueError(f"tensor payload must be a base64 str, got {type(data).__name__}")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"tensor payload is not valid base64: {exc}") from exc
 
-    Raises UnsafePayloadError (a ValueError) if the pickle names any global outside
-    `ALLOWED_GLOBALS`/torch dtypes or uses a refused opcode; nothing is executed in that case,
-    since the opcode walk runs first and find_class refuses before any call. Malformed base64,
+
+def _read(data: Any, ctx: ReadContext) -> Any:
+    raw = _decode(data)
+    _check_opcodes(raw)
+    try:
+        tree = _RestrictedUnpickler(io.BytesIO(raw), ctx).load()
+        return _materialize(tree, ctx)
+    except ValueError:  # UnsafePayloadError included
+        raise
+    except Exception as exc:
+        raise ValueError(f"could not rebuild tensor payload: {type(exc).__name__}: {exc}") from exc
+
+
+def deserialize_named_tensors(data: str | bytes, *, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+                              tp_rank: int = 0) -> object:
+    """Decode a tensor payload string (ours, or one SGLang's trainers build), rebuilding tensors
+    from their handles.
+
+    `data`: base64 text (or the raw pickle bytes). `max_bytes` caps the storage bytes the
+    payload, nested payloads included, may map. `tp_rank` picks the rank's entry of an SGLang
+    `LocalSerializedTensor`.
+
+    Raises UnsafePayloadError (a ValueError) for any global, opcode or handle outside the
+    rules in the module docstring, before anything is mapped or executed. Malformed base64,
     truncated pickles and handles that cannot be opened raise ValueError.
 
     `rebuild_storage_fd` is refused: its argument is a multiprocessing `DupFd` that, when
@@ -164,16 +365,6 @@ def deserialize_named_tensors(data: str) -> object:
     sender's own children, is meaningless for a process reached over HTTP, and admitting it
     would let a payload make this process open connections. Our sender never emits it.
     """
-    if not isinstance(data, str):
-        raise ValueError(f"tensor payload must be a base64 str, got {type(data).__name__}")
-    try:
-        raw = base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise ValueError(f"tensor payload is not valid base64: {exc}") from exc
-    _check_opcodes(raw)
-    try:
-        return _RestrictedUnpickler(io.BytesIO(raw), fix_imports=False).load()
-    except UnsafePayloadError:
-        raise
-    except Exception as exc:
-        raise ValueError(f"could not rebuild tensor payload: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(tp_rank, int) or tp_rank < 0:
+        raise ValueError(f"tp_rank: must be a non-negative int, got {tp_rank!r}")
+    return _read(data, ReadContext(PayloadBudget(max_bytes), tp_rank, 0, _read))

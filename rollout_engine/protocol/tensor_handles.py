@@ -1,0 +1,488 @@
+"""Vetted reconstructors for the tensor handles inside a payload: descriptors first, memory later.
+
+Reading a payload happens in two steps, so a bad handle is refused before anything is mapped:
+
+    unpickle  -> descriptors only (ShmStorage, CudaTensor, ...), each checked as it is built:
+                 names and sockets of the form torch creates, shm files that exist and are big
+                 enough (opening a short one would grow it), tensors inside their storage,
+                 every storage charged against one byte budget per payload
+    materialize -> torch opens the vetted handles (rebuild_storage_filename, rebuild_cuda_tensor)
+
+The forms admitted are the ones torch itself creates (torch 2.x, Linux):
+
+    shm name        /torch_<pid>_<random>_<counter>     at::NewProcessWideShmHandle(); the file
+                    is /dev/shm/torch_..., 64 header bytes + the storage (RefcountedMapAllocator)
+    manager socket  <tmp>/torch-shm-dir-XXXXXX/manager.sock    torch_shm_manager (mkdtemp)
+
+A payload can only *name* classes (UntypedStorage, Tensor, ...): they arrive as `ClassToken`s,
+which cannot be called, so `UntypedStorage(1 << 40)` is refused rather than allocated.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import re
+import stat
+from collections.abc import Callable
+from typing import Any, ClassVar, Optional
+
+import torch
+from torch.multiprocessing import reductions
+
+__all__ = [
+    "ClassToken",
+    "Lazy",
+    "PayloadBudget",
+    "ReadContext",
+    "Reconstructor",
+    "Record",
+    "UnsafePayloadError",
+    "TORCH_RECONSTRUCTORS",
+]
+
+SHM_DIR = "/dev/shm"
+SHM_HEADER_BYTES = 64
+"""RefcountedMapAllocator's header before the data in every torch shm file."""
+
+_SHM_NAME = re.compile(r"/torch_[0-9]{1,10}_[0-9]{1,20}_[0-9]{1,20}")
+_MANAGER_SOCKET = re.compile(r"(/[A-Za-z0-9._+@,=~-]+)*/torch-shm-dir-[A-Za-z0-9]{6}/manager\.sock")
+_MAX_DIMS = 64
+_MAX_HANDLE_BYTES = 256  # CUDA IPC memory/event handles are 64 bytes (cudaIpc*Handle_t)
+_REF_COUNTER_BYTES = 8  # int64 counters in the CUDA IPC ref-counter file
+
+
+class UnsafePayloadError(ValueError):
+    """A tensor payload referred to a global, used an opcode or named a handle that is not
+    allowed."""
+
+
+class PayloadBudget:
+    """Bytes of storage one payload (with its nested payloads) may map: each storage once."""
+
+    def __init__(self, max_bytes: int) -> None:
+        if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0:
+            raise ValueError(f"max_bytes: must be a non-negative int, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self.used = 0
+        self._seen: set[Any] = set()
+
+    def charge(self, key: Any, num_bytes: int, what: str) -> None:
+        if key in self._seen:
+            return
+        if self.used + num_bytes > self.max_bytes:
+            raise UnsafePayloadError(
+                f"tensor payload asks for {self.used + num_bytes} bytes of storage ({what}: "
+                f"{num_bytes}), over this receiver's cap of {self.max_bytes} bytes"
+            )
+        self._seen.add(key)
+        self.used += num_bytes
+
+
+class ReadContext:
+    """What reconstructors and records see while one payload is read."""
+
+    def __init__(self, budget: PayloadBudget, tp_rank: int, depth: int,
+                 read_nested: Callable[[Any, ReadContext], Any]) -> None:
+        self.budget = budget
+        self.tp_rank = tp_rank
+        self.depth = depth
+        self._read_nested = read_nested
+
+    def read_nested(self, data: Any) -> Any:
+        """Read a payload embedded in this one, with the same restrictions and byte budget."""
+        if self.depth >= 1:
+            raise UnsafePayloadError("tensor payload nests serialized payloads more than once")
+        return self._read_nested(data, ReadContext(self.budget, self.tp_rank, self.depth + 1,
+                                                   self._read_nested))
+
+
+class Lazy:
+    """Something unpickling built that becomes a value only in `materialize`."""
+
+    def materialize(self, ctx: ReadContext, convert: Callable[[Any], Any]) -> Any:
+        raise NotImplementedError
+
+    def __setitem__(self, key: Any, value: Any) -> None:  # SETITEM is refused before this
+        raise UnsafePayloadError(f"tensor payload writes into a {type(self).__name__}")
+
+
+class ClassToken:
+    """A class a payload names as an argument (e.g. `cls` of rebuild_tensor); never callable."""
+
+    def __init__(self, qualname: str, cls: type) -> None:
+        self.qualname, self.cls = qualname, cls
+
+    def __repr__(self) -> str:
+        return self.qualname
+
+
+class Reconstructor:
+    """A function a payload may call (REDUCE): checks its arguments, returns a value or Lazy."""
+
+    def __init__(self, qualname: str, build: Callable[..., Any]) -> None:
+        self.qualname, self.build = qualname, build
+
+    def __call__(self, ctx: ReadContext, args: tuple) -> Any:
+        return self.build(ctx, *args)
+
+    def __repr__(self) -> str:
+        return self.qualname
+
+
+class Record(Lazy):
+    """A plain-data object a payload builds as a pickled dataclass does (NEWOBJ, then BUILD
+    with a dict of exactly `FIELDS`). Subclasses check the fields in `check`."""
+
+    FIELDS: ClassVar[tuple[str, ...]] = ()
+    QUALNAME: ClassVar[str] = ""
+
+    def __init__(self) -> None:
+        self.state: Optional[dict[str, Any]] = None
+
+    def fill(self, state: Any) -> None:
+        if self.state is not None:
+            raise UnsafePayloadError(f"tensor payload sets the state of {self.QUALNAME} twice")
+        if isinstance(state, tuple) and len(state) == 2 and state[1] is None:
+            state = state[0]  # (dict, slotstate) form
+        if not isinstance(state, dict) or set(state) != set(self.FIELDS):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise UnsafePayloadError(
+                f"{self.QUALNAME} must have exactly the fields {list(self.FIELDS)}, got {got}"
+            )
+        self.check(state)
+        self.state = dict(state)
+
+    def check(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def filled(self) -> dict[str, Any]:
+        if self.state is None:
+            raise UnsafePayloadError(f"tensor payload leaves a {self.QUALNAME} without state")
+        return self.state
+
+
+# ---- checks ----------------------------------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_ints(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or len(value) > _MAX_DIMS or not all(
+        _is_int(v) and v >= 0 for v in value
+    ):
+        raise UnsafePayloadError(f"{what} must be a tuple of at most {_MAX_DIMS} "
+                                 f"non-negative ints, got {value!r}")
+    return tuple(value)
+
+
+def _check_dtype(dtype: Any, what: str) -> torch.dtype:
+    if not isinstance(dtype, torch.dtype):
+        raise UnsafePayloadError(f"{what}: dtype must be a torch dtype, got {dtype!r}")
+    return dtype
+
+
+def _as_bytes(value: Any, what: str) -> bytes:
+    if isinstance(value, str):
+        value = value.encode()
+    if not isinstance(value, bytes) or len(value) > 4096:
+        raise UnsafePayloadError(f"{what} must be bytes, got {type(value).__name__}")
+    return value
+
+
+def required_bytes(size: tuple[int, ...], stride: tuple[int, ...], offset: int,
+                   itemsize: int) -> int:
+    """Bytes a storage needs to hold a tensor with this layout (0 when it has no elements)."""
+    if math.prod(size) == 0:
+        return 0
+    return (offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1) * itemsize
+
+
+def _check_layout(size: Any, stride: Any, offset: Any, dtype: torch.dtype,
+                  storage_bytes: int, what: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    size = _check_ints(size, f"{what}: size")
+    stride = _check_ints(stride, f"{what}: stride")
+    if len(size) != len(stride) or not _is_int(offset) or offset < 0:
+        raise UnsafePayloadError(f"{what}: size {size}, stride {stride} and storage offset "
+                                 f"{offset!r} do not describe a tensor")
+    need = required_bytes(size, stride, offset, dtype.itemsize)
+    if need > storage_bytes:
+        raise UnsafePayloadError(
+            f"{what}: a {dtype} tensor of size {list(size)}, stride {list(stride)} at offset "
+            f"{offset} needs {need} bytes but its storage has only {storage_bytes}"
+        )
+    return size, stride
+
+
+def _shm_file_bytes(handle: bytes, what: str) -> int:
+    """Data bytes of an existing torch shm file named `handle` (refuses other names)."""
+    name = handle.decode("ascii", "replace")
+    if not _SHM_NAME.fullmatch(name):
+        raise UnsafePayloadError(f"{what}: shared-memory name {name!r} is not one torch creates "
+                                 "(/torch_<pid>_<random>_<counter>)")
+    path = os.path.join(SHM_DIR, name[1:])
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise UnsafePayloadError(f"{what}: shared-memory file {name!r} does not exist "
+                                 f"({exc.strerror}); was the sender's tensor freed?") from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafePayloadError(f"{what}: shared-memory {name!r} is not a regular file")
+    return max(st.st_size - SHM_HEADER_BYTES, 0)
+
+
+def _check_manager_socket(manager: bytes) -> None:
+    path = manager.decode("utf-8", "replace")
+    if not _MANAGER_SOCKET.fullmatch(path) or os.path.normpath(path) != path or any(
+        part in (".", "..") for part in path.split("/")
+    ):
+        raise UnsafePayloadError(f"shm manager socket {path!r} is not one torch creates "
+                                 "(<tmp>/torch-shm-dir-XXXXXX/manager.sock)")
+    try:
+        is_socket = stat.S_ISSOCK(os.lstat(path).st_mode)
+    except OSError:
+        is_socket = False
+    if not is_socket:
+        raise UnsafePayloadError(f"shm manager socket {path!r} does not exist (is the sender's "
+                                 "torch_shm_manager still running?)")
+
+
+# ---- descriptors -----------------------------------------------------------------------------
+
+
+class ShmStorage(Lazy):
+    """A CPU storage in POSIX shared memory: `rebuild_storage_filename`'s arguments, vetted."""
+
+    def __init__(self, manager: bytes, handle: bytes, num_bytes: int) -> None:
+        self.manager, self.handle, self.num_bytes = manager, handle, num_bytes
+
+    def materialize(self, ctx, convert):
+        raise UnsafePayloadError("tensor payload holds a bare storage; send tensors")
+
+    def open(self) -> torch.UntypedStorage:
+        return reductions.rebuild_storage_filename(torch.UntypedStorage, self.manager,
+                                                   self.handle, self.num_bytes)
+
+
+class EmptyStorage(Lazy):
+    """`rebuild_storage_empty`: a zero-byte CPU storage."""
+
+    num_bytes = 0
+
+    def materialize(self, ctx, convert):
+        raise UnsafePayloadError("tensor payload holds a bare storage; send tensors")
+
+    def open(self) -> torch.UntypedStorage:
+        return torch.UntypedStorage(0)
+
+
+class TypedStorage(Lazy):
+    """`rebuild_typed_storage(storage, dtype)`."""
+
+    def __init__(self, storage: ShmStorage | EmptyStorage, dtype: torch.dtype) -> None:
+        self.storage, self.dtype = storage, dtype
+
+    def materialize(self, ctx, convert):
+        raise UnsafePayloadError("tensor payload holds a bare storage; send tensors")
+
+
+def _finish(t: torch.Tensor, cls: ClassToken, requires_grad: bool) -> torch.Tensor:
+    if cls.cls is torch.nn.Parameter:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    t.requires_grad = requires_grad
+    return t
+
+
+class CpuTensor(Lazy):
+    """`rebuild_tensor(cls, typed_storage, (offset, size, stride, requires_grad))`, in bounds."""
+
+    def __init__(self, cls: ClassToken, storage: TypedStorage, offset: int,
+                 size: tuple[int, ...], stride: tuple[int, ...], requires_grad: bool) -> None:
+        self.cls, self.storage, self.offset = cls, storage, offset
+        self.size, self.stride, self.requires_grad = size, stride, requires_grad
+
+    def materialize(self, ctx, convert):
+        untyped = self.storage.storage.open()
+        dtype = self.storage.dtype
+        # in-process, torch returns the sender's own storage from its cache: check it again
+        if required_bytes(self.size, self.stride, self.offset, dtype.itemsize) > untyped.nbytes():
+            raise UnsafePayloadError("tensor payload: shared storage is smaller than declared")
+        wrapped = torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+        t = torch._utils._rebuild_tensor(wrapped, self.offset, self.size, self.stride)
+        return _finish(t, self.cls, self.requires_grad)
+
+
+class CudaTensor(Lazy):
+    """`rebuild_cuda_tensor`'s 15 arguments, vetted; `device` resolved to a local index."""
+
+    def __init__(self, args: list[Any]) -> None:
+        self.args = args
+
+    def materialize(self, ctx, convert):
+        t = reductions.rebuild_cuda_tensor(*self.args)
+        _check_cuda_allocation(t.untyped_storage(), self.args[8])
+        return t
+
+
+# ---- reconstructors --------------------------------------------------------------------------
+
+
+def _storage_token(cls: Any, what: str) -> None:
+    if not (isinstance(cls, ClassToken) and cls.cls in (torch.UntypedStorage,
+                                                        torch.storage.TypedStorage)):
+        raise UnsafePayloadError(f"{what}: storage class must be torch's storage, got {cls!r}")
+
+
+def _tensor_token(cls: Any, what: str) -> ClassToken:
+    if not (isinstance(cls, ClassToken) and cls.cls in (torch.Tensor, torch.nn.Parameter)):
+        raise UnsafePayloadError(f"{what}: tensor class must be Tensor or Parameter, got {cls!r}")
+    return cls
+
+
+def _rebuild_storage_filename(ctx: ReadContext, cls: Any, manager: Any, handle: Any,
+                              size: Any, dtype: Any = None) -> ShmStorage:
+    what = "rebuild_storage_filename"
+    _storage_token(cls, what)
+    manager, handle = _as_bytes(manager, f"{what}: manager"), _as_bytes(handle, f"{what}: name")
+    itemsize = 1 if dtype is None else _check_dtype(dtype, what).itemsize
+    if not _is_int(size) or size < 0:
+        raise UnsafePayloadError(f"{what}: size must be a non-negative int, got {size!r}")
+    num_bytes = size * itemsize
+    ctx.budget.charge(("shm", handle), num_bytes, f"shared memory {handle!r}")
+    _check_manager_socket(manager)
+    available = _shm_file_bytes(handle, what)
+    if num_bytes > available:
+        raise UnsafePayloadError(
+            f"{what}: storage claims {num_bytes} bytes but shared memory {handle.decode()!r} "
+            f"holds {available}; opening it would grow it"
+        )
+    storage = ShmStorage(manager, handle, num_bytes)
+    return storage if dtype is None else TypedStorage(storage, dtype)  # type: ignore[return-value]
+
+
+def _rebuild_storage_empty(ctx: ReadContext, cls: Any) -> EmptyStorage:
+    _storage_token(cls, "rebuild_storage_empty")
+    return EmptyStorage()
+
+
+def _rebuild_typed_storage(ctx: ReadContext, storage: Any, dtype: Any) -> TypedStorage:
+    if not isinstance(storage, (ShmStorage, EmptyStorage)):
+        raise UnsafePayloadError(f"rebuild_typed_storage: expected a shared storage, got "
+                                 f"{type(storage).__name__}")
+    return TypedStorage(storage, _check_dtype(dtype, "rebuild_typed_storage"))
+
+
+def _rebuild_tensor(ctx: ReadContext, cls: Any, storage: Any, metadata: Any) -> CpuTensor:
+    what = "rebuild_tensor"
+    cls = _tensor_token(cls, what)
+    if not isinstance(storage, TypedStorage):
+        raise UnsafePayloadError(f"{what}: expected a typed shared storage, got "
+                                 f"{type(storage).__name__}")
+    if not (isinstance(metadata, tuple) and len(metadata) == 4
+            and isinstance(metadata[3], bool)):
+        raise UnsafePayloadError(f"{what}: metadata must be (offset, size, stride, "
+                                 f"requires_grad), got {metadata!r}")
+    offset, size, stride, requires_grad = metadata
+    size, stride = _check_layout(size, stride, offset, storage.dtype,
+                                 storage.storage.num_bytes, what)
+    return CpuTensor(cls, storage, offset, size, stride, requires_grad)
+
+
+def _cuda_device_index(device: Any, what: str) -> int:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise UnsafePayloadError(f"{what}: the payload holds a CUDA tensor but this receiver "
+                                 "has no CUDA device")
+    if _is_int(device) and 0 <= device < count:
+        return device
+    if isinstance(device, str):  # SGLang's patched reductions send the device's UUID
+        for index in range(count):
+            if str(torch.cuda.get_device_properties(index).uuid) == device:
+                return index
+        raise UnsafePayloadError(f"{what}: no local CUDA device has uuid {device!r}")
+    raise UnsafePayloadError(f"{what}: device must be an index below {count} or a uuid, "
+                             f"got {device!r}")
+
+
+def rebuild_cuda_tensor_args(ctx: ReadContext, args: tuple, what: str) -> CudaTensor:
+    """Vet `rebuild_cuda_tensor`'s arguments (also SGLang's uuid-device variant)."""
+    if len(args) != 15:
+        raise UnsafePayloadError(f"{what}: expected 15 arguments, got {len(args)}")
+    (tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, storage_bytes,
+     storage_offset_bytes, requires_grad, ref_handle, ref_offset, event_handle,
+     event_sync) = args
+    _tensor_token(tensor_cls, what)
+    _storage_token(storage_cls, what)
+    dtype = _check_dtype(dtype, what)
+    for value, name in ((storage_bytes, "storage size"), (storage_offset_bytes, "storage offset"),
+                        (ref_offset, "ref-counter offset")):
+        if not _is_int(value) or value < 0:
+            raise UnsafePayloadError(f"{what}: {name} must be a non-negative int, got {value!r}")
+    if not isinstance(requires_grad, bool) or not isinstance(event_sync, bool):
+        raise UnsafePayloadError(f"{what}: requires_grad and event_sync_required must be bools")
+    _check_layout(size, stride, offset, dtype, storage_bytes, what)
+    for value, name in ((handle, "IPC memory handle"), (event_handle, "IPC event handle")):
+        if value is not None and not (isinstance(value, bytes)
+                                      and len(value) <= _MAX_HANDLE_BYTES):
+            raise UnsafePayloadError(f"{what}: {name} must be bytes, got {value!r}")
+    ctx.budget.charge(("cuda", handle, storage_offset_bytes), storage_bytes, "CUDA IPC storage")
+    device = _cuda_device_index(device, what)
+    if handle is not None and storage_bytes:
+        ref_bytes = _shm_file_bytes(_as_bytes(ref_handle, f"{what}: ref counter"), what)
+        if (ref_offset + 1) * _REF_COUNTER_BYTES > ref_bytes:
+            raise UnsafePayloadError(f"{what}: ref-counter offset {ref_offset} is outside its "
+                                     "shared-memory file")
+    out = list(args)
+    out[6] = device
+    return CudaTensor(out)
+
+
+def _rebuild_cuda_tensor(ctx: ReadContext, *args: Any) -> CudaTensor:
+    return rebuild_cuda_tensor_args(ctx, args, "rebuild_cuda_tensor")
+
+
+def _check_cuda_allocation(storage: torch.UntypedStorage, storage_bytes: int) -> None:
+    """Refuse a CUDA IPC storage that claims more bytes than the sender's allocation holds.
+
+    Best effort: asks the driver for the allocation's range; skipped when it cannot answer."""
+    if not storage_bytes:
+        return
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        base, length = ctypes.c_uint64(), ctypes.c_size_t()
+        rc = libcuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(length),
+                                             ctypes.c_uint64(storage.data_ptr()))
+    except (OSError, AttributeError):
+        return
+    if rc == 0 and storage.data_ptr() + storage_bytes > base.value + length.value:
+        raise UnsafePayloadError(
+            f"CUDA IPC storage claims {storage_bytes} bytes but the sender's allocation ends "
+            f"{base.value + length.value - storage.data_ptr()} bytes after it"
+        )
+
+
+_R = "torch.multiprocessing.reductions"
+
+TORCH_RECONSTRUCTORS: dict[tuple[str, str], Any] = {
+    (_R, "rebuild_storage_filename"): Reconstructor(f"{_R}.rebuild_storage_filename",
+                                                    _rebuild_storage_filename),
+    (_R, "rebuild_storage_empty"): Reconstructor(f"{_R}.rebuild_storage_empty",
+                                                 _rebuild_storage_empty),
+    (_R, "rebuild_typed_storage"): Reconstructor(f"{_R}.rebuild_typed_storage",
+                                                 _rebuild_typed_storage),
+    (_R, "rebuild_tensor"): Reconstructor(f"{_R}.rebuild_tensor", _rebuild_tensor),
+    (_R, "rebuild_cuda_tensor"): Reconstructor(f"{_R}.rebuild_cuda_tensor", _rebuild_cuda_tensor),
+    ("torch.storage", "UntypedStorage"): ClassToken("torch.storage.UntypedStorage",
+                                                    torch.UntypedStorage),
+    ("torch", "UntypedStorage"): ClassToken("torch.UntypedStorage", torch.UntypedStorage),
+    ("torch.storage", "TypedStorage"): ClassToken("torch.storage.TypedStorage",
+                                                  torch.storage.TypedStorage),
+    ("torch", "Tensor"): ClassToken("torch.Tensor", torch.Tensor),
+    ("torch._tensor", "Tensor"): ClassToken("torch._tensor.Tensor", torch.Tensor),
+    ("torch.nn.parameter", "Parameter"): ClassToken("torch.nn.parameter.Parameter",
+                                                    torch.nn.Parameter),
+}
+"""What ForkingPickler emits for CPU tensors ("file_system" sharing) and CUDA tensors."""
