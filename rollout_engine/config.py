@@ -42,7 +42,7 @@ class EngineConfig:
     schedule_policy: str = "lpm"
     schedule_lpm_fallback_queue_len: int = 128
     disable_radix_cache: bool = False
-    random_seed: int = 0
+    random_seed: Optional[int] = None   # None: a fresh seed per engine (get_server_info)
     # model runner
     attention_backend: Optional[str] = None
     disable_cuda_graph: bool = False

@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import logging
 import random
+import secrets
 import threading
 import time
 from typing import Any, Optional
@@ -48,7 +49,11 @@ class TokenizerManager:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path)
         self.decode_traits = DecodeTraits.of(self.tokenizer)
-        self.rng = random.Random(config.random_seed)
+        # Each engine draws its own seed unless given one: replicas and restarts must not
+        # all sample the same "random" rollouts. Reported by get_server_info.
+        self.random_seed: int = (config.random_seed if config.random_seed is not None
+                                 else secrets.randbits(63))
+        self.rng = random.Random(self.random_seed)
         self.states: dict[str, RequestState] = {}
         self.calls: dict[int, tuple[threading.Event, list[ControlResult]]] = {}
         self.call_ids = itertools.count(1)

@@ -105,7 +105,7 @@ class Engine:
         r = self._call("get_server_info")
         if not r.success:
             raise RuntimeError(r.message)
-        return {**self.config.to_dict(), **r.result}
+        return {**self.config.to_dict(), **r.result, "random_seed": self.tm.random_seed}
 
     # -- RL control plane ------------------------------------------------------------------------
     def release_memory_occupation(self, tags: Optional[list[str]] = None) -> dict[str, Any]:

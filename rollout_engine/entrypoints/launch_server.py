@@ -30,7 +30,8 @@ HELP: dict[str, str] = {
     "schedule_policy": "Admission order: lpm (longest prefix match first) or fcfs.",
     "schedule_lpm_fallback_queue_len": "Above this many waiting requests, lpm falls back to fcfs.",
     "disable_radix_cache": "Do not reuse KV across requests (no prefix cache).",
-    "random_seed": "Seed of the frontend's per-request seeds (reproducible sampling).",
+    "random_seed": "Seed of the frontend's per-request seeds (reproducible sampling); "
+                   "default: a fresh seed per engine, reported by /get_server_info.",
     "attention_backend": "torch_native, triton or flashinfer; default: triton on GPU, "
                          "torch_native on CPU.",
     "disable_cuda_graph": "Run decode eagerly (no CUDA graph capture).",

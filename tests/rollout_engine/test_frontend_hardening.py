@@ -218,3 +218,33 @@ def test_a_stream_read_to_the_end_matches_the_whole_text(engine: Any) -> None:
     assert "".join(c["text"] for c in chunks) == whole["text"]
     assert [t for c in chunks for t in c["output_ids"]] == whole["output_ids"]
     assert chunks[-1]["meta_info"]["finish_reason"] is not None
+
+
+# -- 2. each engine draws its own seed unless given one ----------------------------------------
+SAMPLED = {"temperature": 1.0, "max_new_tokens": 64, "ignore_eos": True}
+
+
+def _samples(eng: Any) -> list[list[int]]:
+    return [eng.generate("The quick brown fox", SAMPLED)["output_ids"] for _ in range(2)]
+
+
+def test_engines_with_the_default_seed_sample_differently(qwen2_path: str,
+                                                          make_engine: Any) -> None:
+    """Two replicas given the same prompts must not return the same "random" rollouts
+    (two 64-token samples at T=1 over a 512-token vocabulary: a collision is astronomically
+    unlikely)."""
+    a, b = make_engine(qwen2_path), make_engine(qwen2_path)
+    seed_a, seed_b = a.get_server_info()["random_seed"], b.get_server_info()["random_seed"]
+    assert isinstance(seed_a, int) and isinstance(seed_b, int) and seed_a != seed_b
+    assert _samples(a) != _samples(b)
+
+
+def test_a_given_seed_and_sampling_seed_stay_reproducible(qwen2_path: str,
+                                                          make_engine: Any) -> None:
+    a, b = make_engine(qwen2_path, random_seed=5), make_engine(qwen2_path, random_seed=5)
+    assert a.get_server_info()["random_seed"] == 5
+    assert _samples(a) == _samples(b)
+    c = make_engine(qwen2_path)   # a fresh seed: sampling_seed alone decides
+    seeded = {**SAMPLED, "sampling_seed": 77}
+    assert (a.generate("The quick brown fox", seeded)["output_ids"]
+            == c.generate("The quick brown fox", seeded)["output_ids"])
