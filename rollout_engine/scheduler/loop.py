@@ -6,22 +6,26 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import multiprocessing as mp
 import os
 import queue
+import socket
+import subprocess
+import sys
 import threading
 import traceback
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any, Optional
 
 from rollout_engine.config import EngineConfig
 from rollout_engine.protocol.messages import SchedulerDied, SchedulerReady
 
 logger = logging.getLogger(__name__)
+
+# the directory holding the rollout_engine package: the child imports the same code
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @dataclass
@@ -84,7 +88,8 @@ def run_loop(config: EngineConfig, chan: Channel) -> None:
                                 "eos_token_ids": sorted(scheduler.eos_ids)}))
     try:
         while True:
-            msg = chan.recv(timeout=0 if scheduler.has_work and scheduler.can_run else 0.5)
+            idle_wait = 0.02 if scheduler.control.deferred else 0.5  # a rendezvous may end
+            msg = chan.recv(timeout=0 if scheduler.has_work and scheduler.can_run else idle_wait)
             while msg is not None:
                 if isinstance(msg, Shutdown):
                     scheduler.shutdown()
@@ -96,6 +101,8 @@ def run_loop(config: EngineConfig, chan: Channel) -> None:
             out = scheduler.step()
             if out.outputs:
                 chan.send(out)
+            for result in scheduler.control.finished():  # deferred control calls that ended
+                chan.send(result)
     except (EOFError, BrokenPipeError, OSError):
         return  # the frontend went away
     except Exception as e:  # noqa: BLE001
@@ -106,14 +113,6 @@ def run_loop(config: EngineConfig, chan: Channel) -> None:
         except Exception:  # noqa: BLE001
             pass
         raise
-
-
-def _process_main(config: EngineConfig, conn: Any) -> None:
-    logging.basicConfig(level=config.log_level.upper())
-    try:
-        run_loop(config, PipeChannel(conn))
-    except Exception:  # noqa: BLE001
-        os._exit(1)
 
 
 class SchedulerHost(ABC):
@@ -150,46 +149,53 @@ class ThreadHost(SchedulerHost):
 
 
 class ProcessHost(SchedulerHost):
+    """The loop in a child ``python -m rollout_engine.scheduler.child`` process.
+
+    A fresh interpreter, not multiprocessing's spawn: spawn re-imports the caller's main module,
+    so a script without an ``if __name__ == "__main__":`` guard would start a second Engine in
+    the child and die with a bare EOFError. The two ends talk over an inherited socket pair
+    (nothing listens, so no other process can connect); the config is the first message. The
+    child exits when this process does (end-of-file, or its parent pid going away).
+    """
+
     def __init__(self, config: EngineConfig) -> None:
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_process_main, args=(config, child),
-                                name="rollout-scheduler", daemon=True)
+        from rollout_engine.scheduler.child import ChildStart
+
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
         # OpenMP workers that spin while waiting make small decode matmuls ~5x slower when the
         # cores are shared (the frontend, a colocated trainer); the child reads this at import.
-        with _env(OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE")):
-            self.proc.start()
-        child.close()
-        self.chan = PipeChannel(parent)
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        env["PYTHONPATH"] = os.pathsep.join(
+            [_PACKAGE_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "rollout_engine.scheduler.child", str(theirs.fileno()),
+                 str(os.getpid())], pass_fds=[theirs.fileno()], env=env,
+                stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        self.chan = PipeChannel(Connection(ours.detach()))
         self.pid = self.proc.pid
+        try:
+            self.chan.send(ChildStart(config, list(sys.path)))
+        except OSError:
+            pass   # the child died at once; the frontend reports it exited before it was ready
 
     def is_alive(self) -> bool:
-        return self.proc.is_alive()
+        return self.proc.poll() is None
 
     def stop(self, timeout: float) -> None:
-        if self.proc.is_alive():
+        if self.is_alive():
             try:
                 self.chan.send(Shutdown())
-            except (BrokenPipeError, OSError):
+            except OSError:
                 pass
-            self.proc.join(timeout)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(timeout)
-
-
-@contextlib.contextmanager
-def _env(**values: str) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout)
 
 
 def start_scheduler(config: EngineConfig) -> SchedulerHost:

@@ -5,6 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -248,3 +254,58 @@ def test_a_given_seed_and_sampling_seed_stay_reproducible(qwen2_path: str,
     seeded = {**SAMPLED, "sampling_seed": 77}
     assert (a.generate("The quick brown fox", seeded)["output_ids"]
             == c.generate("The quick brown fox", seeded)["output_ids"])
+
+
+# -- 3. a process-mode Engine from a plain script; the scheduler never outlives its parent -----
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _script(tmp_path: Path, model_path: str, tail: str) -> list[str]:
+    """A script with no ``if __name__ == "__main__":`` guard that starts a default Engine."""
+    path = tmp_path / "no_guard.py"
+    path.write_text(
+        "from rollout_engine import Engine\n"
+        f"engine = Engine(model_path={model_path!r}, dtype='float32', device='cpu')\n" + tail)
+    return [sys.executable, str(path)]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get(
+        "PYTHONPATH", "")])}
+
+
+def test_a_script_without_a_main_guard_starts_an_engine(tmp_path: Path, qwen2_path: str) -> None:
+    cmd = _script(tmp_path, qwen2_path, (
+        "out = engine.generate('Hello', {'max_new_tokens': 4, 'temperature': 0})\n"
+        "assert len(out['output_ids']) == 4, out\n"
+        "engine.shutdown()\n"
+        "print('OK')\n"))
+    done = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "OK"
+
+
+def test_the_scheduler_exits_when_its_parent_is_killed(tmp_path: Path, qwen2_path: str) -> None:
+    cmd = _script(tmp_path, qwen2_path, (
+        "import threading\n"
+        "print(engine.tm.host.pid, flush=True)\n"
+        "threading.Event().wait()\n"))
+    parent = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        line = parent.stdout.readline()
+        assert line.strip().isdigit(), f"the script printed {line!r} (exit {parent.poll()})"
+        child = int(line)
+        assert child != parent.pid
+        pidfd = os.pidfd_open(child)   # a handle on that very process, even once it is gone
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(30)
+        parent.stdout.close()
+    try:
+        exited, _, _ = select.select([pidfd], [], [], 60)   # readable when the child exits
+        if not exited:
+            os.kill(child, signal.SIGKILL)
+        assert exited, "the scheduler process outlived its killed parent by 60 s"
+    finally:
+        os.close(pidfd)
