@@ -2,7 +2,8 @@
 
 Reading a payload happens in two steps, so a bad handle is refused before anything is mapped:
 
-    unpickle  -> descriptors only (ShmStorage, CudaTensor, ...), each checked as it is built:
+    unpickle  -> descriptors only (ShmStorage, CpuTensor; CudaTensor in cuda_handles.py), each
+                 checked as it is built:
                  names and sockets of the form torch creates, shm files that exist and are big
                  enough (opening a short one would grow it), tensors inside their storage,
                  every storage charged against one byte budget per payload
@@ -20,7 +21,6 @@ which cannot be called, so `UntypedStorage(1 << 40)` is refused rather than allo
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 import re
@@ -40,6 +40,14 @@ __all__ = [
     "Record",
     "UnsafePayloadError",
     "TORCH_RECONSTRUCTORS",
+    "as_bytes",
+    "check_dtype",
+    "check_layout",
+    "is_int",
+    "required_bytes",
+    "shm_file_bytes",
+    "storage_token",
+    "tensor_token",
 ]
 
 SHM_DIR = "/dev/shm"
@@ -49,8 +57,6 @@ SHM_HEADER_BYTES = 64
 _SHM_NAME = re.compile(r"/torch_[0-9]{1,10}_[0-9]{1,20}_[0-9]{1,20}")
 _MANAGER_SOCKET = re.compile(r"(/[A-Za-z0-9._+@,=~-]+)*/torch-shm-dir-[A-Za-z0-9]{6}/manager\.sock")
 _MAX_DIMS = 64
-_MAX_HANDLE_BYTES = 256  # CUDA IPC memory/event handles are 64 bytes (cudaIpc*Handle_t)
-_REF_COUNTER_BYTES = 8  # int64 counters in the CUDA IPC ref-counter file
 
 
 class UnsafePayloadError(ValueError):
@@ -166,26 +172,26 @@ class Record(Lazy):
 # ---- checks ----------------------------------------------------------------------------------
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_ints(value: Any, what: str) -> tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or len(value) > _MAX_DIMS or not all(
-        _is_int(v) and v >= 0 for v in value
+        is_int(v) and v >= 0 for v in value
     ):
         raise UnsafePayloadError(f"{what} must be a tuple of at most {_MAX_DIMS} "
                                  f"non-negative ints, got {value!r}")
     return tuple(value)
 
 
-def _check_dtype(dtype: Any, what: str) -> torch.dtype:
+def check_dtype(dtype: Any, what: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise UnsafePayloadError(f"{what}: dtype must be a torch dtype, got {dtype!r}")
     return dtype
 
 
-def _as_bytes(value: Any, what: str) -> bytes:
+def as_bytes(value: Any, what: str) -> bytes:
     if isinstance(value, str):
         value = value.encode()
     if not isinstance(value, bytes) or len(value) > 4096:
@@ -201,11 +207,11 @@ def required_bytes(size: tuple[int, ...], stride: tuple[int, ...], offset: int,
     return (offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1) * itemsize
 
 
-def _check_layout(size: Any, stride: Any, offset: Any, dtype: torch.dtype,
+def check_layout(size: Any, stride: Any, offset: Any, dtype: torch.dtype,
                   storage_bytes: int, what: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     size = _check_ints(size, f"{what}: size")
     stride = _check_ints(stride, f"{what}: stride")
-    if len(size) != len(stride) or not _is_int(offset) or offset < 0:
+    if len(size) != len(stride) or not is_int(offset) or offset < 0:
         raise UnsafePayloadError(f"{what}: size {size}, stride {stride} and storage offset "
                                  f"{offset!r} do not describe a tensor")
     need = required_bytes(size, stride, offset, dtype.itemsize)
@@ -217,7 +223,7 @@ def _check_layout(size: Any, stride: Any, offset: Any, dtype: torch.dtype,
     return size, stride
 
 
-def _shm_file_bytes(handle: bytes, what: str) -> int:
+def shm_file_bytes(handle: bytes, what: str) -> int:
     """Data bytes of an existing torch shm file named `handle` (refuses other names)."""
     name = handle.decode("ascii", "replace")
     if not _SHM_NAME.fullmatch(name):
@@ -315,28 +321,16 @@ class CpuTensor(Lazy):
         return _finish(t, self.cls, self.requires_grad)
 
 
-class CudaTensor(Lazy):
-    """`rebuild_cuda_tensor`'s 15 arguments, vetted; `device` resolved to a local index."""
-
-    def __init__(self, args: list[Any]) -> None:
-        self.args = args
-
-    def materialize(self, ctx, convert):
-        t = reductions.rebuild_cuda_tensor(*self.args)
-        _check_cuda_allocation(t.untyped_storage(), self.args[8])
-        return t
-
-
 # ---- reconstructors --------------------------------------------------------------------------
 
 
-def _storage_token(cls: Any, what: str) -> None:
+def storage_token(cls: Any, what: str) -> None:
     if not (isinstance(cls, ClassToken) and cls.cls in (torch.UntypedStorage,
                                                         torch.storage.TypedStorage)):
         raise UnsafePayloadError(f"{what}: storage class must be torch's storage, got {cls!r}")
 
 
-def _tensor_token(cls: Any, what: str) -> ClassToken:
+def tensor_token(cls: Any, what: str) -> ClassToken:
     if not (isinstance(cls, ClassToken) and cls.cls in (torch.Tensor, torch.nn.Parameter)):
         raise UnsafePayloadError(f"{what}: tensor class must be Tensor or Parameter, got {cls!r}")
     return cls
@@ -345,15 +339,15 @@ def _tensor_token(cls: Any, what: str) -> ClassToken:
 def _rebuild_storage_filename(ctx: ReadContext, cls: Any, manager: Any, handle: Any,
                               size: Any, dtype: Any = None) -> ShmStorage:
     what = "rebuild_storage_filename"
-    _storage_token(cls, what)
-    manager, handle = _as_bytes(manager, f"{what}: manager"), _as_bytes(handle, f"{what}: name")
-    itemsize = 1 if dtype is None else _check_dtype(dtype, what).itemsize
-    if not _is_int(size) or size < 0:
+    storage_token(cls, what)
+    manager, handle = as_bytes(manager, f"{what}: manager"), as_bytes(handle, f"{what}: name")
+    itemsize = 1 if dtype is None else check_dtype(dtype, what).itemsize
+    if not is_int(size) or size < 0:
         raise UnsafePayloadError(f"{what}: size must be a non-negative int, got {size!r}")
     num_bytes = size * itemsize
     ctx.budget.charge(("shm", handle), num_bytes, f"shared memory {handle!r}")
     _check_manager_socket(manager)
-    available = _shm_file_bytes(handle, what)
+    available = shm_file_bytes(handle, what)
     if num_bytes > available:
         raise UnsafePayloadError(
             f"{what}: storage claims {num_bytes} bytes but shared memory {handle.decode()!r} "
@@ -364,7 +358,7 @@ def _rebuild_storage_filename(ctx: ReadContext, cls: Any, manager: Any, handle: 
 
 
 def _rebuild_storage_empty(ctx: ReadContext, cls: Any) -> EmptyStorage:
-    _storage_token(cls, "rebuild_storage_empty")
+    storage_token(cls, "rebuild_storage_empty")
     return EmptyStorage()
 
 
@@ -372,12 +366,12 @@ def _rebuild_typed_storage(ctx: ReadContext, storage: Any, dtype: Any) -> TypedS
     if not isinstance(storage, (ShmStorage, EmptyStorage)):
         raise UnsafePayloadError(f"rebuild_typed_storage: expected a shared storage, got "
                                  f"{type(storage).__name__}")
-    return TypedStorage(storage, _check_dtype(dtype, "rebuild_typed_storage"))
+    return TypedStorage(storage, check_dtype(dtype, "rebuild_typed_storage"))
 
 
 def _rebuild_tensor(ctx: ReadContext, cls: Any, storage: Any, metadata: Any) -> CpuTensor:
     what = "rebuild_tensor"
-    cls = _tensor_token(cls, what)
+    cls = tensor_token(cls, what)
     if not isinstance(storage, TypedStorage):
         raise UnsafePayloadError(f"{what}: expected a typed shared storage, got "
                                  f"{type(storage).__name__}")
@@ -386,82 +380,9 @@ def _rebuild_tensor(ctx: ReadContext, cls: Any, storage: Any, metadata: Any) -> 
         raise UnsafePayloadError(f"{what}: metadata must be (offset, size, stride, "
                                  f"requires_grad), got {metadata!r}")
     offset, size, stride, requires_grad = metadata
-    size, stride = _check_layout(size, stride, offset, storage.dtype,
+    size, stride = check_layout(size, stride, offset, storage.dtype,
                                  storage.storage.num_bytes, what)
     return CpuTensor(cls, storage, offset, size, stride, requires_grad)
-
-
-def _cuda_device_index(device: Any, what: str) -> int:
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count == 0:
-        raise UnsafePayloadError(f"{what}: the payload holds a CUDA tensor but this receiver "
-                                 "has no CUDA device")
-    if _is_int(device) and 0 <= device < count:
-        return device
-    if isinstance(device, str):  # SGLang's patched reductions send the device's UUID
-        for index in range(count):
-            if str(torch.cuda.get_device_properties(index).uuid) == device:
-                return index
-        raise UnsafePayloadError(f"{what}: no local CUDA device has uuid {device!r}")
-    raise UnsafePayloadError(f"{what}: device must be an index below {count} or a uuid, "
-                             f"got {device!r}")
-
-
-def rebuild_cuda_tensor_args(ctx: ReadContext, args: tuple, what: str) -> CudaTensor:
-    """Vet `rebuild_cuda_tensor`'s arguments (also SGLang's uuid-device variant)."""
-    if len(args) != 15:
-        raise UnsafePayloadError(f"{what}: expected 15 arguments, got {len(args)}")
-    (tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, storage_bytes,
-     storage_offset_bytes, requires_grad, ref_handle, ref_offset, event_handle,
-     event_sync) = args
-    _tensor_token(tensor_cls, what)
-    _storage_token(storage_cls, what)
-    dtype = _check_dtype(dtype, what)
-    for value, name in ((storage_bytes, "storage size"), (storage_offset_bytes, "storage offset"),
-                        (ref_offset, "ref-counter offset")):
-        if not _is_int(value) or value < 0:
-            raise UnsafePayloadError(f"{what}: {name} must be a non-negative int, got {value!r}")
-    if not isinstance(requires_grad, bool) or not isinstance(event_sync, bool):
-        raise UnsafePayloadError(f"{what}: requires_grad and event_sync_required must be bools")
-    _check_layout(size, stride, offset, dtype, storage_bytes, what)
-    for value, name in ((handle, "IPC memory handle"), (event_handle, "IPC event handle")):
-        if value is not None and not (isinstance(value, bytes)
-                                      and len(value) <= _MAX_HANDLE_BYTES):
-            raise UnsafePayloadError(f"{what}: {name} must be bytes, got {value!r}")
-    ctx.budget.charge(("cuda", handle, storage_offset_bytes), storage_bytes, "CUDA IPC storage")
-    device = _cuda_device_index(device, what)
-    if handle is not None and storage_bytes:
-        ref_bytes = _shm_file_bytes(_as_bytes(ref_handle, f"{what}: ref counter"), what)
-        if (ref_offset + 1) * _REF_COUNTER_BYTES > ref_bytes:
-            raise UnsafePayloadError(f"{what}: ref-counter offset {ref_offset} is outside its "
-                                     "shared-memory file")
-    out = list(args)
-    out[6] = device
-    return CudaTensor(out)
-
-
-def _rebuild_cuda_tensor(ctx: ReadContext, *args: Any) -> CudaTensor:
-    return rebuild_cuda_tensor_args(ctx, args, "rebuild_cuda_tensor")
-
-
-def _check_cuda_allocation(storage: torch.UntypedStorage, storage_bytes: int) -> None:
-    """Refuse a CUDA IPC storage that claims more bytes than the sender's allocation holds.
-
-    Best effort: asks the driver for the allocation's range; skipped when it cannot answer."""
-    if not storage_bytes:
-        return
-    try:
-        libcuda = ctypes.CDLL("libcuda.so.1")
-        base, length = ctypes.c_uint64(), ctypes.c_size_t()
-        rc = libcuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(length),
-                                             ctypes.c_uint64(storage.data_ptr()))
-    except (OSError, AttributeError):
-        return
-    if rc == 0 and storage.data_ptr() + storage_bytes > base.value + length.value:
-        raise UnsafePayloadError(
-            f"CUDA IPC storage claims {storage_bytes} bytes but the sender's allocation ends "
-            f"{base.value + length.value - storage.data_ptr()} bytes after it"
-        )
 
 
 _R = "torch.multiprocessing.reductions"
@@ -474,7 +395,6 @@ TORCH_RECONSTRUCTORS: dict[tuple[str, str], Any] = {
     (_R, "rebuild_typed_storage"): Reconstructor(f"{_R}.rebuild_typed_storage",
                                                  _rebuild_typed_storage),
     (_R, "rebuild_tensor"): Reconstructor(f"{_R}.rebuild_tensor", _rebuild_tensor),
-    (_R, "rebuild_cuda_tensor"): Reconstructor(f"{_R}.rebuild_cuda_tensor", _rebuild_cuda_tensor),
     ("torch.storage", "UntypedStorage"): ClassToken("torch.storage.UntypedStorage",
                                                     torch.UntypedStorage),
     ("torch", "UntypedStorage"): ClassToken("torch.UntypedStorage", torch.UntypedStorage),
@@ -485,4 +405,4 @@ TORCH_RECONSTRUCTORS: dict[tuple[str, str], Any] = {
     ("torch.nn.parameter", "Parameter"): ClassToken("torch.nn.parameter.Parameter",
                                                     torch.nn.Parameter),
 }
-"""What ForkingPickler emits for CPU tensors ("file_system" sharing) and CUDA tensors."""
+"""What ForkingPickler emits for CPU tensors ("file_system" sharing); CUDA: cuda_handles.py."""

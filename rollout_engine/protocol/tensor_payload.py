@@ -12,7 +12,7 @@ The receiver reads with a restricted unpickler (pickle's Python implementation, 
 opcode) that executes nothing it does not know:
 
 - globals resolve only through `GLOBALS`: our vetted reconstructors (tensor_handles.py), class
-  tokens that cannot be called, and torch dtypes;
+  tokens that cannot be called, torch dtypes, and the SGLang names mapped in rollout_engine.compat;
 - REDUCE calls only those reconstructors; NEWOBJ + BUILD only fill plain-data records (pickled
   dataclasses such as SGLang's FlattenedTensorMetadata); SETITEM(S), APPEND(S) and ADDITEMS
   write only into plain dicts, lists and sets: nothing can write into a tensor or a class;
@@ -37,7 +37,9 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions  # importing it registers torch's reducers
 
+from rollout_engine.compat.sglang_types import SGLANG_GLOBALS
 from rollout_engine.protocol.bucket import FlattenedBucket, TensorMeta
+from rollout_engine.protocol.cuda_handles import CUDA_RECONSTRUCTORS
 from rollout_engine.protocol.tensor_handles import (
     TORCH_RECONSTRUCTORS,
     ClassToken,
@@ -100,10 +102,12 @@ def _bucket(ctx: ReadContext, *args: Any) -> _Bucket:
 
 GLOBALS: dict[tuple[str, str], Any] = {
     **TORCH_RECONSTRUCTORS,
+    **CUDA_RECONSTRUCTORS,
     ("torch", "Size"): Reconstructor("torch.Size", _size),
     ("collections", "OrderedDict"): Reconstructor("collections.OrderedDict", _ordered_dict),
     (TensorMeta.__module__, "TensorMeta"): Reconstructor("TensorMeta", _tensor_meta),
     (FlattenedBucket.__module__, "FlattenedBucket"): Reconstructor("FlattenedBucket", _bucket),
+    **SGLANG_GLOBALS,
 }
 """(module, name) -> what a payload gets for that global; torch dtypes are admitted too."""
 
@@ -139,7 +143,8 @@ class _RestrictedUnpickler(pickle._Unpickler):
         if module == "torch" and name in _DTYPES:
             return _DTYPES[name]
         hint = _FD_HINT if name == "rebuild_storage_fd" else (
-            "; payloads may contain only tensors, containers and bucket metadata")
+            "; payloads may contain only tensors, containers, bucket metadata and the SGLang "
+            "records in rollout_engine.compat")
         raise UnsafePayloadError(
             f"tensor payload refers to {module}.{name}, which is not allowed{hint}"
         )

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rollout_engine.compat.payloads import named_tensors_from_sglang, read_refit_payload
 from rollout_engine.protocol.bucket import FlattenedBucket, bucket_layout, str_to_dtype
-from rollout_engine.protocol.tensor_payload import deserialize_named_tensors
 from rollout_engine.weights.loader import LoadReport, iter_safetensors, load_weights
 
 LOAD_FORMATS = (None, "direct", "flattened_bucket")
@@ -31,6 +31,9 @@ def named_tensors_from_payload(payload: Any, load_format: Optional[str]
     """Turn a deserialized payload into (name, tensor) pairs, checking its declared format."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: must be one of {LOAD_FORMATS}, got {load_format!r}")
+    sglang = named_tensors_from_sglang(payload, load_format)  # slime's {"flattened_tensor", ...}
+    if sglang is not None:
+        return sglang
     if load_format == "flattened_bucket":
         buckets = payload if isinstance(payload, list) else [payload]
         out: list[tuple[str, torch.Tensor]] = []
@@ -54,7 +57,7 @@ def refit_from_serialized(model: nn.Module, serialized: list[str], load_format: 
         raise ValueError("serialized_named_tensors: must be a non-empty list of strings "
                          "(one per tensor-parallel rank)")
     # one rank here: rank 0's payload is ours
-    payload = deserialize_named_tensors(serialized[0])
+    payload = read_refit_payload(serialized[0], model)  # byte cap from the model's size
     return load_weights(model, named_tensors_from_payload(payload, load_format), strict_dtype=True)
 
 
