@@ -51,6 +51,7 @@ class EngineConfig:
     # RL control plane
     enable_weights_cpu_backup: bool = False
     weight_version: str = "default"
+    weight_update_group_timeout: float = 30.0   # s the rendezvous with a trainer may take
     # process model / serving
     scheduler_mode: str = "process"
     host: str = "127.0.0.1"
@@ -112,6 +113,9 @@ class EngineConfig:
             bad("dead_scheduler_exit_delay", f"must be >= 0, got {self.dead_scheduler_exit_delay}")
         if not isinstance(self.weight_version, str):
             bad("weight_version", "must be a string")
+        if not self.weight_update_group_timeout > 0:
+            bad("weight_update_group_timeout",
+                f"must be > 0 seconds, got {self.weight_update_group_timeout}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -56,6 +56,10 @@ class TokenizerManager:
         self.rng = random.Random(self.random_seed)
         self.states: dict[str, RequestState] = {}
         self.calls: dict[int, tuple[threading.Event, list[ControlResult]]] = {}
+        self.timed_out_calls: dict[int, str] = {}   # call id -> method, until its late answer
+        self.control_stats = {"timed_out": 0, "ran_after_timeout": 0,
+                              "cancelled_after_timeout": 0}
+        self.stale_reason: Optional[str] = None
         self.call_ids = itertools.count(1)
         self.lock = threading.Lock()
         self.dead: Optional[str] = None
@@ -109,6 +113,8 @@ class TokenizerManager:
                 if entry is not None:
                     entry[1].append(msg)
                     entry[0].set()
+                else:
+                    self._on_late_result(msg)
             elif isinstance(msg, SchedulerDied):
                 self._on_death(msg.message)
                 return
@@ -197,7 +203,8 @@ class TokenizerManager:
                 f"the engine is asleep (released: {sorted(self.released)}); "
                 "call resume_memory_occupation first")
         if self.weights_stale:
-            raise EngineAsleepError("weights were released without a CPU backup and are stale; "
+            raise EngineAsleepError(self.stale_reason or
+                                    "weights were released without a CPU backup and are stale; "
                                     "refit (update_weights_*) before generating")
     def build_requests(self, *args: Any, **kwargs: Any) -> tuple[list[GenerateReq], bool]:
         """Validate a generate call and expand it into scheduler requests (RequestBuilder)."""
@@ -258,30 +265,66 @@ class TokenizerManager:
 
     # -- control -------------------------------------------------------------------------------
     def call(self, method: str, timeout: Optional[float] = None, **kwargs: Any) -> ControlResult:
-        """Run a scheduler control call and wait for its result."""
+        """Run a scheduler control call and wait for its result (at most ``timeout`` s, default
+        ``watchdog_timeout``). The call carries that deadline: if the scheduler has not started
+        it by then it is cancelled; if it had, it runs to the end, and its late answer is
+        logged and counted in ``control_stats``."""
         self.check_alive()
+        wait_s = timeout if timeout is not None else self.config.watchdog_timeout
         call_id = next(self.call_ids)
         event = threading.Event()
         box: list[ControlResult] = []
         with self.lock:
             self.calls[call_id] = (event, box)
-        self.host.chan.send(ControlReq(method, kwargs, call_id))
-        if not event.wait(timeout if timeout is not None else self.config.watchdog_timeout):
+        self.host.chan.send(ControlReq(method, kwargs, call_id, deadline=time.time() + wait_s))
+        if not event.wait(wait_s):
             with self.lock:
-                self.calls.pop(call_id, None)
-            return ControlResult(call_id, False, message=f"{method} timed out", status=504)
+                gave_up = self.calls.pop(call_id, None) is not None
+                if gave_up:
+                    self.timed_out_calls[call_id] = method
+                    self.control_stats["timed_out"] += 1
+            if gave_up:
+                return ControlResult(call_id, False, status=504, message=(
+                    f"{method} timed out after {wait_s:g} s and may have run: one the scheduler "
+                    "had started runs to completion, one it had not is cancelled; check "
+                    "get_weight_version / get_server_info before retrying"))
+            event.wait()   # the answer arrived as we gave up: the receiver is handing it over
         result = box[0]
-        if result.success and isinstance(result.result, dict):
-            if "released" in result.result:
-                self.released = set(result.result["released"])
-            if "weights_stale" in result.result:
-                self.weights_stale = bool(result.result["weights_stale"])
-            elif "weight_version" in result.result and method.startswith("update_weights"):
-                self.weights_stale = False
+        self._mirror(method, result)
         return result
 
-    async def async_call(self, method: str, **kwargs: Any) -> ControlResult:
-        return await asyncio.to_thread(self.call, method, None, **kwargs)
+    def _mirror(self, method: str, result: ControlResult) -> None:
+        """Keep the frontend's view of sleep / stale weights in step with the scheduler's."""
+        if not result.success or not isinstance(result.result, dict):
+            return
+        if "released" in result.result:
+            self.released = set(result.result["released"])
+        if "weights_stale" in result.result:
+            self.weights_stale = bool(result.result["weights_stale"])
+            self.stale_reason = result.result.get("stale_reason")
+        elif "weight_version" in result.result and method.startswith("update_weights"):
+            self.weights_stale = False
+
+    def _on_late_result(self, msg: ControlResult) -> None:
+        """The answer of a call whose caller timed out: it either never ran or ran late."""
+        with self.lock:
+            method = self.timed_out_calls.pop(msg.call_id, None)
+            if method is not None:
+                key = "cancelled_after_timeout" if msg.cancelled else "ran_after_timeout"
+                self.control_stats[key] += 1
+        if method is None:
+            return
+        if msg.cancelled:
+            logger.info("control call %s (id %d) timed out before it started: cancelled",
+                        method, msg.call_id)
+            return
+        logger.warning("control call %s (id %d) ran after its caller timed out (success=%s): %s",
+                       method, msg.call_id, msg.success, msg.message or msg.result)
+        self._mirror(method, msg)
+
+    async def async_call(self, method: str, timeout: Optional[float] = None,
+                         **kwargs: Any) -> ControlResult:
+        return await asyncio.to_thread(self.call, method, timeout, **kwargs)
 
     def shutdown(self) -> None:
         if self.dead is None:

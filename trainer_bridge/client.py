@@ -190,7 +190,8 @@ class _Routes:
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
         return self._send("POST", "/get_weights_by_name",
-                          {"name": name, "truncate_size": truncate_size}, parse=_result)
+                          {"name": name, "truncate_size": truncate_size}, admin=True,
+                          parse=_result)
 
     def metrics(self) -> Any:
         """Prometheus text."""

@@ -1,8 +1,8 @@
 """RL control-plane routes: weight version, sleep / wake, refit, pause / continue.
 
 Each route is a thin proxy of one scheduler control call through ``http_utils.control``, which
-maps ``ControlResult.status`` to the HTTP status with a ``{"success", "message"}`` body. Routes
-that change state are guarded by the admin key (``admin`` dependencies).
+maps ``ControlResult.status`` to the HTTP status with a ``{"success", "message"}`` body. Every
+route but ``/get_weight_version`` changes state or reads weights and needs the admin key.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ def add_rl_routes(app: FastAPI, engine: Engine, admin: list[Any]) -> None:
             raise HTTPError(r.status, r.message)
         return json_response({"weight_version": r.result["weight_version"]})
 
-    def proxy(route: str, method: str, fields: dict[str, Any], guarded: bool = True,
-              http_method: str = "POST") -> None:
+    def proxy(route: str, method: str, fields: dict[str, Any], http_method: str = "POST"
+              ) -> None:
         """One route forwarding a JSON body's ``fields`` (name -> default) to a control call."""
 
         async def handler(request: Request) -> Response:
@@ -54,7 +54,7 @@ def add_rl_routes(app: FastAPI, engine: Engine, admin: list[Any]) -> None:
             return await control(engine, method, **kwargs)
 
         app.add_api_route(route, handler, methods=[http_method],
-                          dependencies=admin if guarded else [], name=method)
+                          dependencies=admin, name=method)
 
     proxy("/release_memory_occupation", "release_memory_occupation", {"tags": None})
     proxy("/resume_memory_occupation", "resume_memory_occupation", {"tags": None})
@@ -76,6 +76,7 @@ def add_rl_routes(app: FastAPI, engine: Engine, admin: list[Any]) -> None:
     proxy("/update_weight_version", "update_weight_version", {"new_version": REQUIRED})
     proxy("/pause_generation", "pause_generation", {"mode": "abort"})
     proxy("/continue_generation", "continue_generation", {})
+    # admin only: it reads the weights (bounded: rl_control.MAX_TRUNCATE_ROWS rows, 400 beyond)
     for http_method in ("GET", "POST"):
         proxy("/get_weights_by_name", "get_weights_by_name",
-              {"name": REQUIRED, "truncate_size": 100}, guarded=False, http_method=http_method)
+              {"name": REQUIRED, "truncate_size": 100}, http_method=http_method)

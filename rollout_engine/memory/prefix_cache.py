@@ -39,10 +39,15 @@ class CacheIntegrityError(AssertionError):
 
 @dataclass(frozen=True)
 class CacheNamespace:
-    """KV computed under one weight version (and an optional extra_key, e.g. a LoRA id or salt) is
-    only matched by requests of the same namespace."""
+    """KV computed under one weight generation (and an optional extra_key, e.g. a LoRA id or salt)
+    is only matched by requests of the same namespace.
 
-    weight_version: str
+    `generation` is the engine's weight-generation counter, bumped by every weight change (each
+    refit, each partial bucket), never the user's version label: a refit that reuses a label, or
+    a relabel that changes no weight, cannot make stale KV match or fresh KV miss.
+    """
+
+    generation: int
     extra_key: Optional[str] = None
 
 
@@ -122,6 +127,14 @@ class BasePrefixCache(ABC):
         requests can never match them. Returns the number of tokens freed."""
 
     @abstractmethod
+    def retire_generations_before(self, generation: int) -> int:
+        """Retire every namespace whose generation is older than `generation` (a weight change):
+        free its unlocked nodes now, and from then on free each of its nodes as soon as it is
+        unlocked, including what a request that started under the old weights inserts when it
+        finishes. Retired KV is never matched by current requests and never outlives its last
+        user. Returns the number of tokens freed now."""
+
+    @abstractmethod
     def reset(self) -> None:
         """Free every cached slot and empty the cache. Raises RuntimeError if any lock is held
         (check `protected_size()` and drain running requests first)."""
@@ -179,6 +192,9 @@ class NoPrefixCache(BasePrefixCache):
         return 0
 
     def evict_namespaces_except(self, keep: CacheNamespace) -> int:
+        return 0
+
+    def retire_generations_before(self, generation: int) -> int:
         return 0
 
     def reset(self) -> None:

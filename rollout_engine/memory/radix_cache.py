@@ -3,13 +3,13 @@
 Tree shape (page_size 1)::
 
     root
-     +- ns(v1)                      one namespace root per CacheNamespace: a match never
-     |   +- [5 6 7] -> slots          crosses weight versions or extra keys
+     +- ns(gen 1)                   one namespace root per CacheNamespace: a match never
+     |   +- [5 6 7] -> slots          crosses weight generations or extra keys
      |   |   +- [8 9]               children keyed by their first page of tokens
      |   |   +- [3]
      |   +- [2 2]
-     +- ns(v0, "lora-a")
-         +- ...
+     +- ns(gen 0, "lora-a")         retired after a refit: holds only what running requests
+         +- ...                       still lock, freed as each lock drops
 
 Every non-root node holds a non-empty key whose length is a multiple of page_size and one slot per
 token. A node's lock_ref counts the locks taken on it or on any descendant, so a locked node's
@@ -74,6 +74,7 @@ class RadixCache(BasePrefixCache):
         self._num_nodes = 0  # token-holding nodes
         self._evictable_size = 0
         self._protected_size = 0
+        self._live_generation: Optional[int] = None  # namespaces of older ones are retired
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -144,6 +145,8 @@ class RadixCache(BasePrefixCache):
                     self._push_leaf(n)
         if len(path) >= 2 and not path[-2].key:
             self._drop_namespace_if_empty(path[-2])
+        if self._live_generation is not None:
+            self._drop_unlocked(self._retired())
 
     # ---- eviction -------------------------------------------------------------------------
 
@@ -166,11 +169,31 @@ class RadixCache(BasePrefixCache):
         return num_freed
 
     def evict_namespaces_except(self, keep: CacheNamespace) -> int:
+        num_freed = self._drop_unlocked([ns for ns in self._namespaces() if ns != keep])
+        self._rebuild_heap()
+        return num_freed
+
+    def retire_generations_before(self, generation: int) -> int:
+        if self._live_generation is None or generation > self._live_generation:
+            self._live_generation = generation
+        num_freed = self._drop_unlocked(self._retired())
+        self._rebuild_heap()
+        return num_freed
+
+    def _retired(self) -> list[CacheNamespace]:
+        live = self._live_generation
+        return [] if live is None else [ns for ns in self._namespaces() if ns.generation < live]
+
+    def _namespaces(self) -> list[CacheNamespace]:
+        return [ns for ns in self.root.children if isinstance(ns, CacheNamespace)]
+
+    def _drop_unlocked(self, namespaces: list[CacheNamespace]) -> int:
+        """Free every unlocked node of `namespaces`; returns tokens freed. Detached nodes left
+        in the LRU heap are skipped when popped (their parent is None)."""
         freed: list[torch.Tensor] = []
         num_freed = 0
-        for namespace, ns_root in list(self.root.children.items()):
-            if namespace == keep:
-                continue
+        for namespace in namespaces:
+            ns_root = self.root.children[namespace]
             # A node with lock_ref 0 has no locked descendant: drop its whole subtree.
             stack = [ns_root]
             while stack:
@@ -182,7 +205,6 @@ class RadixCache(BasePrefixCache):
                         stack.append(child)
             self._drop_namespace_if_empty(ns_root)
         self._free(freed)
-        self._rebuild_heap()
         return num_freed
 
     def reset(self) -> None:
@@ -240,6 +262,12 @@ class RadixCache(BasePrefixCache):
                 protected += len(node.key)
             else:
                 evictable += len(node.key)
+        for namespace in self._retired():  # retired KV lives only as long as its users
+            stack = list(self.root.children[namespace].children.values())
+            while stack:
+                node = stack.pop()
+                _check(node.lock_ref > 0, f"retired namespace {namespace} keeps unlocked {node!r}")
+                stack.extend(node.children.values())
         _check(num_nodes == self._num_nodes, f"node count {self._num_nodes} != {num_nodes}")
         _check(evictable == self._evictable_size, f"evictable {self._evictable_size}!={evictable}")
         _check(protected == self._protected_size, f"protected {self._protected_size}!={protected}")

@@ -36,11 +36,14 @@ class AbortReq:
 @dataclass
 class ControlReq:
     """A control call run between batches, in arrival order. ``method`` names a scheduler
-    ``rpc_*`` handler; ``call_id`` pairs it with its ``ControlResult``."""
+    ``rpc_*`` handler; ``call_id`` pairs it with its ``ControlResult``. ``deadline``
+    (``time.time()``): when the caller stops waiting; a call not started by then is cancelled
+    (answered ``cancelled``), never run behind the caller's back."""
 
     method: str
     kwargs: dict[str, Any] = field(default_factory=dict)
     call_id: int = 0
+    deadline: Optional[float] = None
 
 
 # -- scheduler -> frontend -------------------------------------------------------------------
@@ -74,6 +77,7 @@ class ControlResult:
     result: Any = None
     message: str = ""
     status: int = 200   # the HTTP status the frontend should answer with
+    cancelled: bool = False   # not run: it reached the scheduler after its deadline
 
 
 @dataclass

@@ -1,27 +1,41 @@
 """RL control calls: sleep / wake by memory tag, weight refit, pause modes, weight versions.
 
 All run between batches in the scheduler process. A refit validates before it changes
-anything, bumps the weight version (so the radix cache never matches KV computed under older
-weights) and frees the stale cache entries.
+anything, then bumps the weight *generation*, an internal counter that keys the radix cache
+(the user's ``weight_version`` is only a label: reusing it, or relabelling with
+``update_weight_version``, neither hides nor invalidates KV). Every successful load, a single
+tensor or one bucket of a partial sync included, is a new generation.
+
+A request already running when the weights change keeps its KV and finishes on the new
+weights (as in SGLang; its ``weight_versions`` lists both labels). Its old-generation KV is
+never matched by later requests and is freed when it finishes, not cached; a ``flush_cache``
+asked for while such requests hold KV is deferred to the next moment none does.
+
+After a wake without a CPU backup the weights are zeros: generation is refused until every
+weight of the model has been written again (``missing_weights`` counts down per refit).
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Optional
 
+import torch
+
 from rollout_engine.memory.memory_saver import TAGS
-from rollout_engine.memory.prefix_cache import CacheNamespace
 from rollout_engine.protocol.messages import AbortReq
-from rollout_engine.scheduler.control import BusyError
+from rollout_engine.scheduler.control import BusyError, Deferred
 from rollout_engine.scheduler.request import ReqState
 from rollout_engine.weights import refit
-from rollout_engine.weights.loader import LoadReport, read_weight
+from rollout_engine.weights.loader import LoadReport, read_weight, weight_names
 
 if TYPE_CHECKING:
     from rollout_engine.scheduler.scheduler import Scheduler
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+MAX_TRUNCATE_ROWS = 1024        # get_weights_by_name: rows a read may return
+MAX_WEIGHT_ELEMENTS = 1 << 20   # ... and elements (the .tolist() runs in the scheduler loop)
 
 
 def _tags(tags: Optional[list[str]]) -> list[str]:
@@ -40,6 +54,34 @@ class RLControl:
     def __init__(self, scheduler: Scheduler) -> None:
         self.s = scheduler
         self.num_refits = 0
+        self.generation = 0                 # bumped by every weight change; keys the KV cache
+        self.missing_weights: set[str] = set()  # not written since a wake without backup
+        self.flush_pending = False          # a refit's flush_cache, waiting for no KV holders
+
+    # -- why nothing can be served -------------------------------------------------------------
+    def refusal_reason(self) -> str:
+        s = self.s
+        asleep = sorted(s.memory_saver.released & {"weights", "kv_cache"})
+        if asleep:
+            return (f"the engine is asleep (released: {asleep}); "
+                    "call resume_memory_occupation first")
+        if s.weights_stale:
+            total = len(weight_names(s.runner.model))
+            return (f"weights are stale: {len(self.missing_weights)} of {total} weights not "
+                    "written since they were resumed without a CPU backup; refit them all "
+                    "(update_weights_*) before generating")
+        return "generation is paused"
+
+    def _stale_info(self) -> dict[str, Any]:
+        stale = self.s.weights_stale
+        return {"weights_stale": stale, "weights_missing": len(self.missing_weights),
+                "stale_reason": self.refusal_reason() if stale else None}
+
+    def on_idle(self) -> None:
+        """Run a deferred flush once no request holds KV (called by the scheduler's step)."""
+        if self.flush_pending and not self.s.active_reqs():
+            self.s.kv.tree.reset()
+            self.flush_pending = False
 
     # -- sleep / wake --------------------------------------------------------------------------
     def rpc_release_memory_occupation(self, tags: Optional[list[str]] = None) -> dict[str, Any]:
@@ -56,6 +98,7 @@ class RLControl:
         if "kv_cache" in tags and "kv_cache" not in s.memory_saver.released:
             s.kv.tree.reset()           # the tree's slots point into the pool being released
             s.allocator.reset()
+            self.flush_pending = False
         freed = s.memory_saver.release(tags)
         return {"released": sorted(s.memory_saver.released), "bytes_freed": freed,
                 "seconds": time.perf_counter() - t0}
@@ -65,8 +108,9 @@ class RLControl:
         s = self.s
         t0 = time.perf_counter()
         if s.memory_saver.resume(tags):
-            s.weights_stale = True
-        return {"released": sorted(s.memory_saver.released), "weights_stale": s.weights_stale,
+            self.missing_weights = set(weight_names(s.runner.model))  # all zeros now
+        s.weights_stale = bool(self.missing_weights)
+        return {"released": sorted(s.memory_saver.released), **self._stale_info(),
                 "seconds": time.perf_counter() - t0}
 
     # -- refit ---------------------------------------------------------------------------------
@@ -77,17 +121,27 @@ class RLControl:
             raise BusyError("weights are released; resume_memory_occupation(['weights']) first")
         t0 = time.perf_counter()
         report: LoadReport = load()
+        if s.device.type == "cuda":
+            torch.cuda.synchronize(s.device)   # the trainer may reuse its buffers once we answer
         self.num_refits += 1
-        old = s.weight_version
+        self.generation += 1
         s.weight_version = (weight_version if weight_version is not None
-                            else _next_version(old, self.num_refits))
-        s.weights_stale = False
-        # KV computed under `old` can never be matched again; free what nobody is using
-        s.kv.tree.evict_namespaces_except(CacheNamespace(s.weight_version, None))
-        if flush_cache and not s.active_reqs():
-            s.kv.tree.reset()
-        return {"weight_version": s.weight_version, "num_tensors": report.num_tensors,
-                "num_bytes": report.num_bytes, "seconds": time.perf_counter() - t0}
+                            else _next_version(s.weight_version, self.num_refits))
+        self.missing_weights -= report.names
+        s.weights_stale = bool(self.missing_weights)
+        # older KV can never be matched again: free it now, or as soon as its last user ends
+        s.kv.tree.retire_generations_before(self.generation)
+        deferred = False
+        if flush_cache:
+            if s.active_reqs():
+                self.flush_pending = deferred = True
+            else:
+                s.kv.tree.reset()
+                self.flush_pending = False
+        return {"weight_version": s.weight_version, "weight_generation": self.generation,
+                "num_tensors": report.num_tensors, "num_bytes": report.num_bytes,
+                "flush_deferred": deferred, **self._stale_info(),
+                "seconds": time.perf_counter() - t0}
 
     def rpc_update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
                                      weight_version: Optional[str] = None,
@@ -112,10 +166,18 @@ class RLControl:
     def rpc_init_weights_update_group(self, master_address: str, master_port: int,
                                       rank_offset: int, world_size: int,
                                       group_name: str = "weight_update_group",
-                                      backend: str = "nccl") -> dict[str, Any]:
-        self.s.update_groups.init(master_address, master_port, rank_offset, world_size,
-                                  group_name, backend)
-        return {"group_name": group_name}
+                                      backend: str = "nccl") -> Deferred:
+        """Join the trainer's group; the rendezvous runs off the loop (requests keep being
+        served) and waits at most ``weight_update_group_timeout`` seconds."""
+        groups = self.s.update_groups
+        future = groups.start_init(master_address, master_port, rank_offset, world_size,
+                                   group_name, backend, self.s.config.weight_update_group_timeout)
+
+        def finish(done: Future) -> dict[str, Any]:
+            groups.finish_init(group_name, done)
+            return {"group_name": group_name}
+
+        return Deferred(future, finish)
 
     def rpc_update_weights_from_distributed(self, names: list[str], dtypes: list[str],
                                             shapes: list[list[int]],
@@ -137,10 +199,21 @@ class RLControl:
         return {"group_name": group_name}
 
     def rpc_get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """The first ``truncate_size`` rows of a weight, bounded (a debugging read)."""
+        if (not isinstance(truncate_size, int) or isinstance(truncate_size, bool)
+                or not 1 <= truncate_size <= MAX_TRUNCATE_ROWS):
+            raise ValueError(f"truncate_size: must be an integer in [1, {MAX_TRUNCATE_ROWS}] "
+                             f"(rows of the weight to return), got {truncate_size!r}")
         if "weights" in self.s.memory_saver.released:
             raise BusyError("weights are released")
         t = read_weight(self.s.runner.model, name)
-        return (t[:truncate_size] if t.dim() else t).float().tolist()
+        part = t[:truncate_size] if t.dim() else t
+        if part.numel() > MAX_WEIGHT_ELEMENTS:
+            row = max(1, part[0].numel()) if part.dim() else 1
+            raise ValueError(f"truncate_size: {truncate_size} rows of {name!r} hold "
+                             f"{part.numel()} elements, over the {MAX_WEIGHT_ELEMENTS} one read "
+                             f"may return; ask for at most {MAX_WEIGHT_ELEMENTS // row} rows")
+        return part.float().tolist()
 
     # -- versions and pausing -------------------------------------------------------------------
     def rpc_get_weight_version(self) -> dict[str, Any]:
@@ -149,8 +222,7 @@ class RLControl:
     def rpc_update_weight_version(self, new_version: str) -> dict[str, Any]:
         if not isinstance(new_version, str) or not new_version:
             raise ValueError("new_version: must be a non-empty string")
-        self.s.weight_version = new_version
-        self.s.kv.tree.evict_namespaces_except(CacheNamespace(new_version, None))
+        self.s.weight_version = new_version    # a label: the weights and their KV stay valid
         return {"weight_version": new_version}
 
     def rpc_pause_generation(self, mode: str = "abort") -> dict[str, Any]:
@@ -171,8 +243,14 @@ class RLControl:
         return {"mode": mode, "affected": affected}
 
     def rpc_continue_generation(self) -> dict[str, Any]:
-        self.s.paused = False
-        return {"paused": False}
+        """Resume scheduling. Asleep or with stale weights nothing could ever run: requests
+        queued during the pause are refused with the reason instead of waiting forever."""
+        s = self.s
+        s.paused = False
+        refused = 0
+        if not s.can_run and s.by_rid:
+            refused = s.abort(AbortReq(abort_all=True, message=self.refusal_reason()))
+        return {"paused": False, "refused": refused}
 
 
 def _next_version(old: str, count: int) -> str:

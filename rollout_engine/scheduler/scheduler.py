@@ -86,8 +86,8 @@ class Scheduler:
                 self.outbox.append(req.make_output(full=True))
                 return None
             if not self.can_run and not self.paused:
-                why = "weights are stale" if self.weights_stale else "the engine is asleep"
-                req.finished_reason = {"type": "abort", "message": f"{why}: request refused"}
+                why = self.rl.refusal_reason()
+                req.finished_reason = {"type": "abort", "message": f"request refused: {why}"}
                 self.outbox.append(req.make_output(full=True))
                 return None
             self.by_rid[msg.rid] = req
@@ -99,7 +99,7 @@ class Scheduler:
         return self.control.dispatch(msg)
 
     def namespace_of(self, req: Req) -> CacheNamespace:
-        return CacheNamespace(self.weight_version, req.extra_key)
+        return CacheNamespace(self.rl.generation, req.extra_key)  # never the user's label
 
     @property
     def can_run(self) -> bool:
@@ -123,6 +123,7 @@ class Scheduler:
         batch = None if not self.can_run else (self.schedule_prefill() or self.schedule_decode())
         if batch is not None:
             self.run_batch(batch)
+        self.rl.on_idle()  # runs a flush a refit deferred, once no request holds KV
         out, self.outbox = self.outbox, []
         if self.config.debug_integrity and not self.has_work:
             self.check_integrity()

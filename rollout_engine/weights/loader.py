@@ -51,8 +51,12 @@ def iter_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 @dataclass(frozen=True)
 class LoadReport:
+    """What one ``load_weights`` wrote: ``names`` are the HF names of the tensors copied (what
+    the RL control plane counts to know when every weight has been rewritten after a wake)."""
+
     num_tensors: int
     num_bytes: int
+    names: frozenset[str] = frozenset()
 
 
 def load_weights(
@@ -107,7 +111,12 @@ def load_weights(
             dst = param.data if param.dim() == 0 else param.data.narrow(0, row0, rows)
             dst.copy_(tensor)
             num_bytes += dst.numel() * dst.element_size()
-    return LoadReport(num_tensors=len(plan), num_bytes=num_bytes)
+    return LoadReport(num_tensors=len(plan), num_bytes=num_bytes, names=frozenset(seen))
+
+
+def weight_names(model: torch.nn.Module) -> frozenset[str]:
+    """Every HF name ``load_weights`` accepts for ``model`` (what a full refit writes)."""
+    return frozenset(model.weight_map())  # type: ignore[operator]
 
 
 def read_weight(model: torch.nn.Module, name: str) -> torch.Tensor:

@@ -73,7 +73,7 @@ ADMIN = {"/flush_cache", "/abort_request", "/pause_generation", "/continue_gener
          "/release_memory_occupation", "/resume_memory_occupation", "/update_weights_from_disk",
          "/update_weights_from_tensor", "/init_weights_update_group",
          "/update_weights_from_distributed", "/destroy_weights_update_group",
-         "/update_weight_version"}
+         "/update_weight_version", "/get_weights_by_name"}
 
 
 class FakeServer:
