@@ -1,8 +1,8 @@
-"""Entry point of the scheduler process: ``python -m rollout_engine.scheduler.child FD PPID``.
+"""Entry point of the scheduler process: ``main([FD, PPID])``.
 
-``ProcessHost`` starts this module as a fresh interpreter (never importing the caller's
-``__main__``, as multiprocessing's spawn does), hands it one end of a socket pair as file
-descriptor ``FD``, and sends ``ChildStart`` as the first message. The process exits when the
+``ProcessHost`` runs ``main`` in a fresh interpreter (never importing the caller's ``__main__``,
+as multiprocessing's spawn does), hands it one end of a socket pair as file descriptor ``FD``,
+and sends ``ChildStart`` as the first message. The process exits when the
 parent does: on end-of-file of that socket, or when process ``PPID`` is gone.
 """
 

@@ -24,8 +24,12 @@ from rollout_engine.protocol.messages import SchedulerDied, SchedulerReady
 
 logger = logging.getLogger(__name__)
 
-# the directory holding the rollout_engine package: the child imports the same code
+# The child imports the same rollout_engine as this process, first on its path: a
+# ``rollout_engine`` folder in the working directory must not shadow it (``python -m`` would
+# put the working directory first).
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_CHILD_BOOT = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
+               "from rollout_engine.scheduler.child import main; sys.exit(main())")
 
 
 @dataclass
@@ -149,7 +153,7 @@ class ThreadHost(SchedulerHost):
 
 
 class ProcessHost(SchedulerHost):
-    """The loop in a child ``python -m rollout_engine.scheduler.child`` process.
+    """The loop in a child process running ``rollout_engine.scheduler.child``.
 
     A fresh interpreter, not multiprocessing's spawn: spawn re-imports the caller's main module,
     so a script without an ``if __name__ == "__main__":`` guard would start a second Engine in
@@ -166,11 +170,9 @@ class ProcessHost(SchedulerHost):
         # OpenMP workers that spin while waiting make small decode matmuls ~5x slower when the
         # cores are shared (the frontend, a colocated trainer); the child reads this at import.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        env["PYTHONPATH"] = os.pathsep.join(
-            [_PACKAGE_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "rollout_engine.scheduler.child", str(theirs.fileno()),
+                [sys.executable, "-c", _CHILD_BOOT, _PACKAGE_ROOT, str(theirs.fileno()),
                  str(os.getpid())], pass_fds=[theirs.fileno()], env=env,
                 stdin=subprocess.DEVNULL)
         finally:

@@ -262,7 +262,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _script(tmp_path: Path, model_path: str, tail: str) -> list[str]:
     """A script with no ``if __name__ == "__main__":`` guard that starts a default Engine."""
-    path = tmp_path / "no_guard.py"
+    (tmp_path / "bin").mkdir()
+    path = tmp_path / "bin" / "no_guard.py"
     path.write_text(
         "from rollout_engine import Engine\n"
         f"engine = Engine(model_path={model_path!r}, dtype='float32', device='cpu')\n" + tail)
@@ -280,6 +281,9 @@ def test_a_script_without_a_main_guard_starts_an_engine(tmp_path: Path, qwen2_pa
         "assert len(out['output_ids']) == 4, out\n"
         "engine.shutdown()\n"
         "print('OK')\n"))
+    # a rollout_engine folder in the working directory must not shadow the real one
+    (tmp_path / "rollout_engine").mkdir()
+    (tmp_path / "rollout_engine" / "__init__.py").write_text("raise ImportError('shadow')\n")
     done = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
