@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 import uuid
-from typing import Any
+from typing import Any, Optional
 
 from rollout_engine.protocol.messages import GenerateReq
 from rollout_engine.sampler import derive_seed
@@ -18,12 +18,21 @@ MAX_REQUESTS_PER_CALL = 4096   # prompts x n of one generate call; more is a 400
 
 
 class RequestBuilder:
+    """Validates and expands generate calls.
+
+    ``pool_tokens`` is the KV pool's size in tokens (whole pages; None: not checked). A request
+    whose prompt + max_new_tokens exceeds it is refused: it could outgrow the pool even alone,
+    and the scheduler would have to abort it midway (or, with a prompt that never fits, could
+    never admit it). Within the pool, the request always fits once it runs alone.
+    """
+
     def __init__(self, tokenizer: Any, vocab_size: int, context_len: int,
-                 rng: random.Random) -> None:
+                 rng: random.Random, pool_tokens: Optional[int] = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_len = context_len
         self.rng = rng
+        self.pool_tokens = pool_tokens
 
     def build(self, prompt: Any = None, input_ids: Any = None,
                        sampling_params: Any = None, return_logprob: Any = False,
@@ -103,6 +112,16 @@ class RequestBuilder:
             raise ValueError(
                 f"max_new_tokens: prompt ({len(ids)} tokens) + max_new_tokens "
                 f"({sp.max_new_tokens}) exceeds the context length ({self.context_len})")
+        pool = self.pool_tokens
+        if pool is not None and len(ids) > pool:
+            raise ValueError(f"input_ids: the prompt ({len(ids)} tokens) is longer than the KV "
+                             f"pool ({pool} tokens, max_total_num_tokens); shorten it or raise "
+                             "max_total_tokens")
+        if pool is not None and len(ids) + sp.max_new_tokens > pool:
+            raise ValueError(
+                f"max_new_tokens: prompt ({len(ids)} tokens) + max_new_tokens "
+                f"({sp.max_new_tokens}) exceeds the KV pool ({pool} tokens, "
+                "max_total_num_tokens); lower max_new_tokens or raise max_total_tokens")
         if not 0 <= top_logprobs_num <= min(self.vocab_size, 1000):
             raise ValueError(f"top_logprobs_num: must be in [0, {min(self.vocab_size, 1000)}]")
         if not -1 <= logprob_start_len < len(ids):

@@ -5,9 +5,11 @@ of ``(sampling_seed, k)``, and each row is sampled by inverse CDF from its own f
 distribution. A request therefore draws the same sample whatever else is in the batch, and a
 retracted request that is recomputed continues exactly where it stopped.
 
-Every returned logprob is ``log_softmax(logits / T)`` over the full vocabulary (``T = 1`` for
-greedy rows), computed before penalties and top-k / top-p / min-p truncation: what a trainer
-recomputes from the same weights.
+Every returned logprob is ``log_softmax(logits / T)`` over the full vocabulary, ``T`` the request's
+temperature (``T = 0``, greedy, scores raw logits: ``T = 1``), computed before penalties and
+top-k / top-p / min-p truncation: what a trainer recomputes from the same weights. ``top_k = 1``
+samples greedily but keeps its temperature for the logprobs. ``_scaled`` is the one place where
+a temperature becomes a divisor.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def derive_seed(seed: int, index: int) -> int:
 class SamplingBatch:
     """Per-row sampling parameters for one forward's sampled rows, as tensors."""
 
-    temperatures: torch.Tensor      # [B] float32, 0 for greedy
+    temperatures: torch.Tensor      # [B] float32, the request's; 0 for greedy
     top_ps: torch.Tensor            # [B] float32
     top_ks: torch.Tensor            # [B] int64, vocab size for "all"
     min_ps: torch.Tensor            # [B] float32
@@ -79,7 +81,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
     """Choose one token per row of ``logits`` ([B, V] float32)."""
     logprobs = compute_logprobs(logits, sb.temperatures)
     logits = apply_penalties(logits, sb)
-    greedy = sb.temperatures == 0
+    greedy = greedy_rows(sb)
     all_greedy = bool(greedy.all())
     # argmax over [B, V] only when some row is greedy
     tokens = torch.argmax(logits, dim=-1) if all_greedy or bool(greedy.any()) else None
@@ -93,6 +95,11 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
         vals, idx = logprobs.topk(sb.top_logprobs_num, dim=-1)
         top = [list(zip(v, i)) for v, i in zip(vals.tolist(), idx.tolist())]
     return SampleOutput(tokens.tolist(), chosen.tolist(), top)
+
+
+def greedy_rows(sb: SamplingBatch) -> torch.Tensor:
+    """[B] bool: rows that take the argmax (``SamplingParams.is_greedy``: T = 0 or top_k = 1)."""
+    return (sb.temperatures == 0) | (sb.top_ks == 1)
 
 
 def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:

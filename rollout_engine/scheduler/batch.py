@@ -76,7 +76,7 @@ def build_sampling_batch(reqs: list[Req], vocab_size: int, eos_ids: frozenset[in
     temps, top_ps, top_ks, min_ps, uniforms = [], [], [], [], []
     for req in reqs:
         p = req.params
-        temps.append(0.0 if p.top_k == 1 else p.temperature)
+        temps.append(p.temperature)  # the request's own: its logprobs use it
         top_ps.append(p.top_p)
         top_ks.append(vocab_size if p.top_k == -1 else min(p.top_k, vocab_size))
         min_ps.append(p.min_p)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rollout_engine.memory.prefix_cache import CacheNamespace, MatchResult
 from rollout_engine.scheduler.kv_manager import KVManager
@@ -11,14 +11,61 @@ from rollout_engine.scheduler.request import Req
 # Requests that share this many leading tokens with one admitted in the same step wait one step,
 # so the shared part is computed once and then matched from the cache (GRPO groups, n > 1).
 _IN_BATCH_SHARE_TOKENS = 32
-# Expected fraction of a running request's remaining max_new_tokens that it will still use;
-# admission keeps that much KV free so decode rarely has to retract.
-_NEW_TOKEN_RATIO = 0.5
 _NEW_TOKEN_CLIP = 4096
+# The new-token ratio (SGLang's defaults): the expected fraction of a
+# request's remaining max_new_tokens that it will still use. It starts at INIT, decays linearly to
+# MIN over DECAY_STEPS decode steps while decode never runs short, and after a retraction jumps to
+# what the survivors have used so far plus RETRACT_DECODE_STEPS more tokens each.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+RETRACT_DECODE_STEPS = 20
+
+
+@dataclass
+class NewTokenRatio:
+    """Admission keeps ``value`` x each active request's remaining budget of KV free, so decode
+    rarely has to retract. Owned by the scheduler; adapts to the retractions it observes."""
+
+    init: float = INIT_NEW_TOKEN_RATIO
+    min: float = MIN_NEW_TOKEN_RATIO
+    decay_steps: int = NEW_TOKEN_RATIO_DECAY_STEPS
+    value: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.value = self.init
+
+    def reset(self) -> None:
+        """Nothing is running: the next batch starts from the initial estimate."""
+        self.value = self.init
+
+    def decay(self) -> None:
+        """A decode step found enough KV: lower the estimate a little."""
+        self.value = max(self.value - (self.init - self.min) / self.decay_steps, self.min)
+
+    def after_retract(self, survivors: list[Req]) -> None:
+        """Decode ran short: estimate from what the surviving requests actually used, plus
+        ``RETRACT_DECODE_STEPS`` more tokens each, as a fraction of their budget (at most 1,
+        and never below the estimate that just proved too low)."""
+        decoded = sum(len(r.output_ids) for r in survivors)
+        budget = sum(r.params.max_new_tokens for r in survivors)
+        ratio = (decoded + RETRACT_DECODE_STEPS * len(survivors)) / max(budget, 1)
+        self.value = min(1.0, max(ratio, self.value))
+
+    def expected_new_tokens(self, req: Req) -> int:
+        """KV tokens to keep free for ``req``'s future decode steps."""
+        left = max(req.params.max_new_tokens - len(req.output_ids), 0)
+        return int(min(left, _NEW_TOKEN_CLIP) * self.value)
+
+    def reservation(self, active: list[Req]) -> int:
+        return sum(self.expected_new_tokens(r) for r in active)
 
 
 @dataclass
 class Candidate:
+    """A waiting request and its prefix match at ordering time. The match only orders the
+    queue: an earlier admission may evict it, so admission matches again before locking."""
+
     req: Req
     match: MatchResult
 
@@ -64,15 +111,5 @@ def share_key(req: Req, matched: int) -> tuple[int, ...]:
     return tuple(req.all_ids[:_share_len(req, matched)])
 
 
-def expected_new_tokens(req: Req) -> int:
-    """KV tokens to keep free for ``req``'s future decode steps."""
-    left = max(req.params.max_new_tokens - len(req.output_ids), 0)
-    return int(min(left, _NEW_TOKEN_CLIP) * _NEW_TOKEN_RATIO)
-
-
-def decode_reservation(running: list[Req]) -> int:
-    return sum(expected_new_tokens(r) for r in running)
-
-
-__all__ = ["Candidate", "CacheNamespace", "order_waiting", "match_cap", "shares_uncached_prefix",
-           "share_key", "decode_reservation", "expected_new_tokens"]
+__all__ = ["Candidate", "CacheNamespace", "NewTokenRatio", "order_waiting", "match_cap",
+           "shares_uncached_prefix", "share_key"]

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from rollout_engine.config import EngineConfig
 from rollout_engine.memory.kv_pool import PageAllocator
 from rollout_engine.memory.memory_saver import create_memory_saver
-from rollout_engine.memory.prefix_cache import CacheNamespace, NoPrefixCache
+from rollout_engine.memory.prefix_cache import CacheNamespace, MatchResult, NoPrefixCache
 from rollout_engine.memory.radix_cache import RadixCache
 from rollout_engine.model_runner.forward_batch import ForwardMode
 from rollout_engine.model_runner.model_runner import ModelRunner
@@ -65,6 +65,7 @@ class Scheduler:
         self.by_rid: dict[str, Req] = {}
         self.arrivals = 0
         self.paused = False
+        self.new_token_ratio = policy.NewTokenRatio()
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "cached_tokens": 0,
                       "prompt_tokens": 0, "num_retractions": 0, "forward_passes": 0}
         self.memory_saver = create_memory_saver(self.runner.model, self.runner.kv_pool,
@@ -90,6 +91,11 @@ class Scheduler:
                 req.finished_reason = {"type": "abort", "message": f"request refused: {why}"}
                 self.outbox.append(req.make_output(full=True))
                 return None
+            too_big = self._never_fits(req)
+            if too_big is not None:
+                req.finished_reason = {"type": "abort", "message": too_big}
+                self.outbox.append(req.make_output(full=True))
+                return None
             self.by_rid[msg.rid] = req
             self.waiting.append(req)
             return None
@@ -97,6 +103,18 @@ class Scheduler:
             self.abort(msg)
             return None
         return self.control.dispatch(msg)
+
+    def _never_fits(self, req: Req) -> Optional[str]:
+        """Why ``req`` can never be admitted (its KV would not fit even in an empty pool), or
+        None. The frontend refuses ``prompt + max_new_tokens > pool`` already; this guards the
+        queue against anything that still gets here (and against retracted requests that grew),
+        which would otherwise block every request queued behind it."""
+        need = -(-req.seq_len // self.kv.page_size) * self.kv.page_size
+        if need <= self.allocator.num_slots:
+            return None
+        return (f"the request needs {need} tokens of KV but the KV pool holds "
+                f"{self.allocator.num_slots} (max_total_num_tokens): shorten the prompt or "
+                "raise max_total_tokens")
 
     def namespace_of(self, req: Req) -> CacheNamespace:
         return CacheNamespace(self.rl.generation, req.extra_key)  # never the user's label
@@ -125,14 +143,19 @@ class Scheduler:
             self.run_batch(batch)
         self.rl.on_idle()  # runs a flush a refit deferred, once no request holds KV
         out, self.outbox = self.outbox, []
-        if self.config.debug_integrity and not self.has_work:
-            self.check_integrity()
+        if not self.has_work:
+            self.new_token_ratio.reset()
+            if self.config.debug_integrity:
+                self.check_integrity()
         return BatchOutput(out)
 
     def schedule_prefill(self) -> Optional[ScheduleBatch]:
         budget = min(self.config.chunked_prefill_size, self.config.max_prefill_tokens)
         reqs: list[Req] = []
         lens: list[int] = []
+        ratio = self.new_token_ratio
+        # the chunked request decodes too once its prompt is in: keep its future free as well
+        reserved = ratio.reservation(self.active_reqs())
         if self.chunked is not None:
             req, self.chunked = self.chunked, None
             ext = min(req.seq_len - req.kv_len, budget)
@@ -150,23 +173,34 @@ class Scheduler:
                                      self.config.schedule_policy,
                                      self.config.schedule_lpm_fallback_queue_len)
         max_running = self.runner.max_running_requests
-        reserved = policy.decode_reservation(self.running)
         keys: set[tuple[int, ...]] = set()
         admitted: set[int] = set()
         for cand in cands:
-            req, matched = cand.req, cand.match.slots.numel()
+            req = cand.req
             if budget <= 0 or len(self.running) + len(reqs) >= max_running:
                 break
+            too_big = self._never_fits(req)
+            if too_big is not None:
+                self._refuse_waiting(req, too_big, admitted)
+                continue
+            # match again: reserving KV for an earlier candidate may have evicted the node the
+            # ordering match points to; between here and admit() nothing evicts
+            match = self.kv.match(req, self.namespace_of(req), policy.match_cap(
+                req, self.kv.page_size))
+            matched = match.matched_len
             if policy.shares_uncached_prefix(req, matched, keys):
                 continue
             ext_full = req.seq_len - matched
             ext = min(ext_full, budget)
-            future = policy.expected_new_tokens(req)
+            future = ratio.expected_new_tokens(req)
             # KV for the whole prompt is taken now, even when it is prefilled in chunks
-            need = -(-req.seq_len // self.kv.page_size) * self.kv.page_size - matched + future
-            if need + reserved > self.kv.available_tokens() - self._evictable_in(cand):
+            need = -(-req.seq_len // self.kv.page_size) * self.kv.page_size - matched
+            room = self.kv.available_tokens() - self._evictable_in(match)
+            alone = not self.running and not reqs
+            # alone, the pool is as empty as it gets: admit without the future reservation
+            if need + (0 if alone else future + reserved) > room:
                 break
-            if not self.kv.admit(req, cand.match, self.namespace_of(req)):
+            if not self.kv.admit(req, match, self.namespace_of(req)):
                 break
             if not self.kv.reserve(req, req.seq_len):
                 self.kv.release(req, cache=False)
@@ -190,26 +224,52 @@ class Scheduler:
             self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
         return ScheduleBatch(ForwardMode.EXTEND, reqs, lens) if reqs else None
 
-    def _evictable_in(self, cand: policy.Candidate) -> int:
-        """Tokens of the candidate's own match that count as evictable now but will be locked."""
-        return 0 if cand.match.node is None else min(cand.match.slots.numel(),
-                                                     self.kv.tree.evictable_size())
+    def _evictable_in(self, match: MatchResult) -> int:
+        """Tokens of a candidate's own match that count as evictable now but will be locked."""
+        return 0 if match.node is None else min(match.matched_len, self.kv.tree.evictable_size())
+
+    def _refuse_waiting(self, req: Req, message: str, admitted: set[int]) -> None:
+        """Finish a waiting request that can never run; ``admitted`` drops it from the queue."""
+        req.finished_reason = {"type": "abort", "message": message}
+        req.state = ReqState.FINISHED
+        self.by_rid.pop(req.rid, None)
+        admitted.add(id(req))
+        self.outbox.append(req.make_output(full=not req.stream))
 
     def schedule_decode(self) -> Optional[ScheduleBatch]:
         if not self.running:
             return None
         self.running.sort(key=lambda r: r.arrival)
+        retracted = False
         i = 0
         while i < len(self.running):
             req = self.running[i]
             if self.kv.reserve(req, req.kv_len + 1):
                 i += 1
                 continue
+            if len(self.running) == 1 and self.chunked is None:
+                # nothing else holds KV: retracting would only recompute it into the same wall
+                self._outgrown(req)
+                break
             victim = self.running.pop()  # the newest request gives its KV back
             self.retract(victim)
+            retracted = True
+        if retracted:
+            self.new_token_ratio.after_retract(self.running)
+        else:
+            self.new_token_ratio.decay()
         if not self.running:
             return None
         return ScheduleBatch(ForwardMode.DECODE, list(self.running), [1] * len(self.running))
+
+    def _outgrown(self, req: Req) -> None:
+        need = req.kv_len + 1
+        req.finished_reason = {
+            "type": "abort",
+            "message": f"out of KV memory: the request needs {need} tokens of KV, more than the "
+                       f"KV pool's {self.allocator.num_slots} (max_total_num_tokens); lower "
+                       "max_new_tokens or raise max_total_tokens"}
+        self._finish(req)
 
     def retract(self, req: Req) -> None:
         self.kv.retract(req)
@@ -254,7 +314,7 @@ class Scheduler:
                 req.input_top_logprobs.append(None)
             if b == a:
                 continue
-            temps = [req.params.temperature if req.params.top_k != 1 else 0.0] * (b - a)
+            temps = [req.params.temperature] * (b - a)  # T = 0 -> 1 in the sampler
             lp = compute_logprobs(logits[a:b], torch.tensor(temps, device=logits.device))
             tgt = torch.tensor(targets, device=logits.device)
             req.input_logprobs.extend(lp.gather(1, tgt[:, None]).squeeze(1).tolist())

@@ -8,6 +8,8 @@ from typing import Any, Optional
 
 from rollout_engine.scheduler.request import Req
 
+_REPLACEMENT = "\ufffd"
+
 
 def eos_token_ids(model_path: str, tokenizer: Any) -> frozenset[int]:
     """EOS ids from generation_config.json, config.json and the tokenizer, merged."""
@@ -51,11 +53,23 @@ class StopChecker:
         return None
 
     def _stop_string(self, req: Req) -> Optional[str]:
-        longest = max(len(s) for s in req.params.stop)
+        """The stop string that the newest token completes, or None.
+
+        Only an occurrence that ends in the newest token's text counts, so each occurrence is
+        judged once, at the step that completes it: one completed below ``min_new_tokens`` is
+        skipped for good (the detokenizer keeps it in the text) and never stops a later step.
+        """
+        stops = req.params.stop
+        longest = max(len(s) for s in stops)
+        skip = req.params.skip_special_tokens
         # a character can span several byte-level tokens: look back generously
         tail_ids = req.output_ids[-(4 * longest + 4):]
-        tail = self.tokenizer.decode(tail_ids, skip_special_tokens=req.params.skip_special_tokens)
-        for s in req.params.stop:
-            if s in tail:
-                return s
-        return None
+        tail = self.tokenizer.decode(tail_ids, skip_special_tokens=skip)
+        if not any(s in tail for s in stops):
+            return None
+        # text before the newest token (a trailing partial character is not text yet)
+        before = len(self.tokenizer.decode(tail_ids[:-1], skip_special_tokens=skip)
+                     .rstrip(_REPLACEMENT))
+        ends = {s: tail.find(s, max(before - len(s) + 1, 0)) for s in stops}
+        hits = [(i + len(s), s) for s, i in ends.items() if i >= 0]
+        return min(hits)[1] if hits else None
