@@ -64,6 +64,10 @@ class EngineConfig:
     debug_integrity: bool = False
     watchdog_timeout: float = 300.0
     dead_scheduler_exit_delay: float = 3.0   # server answers /health 503 this long, then exits 1
+    # HTTP limits
+    max_request_body_bytes: int = 32 * 1024 * 1024
+    max_refit_body_bytes: int = 1024 * 1024 * 1024   # /update_weights_from_tensor
+    max_queued_requests: Optional[int] = None   # in flight in the frontend; more get 503
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> None:
@@ -113,6 +117,12 @@ class EngineConfig:
             bad("dead_scheduler_exit_delay", f"must be >= 0, got {self.dead_scheduler_exit_delay}")
         if not isinstance(self.weight_version, str):
             bad("weight_version", "must be a string")
+        for name in ("max_request_body_bytes", "max_refit_body_bytes"):
+            if getattr(self, name) < 1:
+                bad(name, f"must be >= 1 byte, got {getattr(self, name)}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            bad("max_queued_requests", f"must be >= 1 (or None: no limit), "
+                f"got {self.max_queued_requests}")
         if not self.weight_update_group_timeout > 0:
             bad("weight_update_group_timeout",
                 f"must be > 0 seconds, got {self.weight_update_group_timeout}")

@@ -32,8 +32,8 @@ from rollout_engine.scheduler.loop import SchedulerHost, start_scheduler
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EngineAsleepError", "EngineBusyError", "RequestState", "SchedulerDeadError",
-           "TokenizerManager"]
+__all__ = ["EngineAsleepError", "EngineBusyError", "EngineOverloadedError", "RequestState",
+           "SchedulerDeadError", "TokenizerManager"]
 
 
 class EngineAsleepError(RuntimeError):
@@ -42,6 +42,10 @@ class EngineAsleepError(RuntimeError):
 
 class EngineBusyError(RuntimeError):
     """A control call that needs an idle engine arrived while requests run (HTTP 409)."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """``max_queued_requests`` requests are already in flight; retry later (HTTP 503)."""
 
 
 class TokenizerManager:
@@ -70,9 +74,8 @@ class TokenizerManager:
         self.server_info: dict[str, Any] = ready.info
         self.vocab_size: int = ready.info["vocab_size"]
         self.context_len: int = ready.info["context_length"]
-        pool = ready.info["max_total_num_tokens"] // config.page_size * config.page_size
         self.builder = RequestBuilder(self.tokenizer, self.vocab_size, self.context_len,
-                                      self.rng, pool_tokens=pool)
+                                      self.rng)
         self.receiver = threading.Thread(target=self._receive_loop, name="rollout-receiver",
                                          daemon=True)
         self.receiver.start()
@@ -211,10 +214,20 @@ class TokenizerManager:
         """Validate a generate call and expand it into scheduler requests (RequestBuilder)."""
         return self.builder.build(*args, **kwargs)
 
+    def check_capacity(self, num_new: int = 1) -> None:
+        """Raise EngineOverloadedError when ``num_new`` more requests would exceed
+        ``max_queued_requests`` (requests in flight: submitted and not finished)."""
+        limit = self.config.max_queued_requests
+        if limit is not None and len(self.states) + num_new > limit:
+            raise EngineOverloadedError(
+                f"the engine is full: {len(self.states)} requests in flight, this call adds "
+                f"{num_new}, max_queued_requests={limit}; retry when some finish")
+
     def submit(self, reqs: list[GenerateReq]) -> list[RequestState]:
         self.check_can_generate()
         states = []
         with self.lock:
+            self.check_capacity(len(reqs))
             seen: set[str] = set()
             for r in reqs:
                 if r.rid in self.states or r.rid in seen:

@@ -22,10 +22,12 @@ from rollout_engine.entrypoints.engine import Engine
 from rollout_engine.entrypoints.http_utils import (
     SSE_DONE,
     APIKeys,
+    BodyLimitMiddleware,
     HTTPError,
     check_fields,
     control,
     error_response,
+    exposure_warning,
     install_error_handlers,
     json_response,
     read_json,
@@ -40,6 +42,7 @@ from rollout_engine.tokenizer_manager import SchedulerDeadError
 
 logger = logging.getLogger(__name__)
 
+REFIT_ROUTES = ("/update_weights_from_tensor",)   # tensor payloads: --max-refit-body-bytes
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "top_logprobs_num",
                    "logprob_start_len", "stream", "rid", "return_text_in_logprobs", "extra_key"}
 HEALTH_GENERATE_TIMEOUT_S = 30.0
@@ -80,6 +83,9 @@ def create_app(engine: Engine, *, api_key: Optional[str] = None,
     service = GenerationService(engine, metrics)
     app = FastAPI(title="rollout_engine", dependencies=[Depends(keys.require_user)])
     app.state.engine, app.state.service, app.state.metrics = engine, service, metrics
+    cfg = engine.config
+    app.add_middleware(BodyLimitMiddleware, limit=cfg.max_request_body_bytes,
+                       route_limits={r: cfg.max_refit_body_bytes for r in REFIT_ROUTES})
     install_error_handlers(app, engine)
     admin = [Depends(keys.require_admin)]
     tm = engine.tm
@@ -90,7 +96,7 @@ def create_app(engine: Engine, *, api_key: Optional[str] = None,
         body = await read_json(request)
         check_fields(body, GENERATE_FIELDS, "generate")
         stream, with_text = _flag(body, "stream"), _flag(body, "return_text_in_logprobs")
-        states, single = service.submit(
+        states, single = await service.submit(
             prompt=body.get("text"), input_ids=body.get("input_ids"),
             sampling_params=body.get("sampling_params"),
             return_logprob=body.get("return_logprob", False),
@@ -128,7 +134,7 @@ def create_app(engine: Engine, *, api_key: Optional[str] = None,
     @app.get("/health_generate")
     async def health_generate() -> Response:
         """Runs a one-token generation through the whole stack."""
-        states, _ = service.submit(input_ids=[0], sampling_params={
+        states, _ = await service.submit(input_ids=[0], sampling_params={
             "max_new_tokens": 1, "temperature": 0.0})
         try:
             await asyncio.wait_for(service.collect(states), HEALTH_GENERATE_TIMEOUT_S)
@@ -218,6 +224,10 @@ def run_server(config_kwargs: dict[str, Any]) -> int:
     """Serve until interrupted (exit code 0) or until the scheduler dies (exit code 1)."""
     import uvicorn
 
+    warning = exposure_warning(config_kwargs.get("host", "127.0.0.1"),
+                               config_kwargs.get("api_key"))
+    if warning is not None:
+        logger.warning(warning)
     engine = Engine(**config_kwargs)
     cfg = engine.config
     server = uvicorn.Server(uvicorn.Config(

@@ -2,13 +2,15 @@
 and the generic control-call proxy.
 
 Every error a client can trigger leaves here as ``{"error": {"message": ...}}`` with the status
-API.md gives it: 400 bad input, 401 bad key, 404 unknown route, 409 busy, 503 scheduler dead.
+API.md gives it: 400 bad input, 401 bad key, 404 unknown route, 409 busy, 413 body too large,
+503 scheduler dead or engine full.
 """
 
 from __future__ import annotations
 
 import email.message
 import hmac
+import ipaddress
 import json
 import logging
 import math
@@ -25,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 from rollout_engine.tokenizer_manager import (
     EngineAsleepError,
     EngineBusyError,
+    EngineOverloadedError,
     SchedulerDeadError,
 )
 
@@ -148,6 +151,62 @@ def _validation_message(errors: list[Any]) -> str:
     return "; ".join(parts) or "invalid request"
 
 
+# -- limits ------------------------------------------------------------------------------------
+class BodyLimitMiddleware:
+    """Answer 413 to a request body over its route's limit, counting bytes as they arrive: a
+    declared Content-Length over it is refused before reading, a chunked body as soon as it
+    passes it, so no route ever buffers an unbounded body."""
+
+    def __init__(self, app: Any, limit: int, route_limits: Mapping[str, int]) -> None:
+        self.app = app
+        self.limit = limit
+        self.route_limits = dict(route_limits)
+
+    def _message(self, path: str, limit: int) -> str:
+        flag = "--max-refit-body-bytes" if path in self.route_limits else "--max-request-body-bytes"
+        return f"the request body is larger than {limit} bytes, the limit of {path} (see {flag})"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        limit = self.route_limits.get(path, self.limit)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+            await error_response(413, self._message(path, limit))(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Any:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise HTTPError(413, self._message(path, limit))
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def exposure_warning(host: str, api_key: Optional[str]) -> Optional[str]:
+    """The warning to log when ``host`` is reachable from other machines and no API key guards
+    the routes; None when the server is safe (a loopback address, or a key is set)."""
+    if api_key is not None:
+        return None
+    if host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host.strip("[]")).is_loopback:
+            return None
+    except ValueError:
+        pass   # a host name: it may resolve to any interface
+    return (f"serving on {host!r} without an API key: anyone who can reach this address can "
+            "generate, and (without --admin-api-key) refit, release or pause the engine; set "
+            "--api-key (and --admin-api-key), or bind 127.0.0.1")
+
+
 # -- API keys ----------------------------------------------------------------------------------
 class APIKeys:
     """``api_key`` guards every route (the admin key also passes); ``admin_api_key`` guards the
@@ -242,6 +301,12 @@ def install_error_handlers(app: FastAPI, engine: Engine) -> None:
     @app.exception_handler(EngineAsleepError)
     async def _asleep(request: Request, e: EngineAsleepError) -> Response:
         return error_response(503, str(e))
+
+    @app.exception_handler(EngineOverloadedError)
+    async def _overloaded(request: Request, e: EngineOverloadedError) -> Response:
+        response = error_response(503, str(e))
+        response.headers["Retry-After"] = "1"
+        return response
 
     @app.exception_handler(EngineBusyError)
     async def _busy(request: Request, e: EngineBusyError) -> Response:

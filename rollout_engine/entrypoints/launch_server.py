@@ -39,6 +39,8 @@ HELP: dict[str, str] = {
     "num_threads": "torch CPU threads of the scheduler process.",
     "enable_weights_cpu_backup": "Keep a CPU copy of the weights so they survive a release.",
     "weight_version": "Version label of the initial weights (reported with every output).",
+    "weight_update_group_timeout": "Seconds init_weights_update_group may wait for the trainer "
+                                   "to join the rendezvous.",
     "scheduler_mode": "process (a child process, default) or thread (same process).",
     "host": "Address to bind; 127.0.0.1 unless you mean to expose the server.",
     "port": "TCP port to listen on.",
@@ -51,6 +53,9 @@ HELP: dict[str, str] = {
     "watchdog_timeout": "Seconds to wait for the scheduler to start or answer a control call.",
     "dead_scheduler_exit_delay": "Seconds the server answers /health 503 after the scheduler "
                                  "dies, before it exits with status 1.",
+    "max_request_body_bytes": "Largest request body (bytes); a bigger one gets 413.",
+    "max_refit_body_bytes": "Largest body of /update_weights_from_tensor (bytes).",
+    "max_queued_requests": "Most requests in flight at once; more get 503 (default: no limit).",
 }
 
 

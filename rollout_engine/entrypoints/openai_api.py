@@ -105,7 +105,7 @@ class OpenAIServing:
         req = CompletionRequest.model_validate(await read_json(request))
         req.check_unsupported()
         want_lp = req.logprobs is not None
-        states, _ = self.service.submit(
+        states, _ = await self.service.submit(
             **_prompt_kwargs(req.prompt), sampling_params=req.sampling_params(req.max_tokens),
             return_logprob=want_lp, top_logprobs_num=req.logprobs or 0,
             logprob_start_len=0 if (req.echo and want_lp) else -1, stream=req.stream,
@@ -183,8 +183,9 @@ class OpenAIServing:
     async def chat_completions(self, request: Request) -> Response:
         req = ChatCompletionRequest.model_validate(await read_json(request))
         req.check_unsupported()
-        states, _ = self.service.submit(
-            prompt=self.render_chat(req), sampling_params=req.sampling_params(req.max_new_tokens),
+        prompt = await self.service.offload(self.render_chat, req)
+        states, _ = await self.service.submit(
+            prompt=prompt, sampling_params=req.sampling_params(req.max_new_tokens),
             return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
             stream=req.stream, rid=req.rid)
         if req.stream:

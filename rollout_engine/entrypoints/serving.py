@@ -1,7 +1,7 @@
 """Generation for the HTTP routes: submit through the ``TokenizerManager``, wait or stream,
 abort whatever the client stops waiting for, and count what finishes.
 
-    route -> GenerationService.submit (validate, tokenize, send)
+    route -> GenerationService.submit (validate and tokenize in a worker thread, then send)
           -> collect (non-streaming; a watcher aborts on client disconnect)
            | stream  (merged chunks of every request of the call; closing it aborts the rest)
 """
@@ -9,9 +9,11 @@ abort whatever the client stops waiting for, and count what finishes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Optional
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
 from starlette.requests import Request
 
@@ -20,6 +22,9 @@ from rollout_engine.tokenizer_manager import RequestState
 
 if TYPE_CHECKING:
     from rollout_engine.entrypoints.engine import Engine
+
+T = TypeVar("T")
+TOKENIZE_THREADS = 4
 
 
 class GenerationService:
@@ -31,19 +36,32 @@ class GenerationService:
         self.metrics = metrics
         self.inflight: dict[str, RequestState] = {}
         self._token_text: dict[int, str] = {}
+        # tokenizing a long prompt or rendering a chat template must not stall the event loop
+        # (every other request's stream); its own pool, so slow control calls cannot starve it
+        self.executor = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="rollout-tokenize")
+
+    async def offload(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run CPU-bound request preparation in the tokenizer threads."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
 
     # -- submitting ----------------------------------------------------------------------------
-    def submit(self, prompt: Any = None, input_ids: Any = None, sampling_params: Any = None,
-               return_logprob: Any = False, top_logprobs_num: Any = 0,
-               logprob_start_len: Any = -1, stream: bool = False, rid: Any = None,
-               extra_key: Any = None) -> tuple[list[RequestState], bool]:
+    async def submit(self, prompt: Any = None, input_ids: Any = None,
+                     sampling_params: Any = None, return_logprob: Any = False,
+                     top_logprobs_num: Any = 0, logprob_start_len: Any = -1,
+                     stream: bool = False, rid: Any = None, extra_key: Any = None
+                     ) -> tuple[list[RequestState], bool]:
         """Validate (ValueError -> 400) and send; returns the states and whether the caller
-        asked for a single answer (not a batch, n == 1)."""
+        asked for a single answer (not a batch, n == 1). A full engine (max_queued_requests)
+        is refused before any tokenizing (503)."""
         if extra_key is not None and not isinstance(extra_key, str):
             raise ValueError(f"extra_key: must be a string, got {extra_key!r}")
-        reqs, single = self.tm.build_requests(
-            prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
-            -1 if logprob_start_len is None else logprob_start_len, stream, rid, extra_key)
+        self.tm.check_can_generate()
+        self.tm.check_capacity()
+        reqs, single = await self.offload(
+            self.tm.build_requests, prompt, input_ids, sampling_params, return_logprob,
+            top_logprobs_num, -1 if logprob_start_len is None else logprob_start_len, stream,
+            rid, extra_key)
         states = self.tm.submit(reqs)
         for st in states:
             self.inflight[st.req.rid] = st
