@@ -74,8 +74,9 @@ class TokenizerManager:
         self.server_info: dict[str, Any] = ready.info
         self.vocab_size: int = ready.info["vocab_size"]
         self.context_len: int = ready.info["context_length"]
+        pool = ready.info["max_total_num_tokens"] // config.page_size * config.page_size
         self.builder = RequestBuilder(self.tokenizer, self.vocab_size, self.context_len,
-                                      self.rng)
+                                      self.rng, pool_tokens=pool)
         self.receiver = threading.Thread(target=self._receive_loop, name="rollout-receiver",
                                          daemon=True)
         self.receiver.start()
