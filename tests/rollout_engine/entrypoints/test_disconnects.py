@@ -7,6 +7,7 @@ import json
 import time
 
 import httpx
+import pytest
 
 from tests.rollout_engine.entrypoints.conftest import LiveServer
 
@@ -96,19 +97,30 @@ def test_200_streams_with_a_quarter_disconnecting(live_server: LiveServer) -> No
 
 
 def test_non_streaming_disconnect_aborts(live_server: LiveServer) -> None:
+    """A client that gives up on a plain (non-streaming) request aborts it. The engine is
+    paused in place first, so the request waits in the queue until the client has left: it
+    cannot finish early however fast the machine is."""
     live_server.wait_idle()
     with live_server.client() as c:
         before = _metric(c.get("/metrics").text, "rollout_engine_client_disconnects_total")
+        assert c.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
         body = {"text": "abandon me", "sampling_params": {"max_new_tokens": 400,
                                                           "ignore_eos": True}}
-        for path, payload in (("/generate", body),
-                              ("/v1/completions", {"prompt": "abandon me", "max_tokens": 400,
-                                                   "ignore_eos": True})):
-            try:
-                c.post(path, json=payload, timeout=0.5)
-                raise AssertionError("the request was expected to outlive the client timeout")
-            except httpx.ReadTimeout:
-                pass
+        try:
+            for path, payload in (("/generate", body),
+                                  ("/v1/completions", {"prompt": "abandon me", "max_tokens": 400,
+                                                       "ignore_eos": True})):
+                with pytest.raises(httpx.ReadTimeout):
+                    c.post(path, json=payload, timeout=0.5)
+            deadline = time.time() + 15
+            while _metric(c.get("/metrics").text,
+                          "rollout_engine_client_disconnects_total") - before < 2:
+                assert time.time() < deadline, "the disconnects were never noticed"
+                time.sleep(0.05)
+            info = c.get("/get_server_info").json()
+            assert info["num_waiting_reqs"] == 0 and info["num_running_reqs"] == 0
+        finally:
+            assert c.post("/continue_generation").status_code == 200
         live_server.wait_idle(timeout=15)
         after = _metric(c.get("/metrics").text, "rollout_engine_client_disconnects_total")
     assert after - before == 2

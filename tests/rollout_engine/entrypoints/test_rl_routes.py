@@ -129,9 +129,12 @@ def test_release_while_busy_is_409_and_requests_complete(rl_server):
     url = rl_server[0]
     t, box = _start_long_request(url, 300)
     with _client(url) as c:
+        # paused in place it keeps its KV and cannot finish: the engine is busy for sure
+        assert c.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
         r = c.post("/release_memory_occupation", json={"tags": ["kv_cache"]})
         assert r.status_code == 409, r.text
         assert c.post("/flush_cache").status_code == 409
+        assert c.post("/continue_generation").status_code == 200
         t.join()
         assert box["r"].status_code == 200
         assert box["r"].json()["meta_info"]["finish_reason"]["type"] == "length"
@@ -139,7 +142,7 @@ def test_release_while_busy_is_409_and_requests_complete(rl_server):
 
 def test_pause_abort_and_continue(rl_server):
     url = rl_server[0]
-    t, box = _start_long_request(url, 400)
+    t, box = _start_long_request(url, 1800)   # seconds of decoding: still running at the pause
     with _client(url) as c:
         assert c.post("/pause_generation", json={"mode": "abort"}).status_code == 200
         t.join()
