@@ -61,6 +61,9 @@ class EngineConfig:
     served_model_name: Optional[str] = None
     log_level: str = "warning"
     stream_interval: int = 1
+    # /generate and Engine.generate(stream=True) chunks carry only what is new (SGLang's flag);
+    # by default each carries everything so far, as SGLang streams. OpenAI routes stream deltas.
+    incremental_streaming_output: bool = False
     debug_integrity: bool = False
     watchdog_timeout: float = 300.0
     dead_scheduler_exit_delay: float = 3.0   # server answers /health 503 this long, then exits 1

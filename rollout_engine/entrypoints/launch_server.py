@@ -49,6 +49,8 @@ HELP: dict[str, str] = {
     "served_model_name": "Model name reported by /v1/models and in OpenAI responses.",
     "log_level": "debug, info, warning or error.",
     "stream_interval": "Stream a chunk every this many tokens.",
+    "incremental_streaming_output": "Stream chunks of /generate carry only the new text, ids "
+                                    "and logprobs (default: everything so far, as SGLang).",
     "debug_integrity": "Check the KV invariant whenever the scheduler goes idle (slow).",
     "watchdog_timeout": "Seconds to wait for the scheduler to start or answer a control call.",
     "dead_scheduler_exit_delay": "Seconds the server answers /health 503 after the scheduler "
