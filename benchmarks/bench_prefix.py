@@ -90,7 +90,7 @@ async def _run_async(engine: Any, wl: Workload) -> dict[str, Any]:
         async for chunk in it:
             if first is None and chunk["output_ids"]:
                 first = time.perf_counter() - submitted   # time to first token of this request
-            out.extend(chunk["output_ids"])
+            out = chunk["output_ids"]   # cumulative, as SGLang streams
         return (first if first is not None else float("nan")), time.perf_counter() - t0, out
 
     res = await asyncio.gather(*(one(sub, it) for sub, it in streams))

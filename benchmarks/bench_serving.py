@@ -82,9 +82,9 @@ async def one_request(client: Any, prompt: list[int], output_len: int, seed: int
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
-            if chunk["output_ids"]:
+            if len(chunk["output_ids"]) > tokens:   # chunks are cumulative, as SGLang's
                 times.append(time.perf_counter())
-                tokens += len(chunk["output_ids"])
+                tokens = len(chunk["output_ids"])
     return {"start": t0, "ttft": times[0] - t0, "e2e": times[-1] - t0, "tokens": tokens,
             "itl": [b - a for a, b in zip(times, times[1:])]}
 

@@ -35,11 +35,16 @@ class RequestBuilder:
         self.pool_tokens = pool_tokens
 
     def build(self, prompt: Any = None, input_ids: Any = None,
-                       sampling_params: Any = None, return_logprob: Any = False,
-                       top_logprobs_num: Any = 0, logprob_start_len: Any = -1,
-                       stream: bool = False, rid: Any = None, extra_key: Any = None
-                       ) -> tuple[list[GenerateReq], bool]:
+              sampling_params: Any = None, return_logprob: Any = False,
+              top_logprobs_num: Any = 0, logprob_start_len: Any = -1,
+              stream: bool = False, rid: Any = None, extra_key: Any = None,
+              *, cache_salt: Any = None) -> tuple[list[GenerateReq], bool]:
         """Validate a generate call and expand it (batch, n) into scheduler requests.
+
+        The supported fields of SGLang's ``GenerateReqInput`` (``compat/fields.py``), with its
+        batch rules: a scalar applies to every prompt, a list gives one value per prompt, and a
+        string ``rid`` for a batch names the prompts ``<rid>_<i>``. ``extra_key`` and
+        ``cache_salt`` together name the prefix-cache namespace.
 
         Returns the requests and whether the caller asked for a single (non-list) answer.
         Raises ValueError naming the bad field; nothing is submitted then.
@@ -75,7 +80,11 @@ class RequestBuilder:
         flags = [_per_item(return_logprob, nb, "return_logprob", bool),
                  _per_item(top_logprobs_num, nb, "top_logprobs_num", int),
                  _per_item(logprob_start_len, nb, "logprob_start_len", int)]
+        if isinstance(rid, str) and not single:
+            rid = [f"{rid}_{i}" for i in range(nb)]
         rids = _per_item(rid, nb, "rid", str) if rid is not None else [None] * nb
+        keys = _cache_namespaces(_per_item(extra_key, nb, "extra_key", str),
+                                 _per_item(cache_salt, nb, "cache_salt", str))
         reqs: list[GenerateReq] = []
         for i, (ids, sp) in enumerate(zip(ids_list, sps)):
             rl, tln, lsl = (f[i] for f in flags)
@@ -88,7 +97,7 @@ class RequestBuilder:
                     rid=base_rid if sp.n == 1 else f"{base_rid}-{j}", input_ids=list(ids),
                     sampling_params=sp, seed=seed, return_logprob=bool(rl or tln),
                     top_logprobs_num=tln, logprob_start_len=lsl, stream=stream,
-                    extra_key=extra_key))
+                    extra_key=keys[i]))
         return reqs, single and sps[0].n == 1
 
     def _encode(self, text: str) -> list[int]:
@@ -126,6 +135,16 @@ class RequestBuilder:
             raise ValueError(f"top_logprobs_num: must be in [0, {min(self.vocab_size, 1000)}]")
         if not -1 <= logprob_start_len < len(ids):
             raise ValueError(f"logprob_start_len: must be -1 or in [0, {len(ids)}) for this prompt")
+
+
+def _cache_namespaces(extra_keys: list[Optional[str]], salts: list[Optional[str]]
+                      ) -> list[Optional[str]]:
+    """One prefix-cache namespace per prompt from SGLang's two fields (empty means none)."""
+    out: list[Optional[str]] = []
+    for key, salt in zip(extra_keys, salts):
+        parts = [p or "" for p in (key, salt)] if salt else [key or ""]
+        out.append("\x1f".join(parts) or None)
+    return out
 
 
 def _per_item(value: Any, n: int, name: str, kind: type) -> list[Any]:

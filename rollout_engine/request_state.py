@@ -1,6 +1,17 @@
 """One request's outputs on the frontend, and the stream a caller iterates over.
 
-    receiver thread --(chunks, final | error)--> RequestState --(wait | ChunkStream)--> caller
+    receiver thread --(delta chunks, final | error)--> RequestState --(wait | ChunkStream)--> caller
+
+The receiver queues one *delta* chunk per output (the new text and ids, and the new tokens'
+logprobs). ``ChunkStream`` hands them out in one of SGLang's two streaming shapes:
+
+    cumulative (SGLang's default)   each chunk: all text, output_ids and output logprobs so far
+                                    (chunks that piled up are merged: only the latest is shown)
+    incremental                     each chunk: only what is new (SGLang's
+                                    --incremental-streaming-output; OpenAI deltas use it too)
+
+Either way a chunk's meta_info carries the prompt logprobs (``input_*``) once they are known,
+as SGLang's tokenizer manager does.
 """
 
 from __future__ import annotations
@@ -15,6 +26,26 @@ from typing import Any, Optional
 
 from rollout_engine.detokenizer import IncrementalDetokenizer
 from rollout_engine.protocol.messages import GenerateReq
+
+_TOKEN_LOGPROB_KEYS = ("output_token_logprobs", "input_token_logprobs")
+_TOP_LOGPROB_KEYS = ("output_top_logprobs", "input_top_logprobs")
+_OUTPUT_KEYS = ("output_token_logprobs", "output_top_logprobs")   # grow with each chunk
+_INPUT_KEYS = ("input_token_logprobs", "input_top_logprobs")      # arrive once
+
+
+def add_token_text(out: dict[str, Any], token_text: Callable[[int], str]) -> dict[str, Any]:
+    """``return_text_in_logprobs``: fill the third slot of each ``[logprob, id, text]`` entry
+    (SGLang's tuple shape; the slot is null otherwise). Returns a new dict."""
+    meta = dict(out["meta_info"])
+    for key in _TOKEN_LOGPROB_KEYS:
+        if meta.get(key) is not None:
+            meta[key] = [[lp, tid, token_text(tid)] for lp, tid, _ in meta[key]]
+    for key in _TOP_LOGPROB_KEYS:
+        if meta.get(key) is not None:
+            meta[key] = [None if top is None else [[lp, tid, token_text(tid)]
+                                                    for lp, tid, _ in top]
+                         for top in meta[key]]
+    return {**out, "meta_info": meta}
 
 
 class SchedulerDeadError(RuntimeError):
@@ -72,22 +103,53 @@ class RequestState:
 class ChunkStream:
     """The chunks of one streaming request, for ``for`` and ``async for``.
 
+    ``cumulative``: SGLang's default shape (see the module docstring); False gives deltas.
+    ``token_text``: fills the text slot of logprob entries (``return_text_in_logprobs``).
+
     Closing the stream before the request finishes aborts the request, so the scheduler stops
     decoding it and frees its KV: ``close()`` / ``aclose()``, leaving a ``with`` block, or
     dropping the stream (``break`` out of ``for chunk in engine.generate(..., stream=True)``,
     garbage collection). A dead scheduler raises ``SchedulerDeadError`` after the last chunk.
     """
 
-    def __init__(self, st: RequestState, abort: Callable[[str], None]) -> None:
+    def __init__(self, st: RequestState, abort: Callable[[str], None], *,
+                 cumulative: bool = False,
+                 token_text: Optional[Callable[[int], str]] = None) -> None:
         self.st = st
         self._abort = abort
         self._buf: deque[dict[str, Any]] = deque()
         self.closed = False
+        self.cumulative = cumulative
+        self._token_text = token_text
+        self._text = ""                              # what the chunks so far carried
+        self._ids: list[int] = []
+        self._grown: dict[str, list[Any]] = {}       # output logprob lists so far
+        self._inputs: dict[str, Any] = {}            # prompt logprobs, once known
+
+    def _shape(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Delta chunks from the receiver -> the chunks this stream hands out."""
+        out = []
+        for chunk in deltas:
+            if self._token_text is not None:
+                chunk = add_token_text(chunk, self._token_text)
+            meta = chunk["meta_info"]
+            self._inputs.update({k: meta[k] for k in _INPUT_KEYS if k in meta})
+            self._text += chunk["text"]
+            self._ids += chunk["output_ids"]
+            for key in _OUTPUT_KEYS:
+                if key in meta:
+                    self._grown.setdefault(key, []).extend(meta[key])
+            if self.cumulative:
+                meta = {**meta, **{k: list(v) for k, v in self._grown.items()}}
+                chunk = {"text": self._text, "output_ids": list(self._ids), "meta_info": meta}
+            out.append({**chunk, "meta_info": {**chunk["meta_info"], **self._inputs}})
+        # a cumulative chunk holds everything before it: show only the latest of a pile-up
+        return out[-1:] if self.cumulative else out
 
     def _next(self) -> Optional[dict[str, Any]]:
         """The next chunk; None when none is there yet. Raises at the end of the stream."""
         if not self._buf and not self.closed:
-            self._buf.extend(self.st.take_pending())
+            self._buf.extend(self._shape(self.st.take_pending()))
         if self._buf:
             return self._buf.popleft()
         if self.closed:

@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from rollout_engine.compat.fields import SAMPLING_PARAMS, Treatment
+
 _INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed")
 _FLOAT_FIELDS = (
     "temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
@@ -44,20 +46,22 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: Optional[Union[dict[str, Any], SamplingParams]]) -> SamplingParams:
-        """Parse a JSON-style dict; ``None`` values mean the default; unknown fields are errors."""
+        """Parse a JSON-style dict; ``None`` values mean the default.
+
+        Every field of SGLang's ``SamplingParams`` is accepted (``compat/fields.py`` says how
+        each is treated): a non-default value of one we lack (``json_schema``, ``regex``,
+        ``logit_bias``, ...) is a ValueError naming it, as is a name SGLang does not know.
+        """
         if d is None:
             d = {}
         if isinstance(d, SamplingParams):
             return dataclasses.replace(d)
         if not isinstance(d, dict):
             raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"sampling_params: unknown field(s) {', '.join(unknown)}")
+        SAMPLING_PARAMS.check(d, "sampling_params", prefix="sampling_params.")
         kwargs: dict[str, Any] = {}
         for k, v in d.items():
-            if v is None:
+            if v is None or k not in _SUPPORTED:
                 continue
             kwargs[k] = _coerce(k, v)
         sp = cls(**kwargs)
@@ -111,6 +115,9 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+_SUPPORTED = SAMPLING_PARAMS.names(Treatment.SUPPORTED)
 
 
 def _coerce(name: str, v: Any) -> Any:

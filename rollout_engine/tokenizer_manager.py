@@ -10,6 +10,7 @@ import random
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Optional
 
 from transformers import AutoTokenizer
@@ -59,6 +60,7 @@ class TokenizerManager:
                                  else secrets.randbits(63))
         self.rng = random.Random(self.random_seed)
         self.states: dict[str, RequestState] = {}
+        self._token_texts: dict[int, str] = {}   # token_text cache
         self.calls: dict[int, tuple[threading.Event, list[ControlResult]]] = {}
         self.timed_out_calls: dict[int, str] = {}   # call id -> method, until its late answer
         self.control_stats = {"timed_out": 0, "ran_after_timeout": 0,
@@ -187,7 +189,17 @@ class TokenizerManager:
         return meta
 
     def _chunk(self, st: RequestState, out: ReqOutput, delta: str) -> dict[str, Any]:
+        """A delta chunk: this output's new text, ids and logprobs (the ChunkStream a caller
+        reads makes it cumulative, SGLang's default, unless asked for increments)."""
         return {"text": delta, "output_ids": list(out.token_ids), "meta_info": self._meta(st, out)}
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded on its own, special tokens kept (``return_text_in_logprobs``)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
 
     def _final(self, st: RequestState, out: ReqOutput) -> dict[str, Any]:
         if st.req.stream:
@@ -259,10 +271,13 @@ class TokenizerManager:
         assert st.final is not None
         return st.final
 
-    def iter_chunks(self, st: RequestState) -> ChunkStream:
-        """The request's chunks (``for`` or ``async for``); closing the stream early, or
-        dropping it, aborts the request."""
-        return ChunkStream(st, lambda rid: self.abort(rid=rid))
+    def iter_chunks(self, st: RequestState, cumulative: bool = False,
+                    token_text: Optional[Callable[[int], str]] = None) -> ChunkStream:
+        """The request's chunks (``for`` or ``async for``): deltas, or SGLang's cumulative
+        chunks with ``cumulative``; ``token_text`` fills logprob entries' text slot. Closing
+        the stream early, or dropping it, aborts the request."""
+        return ChunkStream(st, lambda rid: self.abort(rid=rid), cumulative=cumulative,
+                           token_text=token_text)
 
     async def async_wait_change(self, st: RequestState) -> None:
         await st.changed()
@@ -275,8 +290,9 @@ class TokenizerManager:
         assert st.final is not None
         return st.final
 
-    def async_iter_chunks(self, st: RequestState) -> ChunkStream:
-        return self.iter_chunks(st)
+    def async_iter_chunks(self, st: RequestState, cumulative: bool = False,
+                          token_text: Optional[Callable[[int], str]] = None) -> ChunkStream:
+        return self.iter_chunks(st, cumulative, token_text)
 
     # -- control -------------------------------------------------------------------------------
     def call(self, method: str, timeout: Optional[float] = None, **kwargs: Any) -> ControlResult:

@@ -7,9 +7,11 @@ import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Optional, Union
 
+from rollout_engine.compat.fields import GENERATE_REQUEST, Treatment
 from rollout_engine.config import EngineConfig
 from rollout_engine.protocol.messages import ControlResult
 from rollout_engine.protocol.tensor_payload import serialize_named_tensors
+from rollout_engine.request_state import add_token_text
 from rollout_engine.tokenizer_manager import (
     EngineAsleepError,
     EngineBusyError,
@@ -30,47 +32,75 @@ class Engine:
     # -- generation ------------------------------------------------------------------------------
     def _submit(self, prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: Any,
                 top_logprobs_num: Any, logprob_start_len: Any, stream: bool, rid: Any,
-                extra_key: Optional[str]) -> tuple[list[Any], bool]:
+                extra_key: Any, cache_salt: Any = None,
+                sglang_kwargs: Optional[dict[str, Any]] = None) -> tuple[list[Any], bool]:
+        _check_sglang_kwargs(sglang_kwargs or {})
         reqs, single = self.tm.build_requests(
-            prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
-            -1 if logprob_start_len is None else logprob_start_len, stream, rid, extra_key)
+            prompt, input_ids, sampling_params, return_logprob,
+            0 if top_logprobs_num is None else top_logprobs_num,
+            -1 if logprob_start_len is None else logprob_start_len, stream, rid, extra_key,
+            cache_salt=cache_salt)
         if stream and len(reqs) != 1:
             raise ValueError("stream: streaming takes one prompt with n = 1")
         return self.tm.submit(reqs), single
 
+    def _stream(self, st: Any, with_text: bool) -> Any:
+        return self.tm.iter_chunks(st, cumulative=not self.config.incremental_streaming_output,
+                                   token_text=self.tm.token_text if with_text else None)
+
+    def _finish(self, results: list[dict[str, Any]], single: bool, with_text: bool) -> Output:
+        if with_text:
+            results = [add_token_text(r, self.tm.token_text) for r in results]
+        return results[0] if single else results
+
     def generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                  return_logprob: Any = False, top_logprobs_num: Any = 0,
                  logprob_start_len: Any = -1, stream: bool = False, rid: Any = None,
-                 extra_key: Optional[str] = None) -> Union[Output, Iterator[dict[str, Any]]]:
+                 extra_key: Any = None, *, return_text_in_logprobs: bool = False,
+                 cache_salt: Any = None, **sglang_kwargs: Any
+                 ) -> Union[Output, Iterator[dict[str, Any]]]:
         """Generate for one prompt (dict) or a batch / ``n > 1`` (list of dicts).
 
-        With ``stream=True`` returns an iterator of chunks whose ``text`` and ``output_ids`` are
-        deltas; the last chunk has ``meta_info.finish_reason`` set.
+        Takes SGLang's ``Engine.generate`` keyword arguments (the names of its
+        ``GenerateReqInput``; pass them by keyword): ``image_data``, ``lora_path``,
+        ``return_hidden_states``, ``custom_logit_processor``, ``token_ids_logprob``,
+        ``bootstrap_host``, ``data_parallel_rank``, ... null or SGLang's default is accepted,
+        another value of a feature this engine lacks is a ValueError naming it
+        (``rollout_engine/compat/fields.py`` lists every field); a name SGLang does not know
+        is a TypeError.
+
+        With ``stream=True`` returns an iterator of chunks; as SGLang streams, each carries the
+        whole ``text``, ``output_ids`` and ``meta_info.output_token_logprobs`` so far, and the
+        last has ``meta_info.finish_reason`` set. With the engine flag
+        ``incremental_streaming_output=True`` each chunk carries only what is new.
         """
         states, single = self._submit(prompt, sampling_params, input_ids, return_logprob,
-                                      top_logprobs_num, logprob_start_len, stream, rid, extra_key)
+                                      top_logprobs_num, logprob_start_len, stream, rid, extra_key,
+                                      cache_salt, sglang_kwargs)
         if stream:
-            return self.tm.iter_chunks(states[0])
-        results = [self.tm.wait(st) for st in states]
-        return results[0] if single else results
+            return self._stream(states[0], return_text_in_logprobs)
+        return self._finish([self.tm.wait(st) for st in states], single, return_text_in_logprobs)
 
     async def async_generate(self, prompt: Any = None, sampling_params: Any = None,
                              input_ids: Any = None, return_logprob: Any = False,
                              top_logprobs_num: Any = 0, logprob_start_len: Any = -1,
-                             stream: bool = False, rid: Any = None,
-                             extra_key: Optional[str] = None
+                             stream: bool = False, rid: Any = None, extra_key: Any = None, *,
+                             return_text_in_logprobs: bool = False, cache_salt: Any = None,
+                             **sglang_kwargs: Any
                              ) -> Union[Output, AsyncIterator[dict[str, Any]]]:
+        """``generate`` for asyncio: the same arguments; an async iterator when streaming."""
         states, single = self._submit(prompt, sampling_params, input_ids, return_logprob,
-                                      top_logprobs_num, logprob_start_len, stream, rid, extra_key)
+                                      top_logprobs_num, logprob_start_len, stream, rid, extra_key,
+                                      cache_salt, sglang_kwargs)
         if stream:
-            return self.tm.async_iter_chunks(states[0])
+            return self._stream(states[0], return_text_in_logprobs)
         try:
             results = await asyncio.gather(*(self.tm.async_wait(st) for st in states))
         except asyncio.CancelledError:
             for st in states:
                 self.tm.abort(rid=st.req.rid)
             raise
-        return results[0] if single else list(results)
+        return self._finish(list(results), single, return_text_in_logprobs)
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         self.tm.abort(rid=rid or None, abort_all=abort_all)
@@ -208,6 +238,19 @@ class Engine:
                 tm.shutdown()
             except Exception:  # noqa: BLE001 - interpreter teardown
                 pass
+
+
+_SGLANG_KWARGS = GENERATE_REQUEST.names(Treatment.DEFAULT_ONLY, Treatment.IGNORED)
+
+
+def _check_sglang_kwargs(kwargs: dict[str, Any]) -> None:
+    """SGLang's generate keyword arguments beyond the ones ``generate`` names."""
+    for name in kwargs:
+        if name not in _SGLANG_KWARGS:
+            hint = " (the prompt is prompt=)" if name == "text" else ""
+            raise TypeError(f"generate() got an unexpected keyword argument {name!r}{hint}; "
+                            "neither this engine nor SGLang's GenerateReqInput has it")
+    GENERATE_REQUEST.check(kwargs, "generate")
 
 
 def _raise_for(result: ControlResult) -> Any:

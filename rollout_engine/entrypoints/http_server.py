@@ -18,6 +18,7 @@ from typing import Any, Optional
 from fastapi import Depends, FastAPI, Request
 from starlette.responses import Response
 
+from rollout_engine.compat.fields import GENERATE_REQUEST
 from rollout_engine.entrypoints.engine import Engine
 from rollout_engine.entrypoints.http_utils import (
     SSE_DONE,
@@ -38,16 +39,13 @@ from rollout_engine.entrypoints.metrics import Metrics
 from rollout_engine.entrypoints.openai_api import add_openai_routes
 from rollout_engine.entrypoints.rl_routes import add_rl_routes
 from rollout_engine.entrypoints.serving import GenerationService
+from rollout_engine.request_state import add_token_text
 from rollout_engine.tokenizer_manager import SchedulerDeadError
 
 logger = logging.getLogger(__name__)
 
 REFIT_ROUTES = ("/update_weights_from_tensor",)   # tensor payloads: --max-refit-body-bytes
-GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "top_logprobs_num",
-                   "logprob_start_len", "stream", "rid", "return_text_in_logprobs", "extra_key"}
 HEALTH_GENERATE_TIMEOUT_S = 30.0
-_LOGPROB_KEYS = ("output_token_logprobs", "input_token_logprobs")
-_TOP_LOGPROB_KEYS = ("output_top_logprobs", "input_top_logprobs")
 
 
 def _flag(body: dict[str, Any], name: str) -> bool:
@@ -57,20 +55,6 @@ def _flag(body: dict[str, Any], name: str) -> bool:
     if not isinstance(value, bool):
         raise HTTPError(400, f"{name}: must be a boolean, got {value!r}")
     return value
-
-
-def _add_token_text(service: GenerationService, out: dict[str, Any]) -> dict[str, Any]:
-    """``return_text_in_logprobs``: fill the third slot of each ``[logprob, id, text]``."""
-    meta = dict(out["meta_info"])
-    text = service.token_text
-    for key in _LOGPROB_KEYS:
-        if meta.get(key) is not None:
-            meta[key] = [[lp, tid, text(tid)] for lp, tid, _ in meta[key]]
-    for key in _TOP_LOGPROB_KEYS:
-        if meta.get(key) is not None:
-            meta[key] = [None if top is None else [[lp, tid, text(tid)] for lp, tid, _ in top]
-                         for top in meta[key]]
-    return {**out, "meta_info": meta}
 
 
 def create_app(engine: Engine, *, api_key: Optional[str] = None,
@@ -93,8 +77,10 @@ def create_app(engine: Engine, *, api_key: Optional[str] = None,
     # -- generation ----------------------------------------------------------------------------
     @app.post("/generate")
     async def generate(request: Request) -> Response:
+        """SGLang's ``GenerateReqInput``: every field it defines is accepted (compat/fields.py
+        says how each is treated). Streams are cumulative unless incremental_streaming_output."""
         body = await read_json(request)
-        check_fields(body, GENERATE_FIELDS, "generate")
+        GENERATE_REQUEST.check(body, "generate")
         stream, with_text = _flag(body, "stream"), _flag(body, "return_text_in_logprobs")
         states, single = await service.submit(
             prompt=body.get("text"), input_ids=body.get("input_ids"),
@@ -102,19 +88,19 @@ def create_app(engine: Engine, *, api_key: Optional[str] = None,
             return_logprob=body.get("return_logprob", False),
             top_logprobs_num=body.get("top_logprobs_num", 0),
             logprob_start_len=body.get("logprob_start_len", -1), stream=stream,
-            rid=body.get("rid"), extra_key=body.get("extra_key"))
+            rid=body.get("rid"), extra_key=body.get("extra_key"),
+            cache_salt=body.get("cache_salt"))
         if not stream:
             results = await service.collect(states, request)
             if with_text:
-                results = [_add_token_text(service, r) for r in results]
+                results = [add_token_text(r, tm.token_text) for r in results]
             return json_response(results[0] if single else results)
+        cumulative = not cfg.incremental_streaming_output
 
         async def chunks() -> Any:
             try:
-                async with aclosing(service.stream(states)) as stream:
+                async with aclosing(service.stream(states, cumulative, with_text)) as stream:
                     async for i, chunk in stream:
-                        if with_text:
-                            chunk = _add_token_text(service, chunk)
                         yield sse(chunk if single else {**chunk, "index": i})
             except SchedulerDeadError as e:
                 yield sse({"error": {"message": str(e), "code": 503}})

@@ -102,14 +102,14 @@ class OpenAIServing:
 
     # -- /v1/completions -----------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        req = CompletionRequest.model_validate(await read_json(request))
+        req = CompletionRequest.parse(await read_json(request))
         req.check_unsupported()
         want_lp = req.logprobs is not None
         states, _ = await self.service.submit(
             **_prompt_kwargs(req.prompt), sampling_params=req.sampling_params(req.max_tokens),
             return_logprob=want_lp, top_logprobs_num=req.logprobs or 0,
             logprob_start_len=0 if (req.echo and want_lp) else -1, stream=req.stream,
-            rid=req.rid)
+            rid=req.rid, extra_key=req.extra_key, cache_salt=req.cache_salt)
         if req.stream:
             return sse_response(self._stream_completions(req, states))
         results = await self.service.collect(states, request)
@@ -172,7 +172,7 @@ class OpenAIServing:
             text = self.service.engine.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message, tokenize=False,
-                **(req.chat_template_kwargs or {}))
+                **req.template_kwargs)
         except Exception as e:  # noqa: BLE001 - a template error is the caller's input
             raise ValueError(f"messages: the chat template could not render them: "
                              f"{type(e).__name__}: {e}") from None
@@ -181,13 +181,14 @@ class OpenAIServing:
         return text
 
     async def chat_completions(self, request: Request) -> Response:
-        req = ChatCompletionRequest.model_validate(await read_json(request))
+        req = ChatCompletionRequest.parse(await read_json(request))
         req.check_unsupported()
-        prompt = await self.service.offload(self.render_chat, req)
+        prompt: dict[str, Any] = {"input_ids": req.input_ids} if req.input_ids is not None else {
+            "prompt": await self.service.offload(self.render_chat, req)}
         states, _ = await self.service.submit(
-            prompt=prompt, sampling_params=req.sampling_params(req.max_new_tokens),
+            **prompt, sampling_params=req.sampling_params(req.max_new_tokens),
             return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
-            stream=req.stream, rid=req.rid)
+            stream=req.stream, rid=req.rid, extra_key=req.extra_key, cache_salt=req.cache_salt)
         if req.stream:
             return sse_response(self._stream_chat(req, states))
         results = await self.service.collect(states, request)

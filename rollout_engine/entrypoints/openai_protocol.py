@@ -1,16 +1,22 @@
 """Request schemas of the OpenAI-compatible routes, and their mapping to ``sampling_params``.
 
-Types are strict (a string is not a number) and unknown fields are errors, so a typo is a 400
-rather than a silently ignored option. Beyond OpenAI's fields, the SGLang / vLLM extensions RL
-code uses are accepted: ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``,
-``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, ``no_stop_trim``, ``rid``.
+Every field of SGLang's ``CompletionRequest`` / ``ChatCompletionRequest`` is accepted
+(``compat/fields.py`` lists them and how each is treated): the supported ones are typed here;
+the others are checked against that list (null or the default value, else a 400 naming the
+field) and dropped before validation. Types are strict (a string is not a number) and a name
+neither we nor SGLang know is an error, so a typo is a 400 rather than a silently ignored
+option. Beyond SGLang's fields: ``spaces_between_special_tokens`` and ``add_generation_prompt``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from rollout_engine.compat.fields import CHAT_REQUEST, COMPLETION_REQUEST, FieldList
+
+M = TypeVar("M", bound="_SamplingFields")
 
 
 class _Strict(BaseModel):
@@ -23,18 +29,19 @@ class StreamOptions(_Strict):
 
 
 class _SamplingFields(_Strict):
-    model: Optional[str] = None
+    FIELDS: ClassVar[FieldList]   # SGLang's fields of this request type
+    ROUTE: ClassVar[str]
+
     n: int = 1
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     stop: Optional[Union[str, list[str]]] = None
     seed: Optional[int] = None
+    sampling_seed: Optional[int] = None   # the sglang-router's name for seed
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
     # extensions (SGLang / vLLM)
     top_k: Optional[int] = None
     min_p: Optional[float] = None
@@ -45,15 +52,30 @@ class _SamplingFields(_Strict):
     skip_special_tokens: Optional[bool] = None
     spaces_between_special_tokens: Optional[bool] = None
     no_stop_trim: Optional[bool] = None
-    rid: Optional[str] = None
+    rid: Optional[Union[str, list[str]]] = None
+    extra_key: Optional[Union[str, list[str]]] = None
+    cache_salt: Optional[Union[str, list[str]]] = None
+
+    @classmethod
+    def parse(cls: type[M], body: Any) -> M:
+        """Validate a request body: SGLang's fields we do not type here are checked against
+        ``FIELDS`` (null or the default, else ValueError naming the field) and dropped; null
+        means the default for every field."""
+        if isinstance(body, dict):
+            cls.FIELDS.check(body, cls.ROUTE, unknown_ok=True)
+            body = {k: v for k, v in body.items()
+                    if v is not None and (k in cls.model_fields or k not in cls.FIELDS)}
+        return cls.model_validate(body)
 
     def check_unsupported(self) -> None:
-        if self.logit_bias:
-            raise ValueError("logit_bias: is not supported")
         if self.n < 1:
             raise ValueError(f"n: must be >= 1, got {self.n}")
+        if None not in (self.seed, self.sampling_seed) and self.seed != self.sampling_seed:
+            raise ValueError(f"sampling_seed: {self.sampling_seed} differs from seed "
+                             f"{self.seed}; give one of them")
 
     def sampling_params(self, max_new_tokens: Optional[int]) -> dict[str, Any]:
+        seed = self.seed if self.seed is not None else self.sampling_seed
         return {
             "max_new_tokens": max_new_tokens, "min_new_tokens": self.min_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
@@ -63,7 +85,7 @@ class _SamplingFields(_Strict):
             "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
-            "no_stop_trim": self.no_stop_trim, "n": self.n, "sampling_seed": self.seed,
+            "no_stop_trim": self.no_stop_trim, "n": self.n, "sampling_seed": seed,
         }
 
     @property
@@ -74,17 +96,17 @@ class _SamplingFields(_Strict):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``."""
 
+    FIELDS = COMPLETION_REQUEST
+    ROUTE = "v1/completions"
+
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None
     echo: bool = False
-    suffix: Optional[str] = None
     best_of: Optional[int] = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.suffix:
-            raise ValueError("suffix: is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of: is not supported (other than best_of == n)")
         if self.echo and self.stream:
@@ -112,34 +134,33 @@ class ChatMessage(BaseModel):
         return d
 
 
-class ResponseFormat(_Strict):
-    type: str
-    json_schema: Optional[dict[str, Any]] = None
+ReasoningEffort = Union[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"],
+                        float]
 
 
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
+
+    FIELDS = CHAT_REQUEST
+    ROUTE = "v1/chat/completions"
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
-    parallel_tool_calls: Optional[bool] = None
-    response_format: Optional[ResponseFormat] = None
     # extensions
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    reasoning_effort: Optional[ReasoningEffort] = None
+    input_ids: Optional[list[int]] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError("response_format: only {'type': 'text'} is supported")
+        effort = self.reasoning_effort
+        if isinstance(effort, float) and not 0.0 <= effort <= 0.99:
+            raise ValueError(f"reasoning_effort: a number must be in [0, 0.99], got {effort}")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise ValueError("top_logprobs: requires logprobs = true")
@@ -147,6 +168,17 @@ class ChatCompletionRequest(_SamplingFields):
                 raise ValueError(f"top_logprobs: must be in [0, 20], got {self.top_logprobs}")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message: needs add_generation_prompt = false")
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """``chat_template_kwargs``; ``reasoning_effort`` sets ``thinking`` and
+        ``enable_thinking`` (false for "none") unless given, as SGLang does."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            thinking = self.reasoning_effort != "none"
+            kwargs.setdefault("thinking", thinking)
+            kwargs.setdefault("enable_thinking", thinking)
+        return kwargs
 
     @property
     def max_new_tokens(self) -> Optional[int]:

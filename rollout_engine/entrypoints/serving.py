@@ -35,7 +35,6 @@ class GenerationService:
         self.tm = engine.tm
         self.metrics = metrics
         self.inflight: dict[str, RequestState] = {}
-        self._token_text: dict[int, str] = {}
         # tokenizing a long prompt or rendering a chat template must not stall the event loop
         # (every other request's stream); its own pool, so slow control calls cannot starve it
         self.executor = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="rollout-tokenize")
@@ -49,19 +48,17 @@ class GenerationService:
     async def submit(self, prompt: Any = None, input_ids: Any = None,
                      sampling_params: Any = None, return_logprob: Any = False,
                      top_logprobs_num: Any = 0, logprob_start_len: Any = -1,
-                     stream: bool = False, rid: Any = None, extra_key: Any = None
-                     ) -> tuple[list[RequestState], bool]:
+                     stream: bool = False, rid: Any = None, extra_key: Any = None,
+                     cache_salt: Any = None) -> tuple[list[RequestState], bool]:
         """Validate (ValueError -> 400) and send; returns the states and whether the caller
         asked for a single answer (not a batch, n == 1). A full engine (max_queued_requests)
         is refused before any tokenizing (503)."""
-        if extra_key is not None and not isinstance(extra_key, str):
-            raise ValueError(f"extra_key: must be a string, got {extra_key!r}")
         self.tm.check_can_generate()
         self.tm.check_capacity()
         reqs, single = await self.offload(
             self.tm.build_requests, prompt, input_ids, sampling_params, return_logprob,
             top_logprobs_num, -1 if logprob_start_len is None else logprob_start_len, stream,
-            rid, extra_key)
+            rid, extra_key, cache_salt=cache_salt)
         states = self.tm.submit(reqs)
         for st in states:
             self.inflight[st.req.rid] = st
@@ -111,16 +108,18 @@ class GenerationService:
                     self.metrics.client_disconnects += 1
                 return
 
-    async def stream(self, states: list[RequestState]
-                     ) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-        """``(index, chunk)`` for every request of a call, as they arrive. Closing the iterator
-        early (client disconnect) aborts the unfinished ones."""
+    async def stream(self, states: list[RequestState], cumulative: bool = False,
+                     with_text: bool = False) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        """``(index, chunk)`` for every request of a call, as they arrive: deltas, or SGLang's
+        cumulative chunks (``cumulative``); ``with_text`` fills logprob entries' text slot.
+        Closing the iterator early (client disconnect) aborts the unfinished ones."""
+        token_text = self.tm.token_text if with_text else None
         queue: asyncio.Queue[tuple[int, Optional[dict[str, Any]], Optional[BaseException]]] = (
             asyncio.Queue())
 
         async def pump(i: int, st: RequestState) -> None:
             try:
-                async for chunk in self.tm.async_iter_chunks(st):
+                async for chunk in self.tm.async_iter_chunks(st, cumulative, token_text):
                     queue.put_nowait((i, chunk, None))
                 queue.put_nowait((i, None, None))
             except Exception as e:  # noqa: BLE001 - handed to the consumer
@@ -148,12 +147,3 @@ class GenerationService:
                 t.cancel()
             if self.abort_unfinished(states):
                 self.metrics.client_disconnects += 1
-
-    # -- helpers -------------------------------------------------------------------------------
-    def token_text(self, token_id: int) -> str:
-        """One token decoded on its own (special tokens kept), as logprob entries show it."""
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
-            self._token_text[token_id] = text
-        return text

@@ -44,7 +44,7 @@ async def _one(client: httpx.AsyncClient, i: int) -> tuple[int, list[int], dict 
             if payload == "[DONE]":
                 break
             last = json.loads(payload)
-            ids += last["output_ids"]
+            ids = last["output_ids"]     # chunks are cumulative, as SGLang streams
             if drop and len(ids) >= 2:
                 return i, ids, None      # leaving the block closes the connection midway
     return i, ids, last

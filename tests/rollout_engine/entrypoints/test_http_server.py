@@ -75,18 +75,28 @@ def test_generate_equals_in_process_engine(live_server: LiveServer) -> None:
             assert t1 == t2 and lp1 == pytest.approx(lp2, abs=1e-5)
 
 
-def test_stream_concatenates_to_non_streamed(live_server: LiveServer) -> None:
+def test_stream_is_cumulative_as_sglang_streams(live_server: LiveServer) -> None:
+    """Each chunk carries the whole text, output_ids and output logprobs so far (SGLang's
+    default; slime's streaming reader keeps only the last chunk)."""
     body = {"text": "Once upon a time", "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 16, "temperature": 1.0, "sampling_seed": 7}}
+            "sampling_params": {"max_new_tokens": 16, "temperature": 1.0, "sampling_seed": 7,
+                                "ignore_eos": True}}
     with live_server.client() as c:
         full = c.post("/generate", json=body).json()
         chunks = stream_chunks(c, body)
-    assert "".join(ch["text"] for ch in chunks) == full["text"]
-    assert [t for ch in chunks for t in ch["output_ids"]] == full["output_ids"]
-    assert [lp for ch in chunks for lp, _, _ in ch["meta_info"]["output_token_logprobs"]] == \
+    assert len(chunks) > 1
+    last = chunks[-1]
+    assert last["text"] == full["text"] and last["output_ids"] == full["output_ids"]
+    assert [lp for lp, _, _ in last["meta_info"]["output_token_logprobs"]] == \
         pytest.approx([lp for lp, _, _ in full["meta_info"]["output_token_logprobs"]], abs=1e-5)
+    for a, b in zip(chunks, chunks[1:]):
+        assert b["text"].startswith(a["text"])
+        assert b["output_ids"][:len(a["output_ids"])] == a["output_ids"]
+        assert len(b["output_ids"]) > len(a["output_ids"])
+    for ch in chunks:
+        assert [t for _, t, _ in ch["meta_info"]["output_token_logprobs"]] == ch["output_ids"]
     assert all(ch["meta_info"]["finish_reason"] is None for ch in chunks[:-1])
-    assert chunks[-1]["meta_info"]["finish_reason"] == full["meta_info"]["finish_reason"]
+    assert last["meta_info"]["finish_reason"] == full["meta_info"]["finish_reason"]
     assert all("index" not in ch for ch in chunks)
 
 
@@ -105,8 +115,8 @@ def test_stream_batch_and_n_carry_index(live_server: LiveServer) -> None:
     for i, res in enumerate(full):
         got = by_index[i]
         assert got[0]["meta_info"]["id"] == f"sb-{'ab'[i // 2]}-{i % 2}"
-        assert [t for ch in got for t in ch["output_ids"]] == res["output_ids"]
-        assert "".join(ch["text"] for ch in got) == res["text"]
+        assert got[-1]["output_ids"] == res["output_ids"]   # cumulative chunks
+        assert got[-1]["text"] == res["text"]
 
 
 def test_return_text_in_logprobs(live_server: LiveServer) -> None:
