@@ -17,6 +17,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from rollout_engine.compat.server_args import to_engine_kwargs
+
 _DTYPES = {"auto", "float32", "float16", "bfloat16"}
 _POLICIES = {"lpm", "fcfs"}
 _BACKENDS = {None, "torch_native", "triton", "flashinfer"}
@@ -50,6 +52,9 @@ class EngineConfig:
     num_threads: Optional[int] = None
     # RL control plane
     enable_weights_cpu_backup: bool = False
+    # SGLang's flag, reported by get_server_info (slime checks it against its own setting);
+    # release_memory_occupation frees memory whether or not it is set
+    enable_memory_saver: bool = False
     weight_version: str = "default"
     weight_update_group_timeout: float = 30.0   # s the rendezvous with a trainer may take
     # process model / serving
@@ -132,11 +137,14 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
-        """Build from keyword flags; an unknown flag is a ValueError that names it."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - known)
+        """Build from keyword flags: our fields and SGLang's ``ServerArgs`` names, treated as
+        ``rollout_engine/compat/server_args.py`` says (``tp_size=1`` is accepted, ``tp_size=2``
+        is an ``UnsupportedFlagError``). A flag neither knows is a ValueError that names it."""
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        kwargs, unknown = to_engine_kwargs(kwargs, defaults)
         if unknown:
-            raise ValueError(f"unknown engine flag(s): {', '.join(unknown)}")
+            raise ValueError(f"unknown engine flag(s): {', '.join(sorted(unknown))} (neither "
+                             "EngineConfig's nor SGLang's ServerArgs')")
         if "model_path" not in kwargs:
             raise ValueError("EngineConfig.model_path: required (a Hugging Face model directory)")
         return cls(**kwargs)

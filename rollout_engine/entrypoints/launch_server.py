@@ -1,7 +1,8 @@
 """``python -m rollout_engine.launch_server --model-path DIR --port 30000 [flags]``.
 
 Every ``EngineConfig`` field is a flag (``page_size`` -> ``--page-size``; booleans are switches),
-so ``Engine(**kwargs)`` and the server take the same options.
+so ``Engine(**kwargs)`` and the server take the same options; so is every flag of
+``python -m sglang.launch_server``, treated as ``rollout_engine/compat/server_args.py`` says.
 """
 
 from __future__ import annotations
@@ -12,6 +13,14 @@ import sys
 import typing
 from typing import Any, Optional, Union
 
+from rollout_engine.compat.server_args import (
+    SGLANG_FLAGS,
+    SGLANG_VERSIONS,
+    UnsupportedFlagError,
+    add_sglang_flags,
+    parse_size,
+    to_engine_kwargs,
+)
 from rollout_engine.config import EngineConfig
 
 HELP: dict[str, str] = {
@@ -38,6 +47,8 @@ HELP: dict[str, str] = {
     "cuda_graph_max_bs": "Largest decode batch captured in a CUDA graph.",
     "num_threads": "torch CPU threads of the scheduler process.",
     "enable_weights_cpu_backup": "Keep a CPU copy of the weights so they survive a release.",
+    "enable_memory_saver": "SGLang's memory-saver flag, reported by /get_server_info; "
+                           "/release_memory_occupation frees memory either way.",
     "weight_version": "Version label of the initial weights (reported with every output).",
     "weight_update_group_timeout": "Seconds init_weights_update_group may wait for the trainer "
                                    "to join the rendezvous.",
@@ -70,32 +81,55 @@ def _base_type(tp: Any) -> Any:
 
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    """Our flags (one per ``EngineConfig`` field, SGLang's spellings where they are SGLang's
+    too: ``--model``, ``--context-length 32k``), then every other flag of
+    ``python -m sglang.launch_server`` (hidden from ``--help``; see ``compat/server_args.py``)."""
     parser = argparse.ArgumentParser(
         prog=prog or "python -m rollout_engine.launch_server",
         description="Serve a model over HTTP with SGLang's API (rollout_engine).",
+        epilog=f"Every flag of python -m sglang.launch_server (sglang "
+               f"{', '.join(SGLANG_VERSIONS)}) is accepted too: mapped to the flags above, "
+               "ignored when it cannot change what is generated (logging, kernels, launch "
+               "details), or accepted at SGLang's default only (--tp-size 1); any other value "
+               "exits with status 2 naming the flag. The table: "
+               "rollout_engine/compat/server_args.py.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
+        sglang = SGLANG_FLAGS.get(f.name)
+        flags = sglang.option_strings if sglang else ("--" + f.name.replace("_", "-"),)
         tp = _base_type(hints[f.name])
         help_text = HELP.get(f.name, f"EngineConfig.{f.name}.")
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if tp is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=f.default, help=help_text)
             continue
-        parser.add_argument(flag, dest=f.name, type=tp if tp in (int, float) else str,
-                            required=required, help=help_text,
+        if sglang is not None and sglang.kind == "size":
+            tp = parse_size
+        parser.add_argument(*flags, dest=f.name, type=tp if tp in (int, float, parse_size)
+                            else str, required=required, help=help_text,
                             default=None if required else f.default)
+    add_sglang_flags(parser, skip={f.name for f in dataclasses.fields(EngineConfig)})
     return parser
 
 
 def parse_args(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> dict[str, Any]:
-    """Flags -> ``EngineConfig`` keyword arguments (only those that differ from the defaults,
-    so that the config's own defaults stay the single source)."""
-    ns = vars(build_parser(prog).parse_args(argv))
+    """Flags -> ``EngineConfig`` keyword arguments: ours that differ from the defaults (so that
+    the config's own defaults stay the single source) and SGLang's, translated. An SGLang flag
+    given a value we cannot honour exits with status 2 (argparse's ``error``) naming it."""
+    parser = build_parser(prog)
+    ns = vars(parser.parse_args(argv))
     defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-    return {k: v for k, v in ns.items() if k == "model_path" or v != defaults.get(k)}
+    given = {k: v for k, v in ns.items()
+             if k not in defaults or k == "model_path" or v != defaults[k]}
+    try:
+        kwargs, unknown = to_engine_kwargs(given, defaults)
+    except UnsupportedFlagError as e:
+        parser.error(str(e))
+    if unknown:   # argparse only produces dests it was given; a stale table would land here
+        parser.error(f"flag(s) with no treatment: {', '.join(unknown)}")
+    return kwargs
 
 
 def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
@@ -103,7 +137,7 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
     try:
         EngineConfig.from_kwargs(**kwargs)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{prog or 'python -m rollout_engine.launch_server'}: error: {e}", file=sys.stderr)
         return 2
     from rollout_engine.entrypoints.http_server import run_server  # heavy: after validation
 

@@ -3,6 +3,7 @@ life: it exits non-zero when its scheduler dies, answering /health 503 until the
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -15,6 +16,7 @@ import time
 import httpx
 import pytest
 
+from rollout_engine.compat.server_args import SGLANG_FLAGS
 from rollout_engine.config import EngineConfig
 from rollout_engine.entrypoints import cli
 from rollout_engine.entrypoints.launch_server import HELP, build_parser, parse_args
@@ -25,9 +27,13 @@ def test_every_config_field_is_a_flag_with_help() -> None:
     parser = build_parser()
     flags = {a.dest: a for a in parser._actions if a.dest != "help"}
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    assert set(flags) == fields
-    assert set(HELP) == fields, "every flag has its own help text"
+    # our fields, and every SGLang flag (compat/server_args.py), nothing else
+    assert set(flags) == fields | set(SGLANG_FLAGS)
+    assert set(HELP) == fields, "every flag of ours has its own help text"
+    for name in set(SGLANG_FLAGS) - fields:
+        assert flags[name].help == argparse.SUPPRESS, f"{name}: SGLang's flags stay out of --help"
     assert "--model-path" in flags["model_path"].option_strings
+    assert "--model" in flags["model_path"].option_strings       # SGLang's alias
     assert "--page-size" in flags["page_size"].option_strings
     assert "--disable-radix-cache" in flags["disable_radix_cache"].option_strings
 
