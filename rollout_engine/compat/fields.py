@@ -238,6 +238,9 @@ GENERATE_REQUEST = FieldList("GenerateReqInput", "python/sglang/srt/managers/io_
     _f("conversation_id", None, X, "tracking id"),
     _f("external_trace_header", None, X, "tracing context"),
     _f("received_time", None, X, "tracing timestamp"),
+    # not a GenerateReqInput field: the sglang-router (0.3.x) forwards its request struct's
+    # `model` to /generate, and SGLang's parser drops keys it does not know
+    _f("model", None, X, "sent by the sglang-router for multi-model routing; one model here"),
 ])
 
 # -- SamplingParams -----------------------------------------------------------------------------

@@ -59,7 +59,7 @@ GENERATE_IGNORED = {
     "custom_labels": {"team": "rl"}, "priority": 5, "routing_key": "tenant-a",
     "kv_router_hint": {"source_control_endpoint": "x", "block_hashes": ["h"]},
     "conversation_id": "conv-1", "external_trace_header": {"traceparent": "00-ab-cd-01"},
-    "received_time": 1.7e9,
+    "received_time": 1.7e9, "model": "default",
 }
 SAMPLING_REFUSED = {
     "stop_regex": r"\d+", "json_schema": '{"type": "object"}', "regex": "(yes|no)",
