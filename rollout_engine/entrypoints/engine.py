@@ -4,10 +4,14 @@ process (or a thread with ``scheduler_mode="thread"``)."""
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
+import json
+import os
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Optional, Union
 
 from rollout_engine.compat.fields import GENERATE_REQUEST, Treatment
+from rollout_engine.compat.server_args import SGLANG_VERSIONS, server_args_view
 from rollout_engine.config import EngineConfig
 from rollout_engine.protocol.messages import ControlResult
 from rollout_engine.protocol.tensor_payload import serialize_named_tensors
@@ -21,8 +25,17 @@ from rollout_engine.tokenizer_manager import (
 Output = Union[dict[str, Any], list[dict[str, Any]]]
 
 
+def rollout_engine_version() -> str:
+    try:
+        return importlib.metadata.version("rollout-engine")
+    except importlib.metadata.PackageNotFoundError:   # run from a source tree
+        return "0+unknown"
+
+
 class Engine:
-    """``Engine(model_path=..., **flags)``; the flags are ``EngineConfig`` fields."""
+    """``Engine(model_path=..., **flags)``; the flags are ``EngineConfig`` fields or the names
+    of SGLang's ``ServerArgs``, as ``sgl.Engine(**server_args)`` takes them (``tp_size=1``,
+    ``enable_memory_saver=True``, ``log_level="error"``, ...; ``compat/server_args.py``)."""
 
     def __init__(self, **kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(**kwargs)
@@ -120,22 +133,42 @@ class Engine:
         return r.result
 
     def get_model_info(self) -> dict[str, Any]:
-        info = self.get_server_info()
+        """SGLang's ``/get_model_info`` fields, with our ``context_length`` and ``vocab_size``."""
+        with open(os.path.join(self.config.model_path, "config.json")) as f:
+            hf_config = json.load(f)
         return {
             "model_path": self.config.model_path,
             "tokenizer_path": self.config.tokenizer_path or self.config.model_path,
             "is_generation": True,
-            "weight_version": info["weight_version"],
+            "preferred_sampling_params": None,
+            "weight_version": self.get_weight_version(),
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": hf_config.get("model_type"),
             "architectures": self.tm.server_info.get("architectures"),
             "context_length": self.tm.context_len,
             "vocab_size": self.tm.vocab_size,
         }
 
     def get_server_info(self) -> dict[str, Any]:
+        """SGLang's ``get_server_info``: its ``ServerArgs`` fields as this engine runs them
+        (``rollout_engine/compat/server_args.py``; ``tp_size`` 1, ``enable_memory_saver`` as
+        given, ...) with our own flags, its scheduler info (``status``, ``max_total_num_tokens``,
+        ``max_req_input_len``), ``internal_states`` (one per DP rank: the flags plus
+        ``last_gen_throughput``, ``memory_usage`` in GB, ``effective_max_running_requests_per_dp``)
+        and ``version``. ``version`` is rollout_engine's, not SGLang's: the SGLang releases whose
+        flags and routes we follow are ``sglang_compatible_versions``. Then our own state:
+        ``num_running_reqs``, ``num_waiting_reqs``, ``stats``, ``released_memory``, ..."""
         r = self._call("get_server_info")
         if not r.success:
             raise RuntimeError(r.message)
-        return {**self.config.to_dict(), **r.result, "random_seed": self.tm.random_seed}
+        runtime = dict(r.result)
+        internal = runtime.pop("internal_state")
+        config = self.config.to_dict()
+        flags = {**server_args_view(config), **config, "random_seed": self.tm.random_seed}
+        return {**flags, **runtime, "internal_states": [{**flags, **internal}],
+                "version": rollout_engine_version(),
+                "sglang_compatible_versions": list(SGLANG_VERSIONS)}
 
     # -- RL control plane ------------------------------------------------------------------------
     def release_memory_occupation(self, tags: Optional[list[str]] = None) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from rollout_engine.entrypoints.http_utils import (
     sse,
     sse_response,
 )
+from rollout_engine.entrypoints.load_routes import add_load_routes
 from rollout_engine.entrypoints.metrics import Metrics
 from rollout_engine.entrypoints.openai_api import add_openai_routes
 from rollout_engine.entrypoints.rl_routes import add_rl_routes
@@ -176,6 +177,7 @@ def create_app(engine: Engine, *, api_key: Optional[str] = None,
         """Prove the KV invariant (free + cached + owned == total); 500 when it is broken."""
         return await control(engine, "check_integrity")
 
+    add_load_routes(app, engine)   # /get_load, /v1/loads: read-only, public
     add_rl_routes(app, engine, admin)
     return app
 

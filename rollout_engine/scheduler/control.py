@@ -42,6 +42,7 @@ class ControlHandlers:
     def __init__(self, scheduler: Scheduler) -> None:
         self.s = scheduler
         self.deferred: list[tuple[ControlReq, Deferred]] = []
+        self.throughput = ThroughputMeter()
 
     def dispatch(self, msg: ControlReq) -> ControlResult | None:
         """The call's result, or None while it is deferred (see ``finished``)."""
@@ -95,8 +96,21 @@ class ControlHandlers:
         return self.s.check_integrity()
 
     def rpc_get_server_info(self) -> dict[str, Any]:
+        """Runtime state, under our names and SGLang's (its ``scheduler_info`` keys and what its
+        scheduler puts in ``internal_states``); the frontend adds the flags."""
         s = self.s
+        load = self.rpc_get_load()
         return {
+            "status": "ready",
+            "max_req_input_len": min(s.runner.context_len, s.runner.max_total_num_tokens) - 1,
+            "internal_state": {
+                "last_gen_throughput": load.gen_throughput,
+                "memory_usage": {"weight": round(load.weight_gb, 2),
+                                 "kvcache": round(load.kv_cache_gb, 2),
+                                 "token_capacity": load.max_total_num_tokens,
+                                 "graph": 0.0},
+                "effective_max_running_requests_per_dp": load.max_running_requests,
+            },
             "max_total_num_tokens": s.runner.max_total_num_tokens,
             "max_running_requests": s.runner.max_running_requests,
             "context_length": s.runner.context_len,
@@ -117,3 +131,75 @@ class ControlHandlers:
             "weight_bytes": s.runner.weight_nbytes(),
             "stats": dict(s.stats),
         }
+
+    def rpc_get_load(self) -> LoadReport:
+        """The numbers behind SGLang's ``/get_load`` and ``/v1/loads``."""
+        s = self.s
+        max_tokens = s.runner.max_total_num_tokens
+        active = s.active_reqs()        # running, and the request whose prompt is being chunked
+        unprefilled = [*s.waiting, *([s.chunked] if s.chunked is not None else [])]
+        held = len(active) + len(s.waiting) if s.paused else 0
+        stats = s.stats
+        return LoadReport(
+            num_running_reqs=len(active), num_waiting_reqs=len(s.waiting),
+            num_used_tokens=max_tokens - s.kv.available_tokens(),
+            num_waiting_tokens=sum(req.seq_len for req in s.waiting),
+            num_waiting_uncached_tokens=sum(req.seq_len - req.kv_len for req in unprefilled),
+            max_total_num_tokens=max_tokens, max_running_requests=s.runner.max_running_requests,
+            gen_throughput=self.throughput.sample(stats["decode_tokens"], time.monotonic()),
+            cache_hit_rate=(stats["cached_tokens"] / stats["prompt_tokens"]
+                            if stats["prompt_tokens"] else 0.0),
+            num_paused_reqs=held,
+            num_retracted_reqs=sum(1 for req in s.waiting if req.output_ids),
+            total_prefill_tokens=stats["prefill_tokens"],
+            weight_gb=s.runner.weight_nbytes() / 2**30,
+            kv_cache_gb=s.runner.kv_pool.nbytes() / 2**30,
+            timestamp=time.time())
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """One scheduler's load (SGLang's per-DP-rank load; we have one rank, 0)."""
+
+    num_running_reqs: int              # incl. the one being prefilled in chunks
+    num_waiting_reqs: int
+    num_used_tokens: int               # KV slots owned by requests (not the evictable cache)
+    num_waiting_tokens: int            # prompt + output tokens of the waiting queue
+    num_waiting_uncached_tokens: int   # not yet in KV: waiting, and the chunked prompt's rest
+    max_total_num_tokens: int
+    max_running_requests: int
+    gen_throughput: float              # decode tokens/s (see ThroughputMeter)
+    cache_hit_rate: float              # prompt tokens served from the radix cache, since start
+    num_paused_reqs: int               # held by pause_generation
+    num_retracted_reqs: int            # waiting with output already (retracted)
+    total_prefill_tokens: int          # prompt tokens computed (not served from cache), since start
+    weight_gb: float
+    kv_cache_gb: float
+    timestamp: float
+
+    @property
+    def token_usage(self) -> float:
+        return self.num_used_tokens / self.max_total_num_tokens if self.max_total_num_tokens \
+            else 0.0
+
+    @property
+    def utilization(self) -> float:
+        """SGLang's: max(running / max running, token usage / 0.9)."""
+        return max(self.num_running_reqs / max(self.max_running_requests, 1),
+                   self.token_usage / 0.9)
+
+
+class ThroughputMeter:
+    """Tokens per second over the window since the previous sample at least ``window_s`` old
+    (SGLang's ``last_gen_throughput`` is measured over its last logging interval)."""
+
+    def __init__(self, window_s: float = 1.0) -> None:
+        self.window_s = window_s
+        self.since, self.tokens_then = time.monotonic(), 0
+        self.rate = 0.0
+
+    def sample(self, tokens: int, now: float) -> float:
+        if now - self.since >= self.window_s:
+            self.rate = (tokens - self.tokens_then) / (now - self.since)
+            self.since, self.tokens_then = now, tokens
+        return self.rate
