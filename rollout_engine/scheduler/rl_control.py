@@ -46,10 +46,6 @@ def _tags(tags: Optional[list[str]]) -> list[str]:
     return tags
 
 
-def _dtype_name(d: str) -> str:
-    return d.removeprefix("torch.") if isinstance(d, str) else d
-
-
 class RLControl:
     def __init__(self, scheduler: Scheduler) -> None:
         self.s = scheduler
@@ -140,7 +136,7 @@ class RLControl:
                 self.flush_pending = False
         return {"weight_version": s.weight_version, "weight_generation": self.generation,
                 "num_tensors": report.num_tensors, "num_bytes": report.num_bytes,
-                "flush_deferred": deferred, **self._stale_info(),
+                "num_cast": report.num_cast, "flush_deferred": deferred, **self._stale_info(),
                 "seconds": time.perf_counter() - t0}
 
     def rpc_update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
@@ -188,9 +184,10 @@ class RLControl:
                                             ) -> dict[str, Any]:
         from rollout_engine.weights.loader import load_weights
 
-        received = self.s.update_groups.receive(
-            list(names), [_dtype_name(d) for d in dtypes], shapes, group_name, load_format)
-        return self._apply(lambda: load_weights(self.s.runner.model, received, strict_dtype=True),
+        # received in the dtypes the trainer declares; floating ones are cast as they load
+        received = self.s.update_groups.receive(list(names), list(dtypes), shapes, group_name,
+                                                load_format)
+        return self._apply(lambda: load_weights(self.s.runner.model, received),
                            weight_version, flush_cache)
 
     def rpc_destroy_weights_update_group(self, group_name: str = "weight_update_group"

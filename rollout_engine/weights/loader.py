@@ -3,6 +3,11 @@
 ``load_weights`` is used for the first load and for every later refit: it validates every name,
 shape and dtype against the model's ``weight_map`` *before* changing any parameter, so a bad
 payload leaves the old weights serving bit for bit.
+
+dtypes follow SGLang (its weight loaders end in ``param.data.copy_(loaded_weight)``): a floating
+tensor of another floating dtype is cast by the copy itself (bf16 from a trainer into an fp32
+engine, an fp32 master into a bf16 one), with no temporary; any other mismatch (integer, bool,
+complex, float <-> int) is refused, naming the weight.
 """
 
 from __future__ import annotations
@@ -57,19 +62,19 @@ class LoadReport:
     num_tensors: int
     num_bytes: int
     names: frozenset[str] = frozenset()
+    num_cast: int = 0          # tensors converted to the parameter's dtype while copied
 
 
 def load_weights(
     model: torch.nn.Module,
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     *,
-    strict_dtype: bool = False,
     require_all: bool = False,
 ) -> LoadReport:
     """Validate, then copy ``(hf_name, tensor)`` pairs into ``model`` (all or nothing).
 
-    strict_dtype: a tensor whose dtype differs from the parameter's is an error (refit payloads);
-    otherwise it is cast (checkpoints saved in another precision).
+    A floating tensor of another floating dtype is cast into the parameter as it is copied;
+    other dtype mismatches are errors (`castable`).
     require_all: every parameter must be covered (the first load).
     Raises ValueError naming the first bad tensor; nothing has been written then.
     """
@@ -94,24 +99,29 @@ def load_weights(
         if tuple(tensor.shape) != tuple(expected):
             raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} does not match the "
                              f"model's {tuple(expected)}")
-        if tensor.dtype != param.dtype:
-            if strict_dtype:
-                raise ValueError(f"weight {name!r}: dtype {tensor.dtype} does not match the "
-                                 f"model's {param.dtype}")
-            if not tensor.is_floating_point():
-                raise ValueError(f"weight {name!r}: dtype {tensor.dtype} is not a float type")
+        if not castable(tensor.dtype, param.dtype):
+            raise ValueError(f"weight {name!r}: dtype {tensor.dtype} does not match the "
+                             f"model's {param.dtype} (only floating-point weights are cast)")
         plan.append((param, row0, rows, tensor))
     if require_all:
         missing = sorted(set(table) - seen)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[:3]}")
-    num_bytes = 0
+    num_bytes = num_cast = 0
     with torch.no_grad():
         for param, row0, rows, tensor in plan:
             dst = param.data if param.dim() == 0 else param.data.narrow(0, row0, rows)
-            dst.copy_(tensor)
+            dst.copy_(tensor)   # casts while copying when the dtypes differ
             num_bytes += dst.numel() * dst.element_size()
-    return LoadReport(num_tensors=len(plan), num_bytes=num_bytes, names=frozenset(seen))
+            num_cast += tensor.dtype != dst.dtype
+    return LoadReport(num_tensors=len(plan), num_bytes=num_bytes, names=frozenset(seen),
+                      num_cast=num_cast)
+
+
+def castable(src: torch.dtype, dst: torch.dtype) -> bool:
+    """May a ``src`` tensor be loaded into a ``dst`` parameter? The same dtype, or both floating
+    point (SGLang's loaders cast those; an integer or bool mismatch is a wrong payload)."""
+    return src == dst or (src.is_floating_point and dst.is_floating_point)
 
 
 def weight_names(model: torch.nn.Module) -> frozenset[str]:

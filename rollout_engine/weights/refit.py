@@ -1,31 +1,38 @@
 """Weight refit in the scheduler process: from disk, from tensor handles, from a broadcast.
 
-Each path ends in ``loader.load_weights`` (validate every name, shape and dtype, then copy), so
-a bad update changes nothing. Process groups for broadcasts are built directly on a TCPStore, not
-through ``init_process_group``, so the engine's own distributed state is never touched.
+Each path ends in ``loader.load_weights`` (validate every name, shape and dtype, then copy; a
+floating tensor of another floating dtype is cast as it is copied), so a bad update changes
+nothing. Weight-update groups are joined as SGLang's engine joins them (same store keys, rank
+``rank_offset + tp_rank``; ``protocol/weight_broadcast.py``), without touching the process's own
+torch.distributed state.
 """
 
 from __future__ import annotations
 
-import datetime
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from rollout_engine.compat.payloads import named_tensors_from_sglang, read_refit_payload
-from rollout_engine.protocol.bucket import FlattenedBucket, bucket_layout, str_to_dtype
+from rollout_engine.protocol.bucket import SUPPORTED_DTYPES, FlattenedBucket, str_to_dtype
+from rollout_engine.protocol.weight_broadcast import (
+    GroupIncompleteError,
+    StoreUnreachableError,
+    UpdateGroup,
+    flat_layout,
+    join_update_group,
+    unflatten,
+)
 from rollout_engine.weights.loader import LoadReport, iter_safetensors, load_weights
 
 LOAD_FORMATS = (None, "direct", "flattened_bucket")
 
 
 def refit_from_disk(model: nn.Module, model_path: str) -> LoadReport:
-    return load_weights(model, list(iter_safetensors(model_path)), strict_dtype=False)
+    return load_weights(model, list(iter_safetensors(model_path)))
 
 
 def named_tensors_from_payload(payload: Any, load_format: Optional[str]
@@ -60,15 +67,20 @@ def refit_from_serialized(model: nn.Module, serialized: list[str], load_format: 
                          "(one per tensor-parallel rank)")
     # one rank here: rank 0's payload is ours
     payload = read_refit_payload(serialized[0], model)  # byte cap from the model's size
-    return load_weights(model, named_tensors_from_payload(payload, load_format), strict_dtype=True)
+    return load_weights(model, named_tensors_from_payload(payload, load_format))
 
 
-@dataclass
-class UpdateGroup:
-    pg: Any
-    rank: int
-    world_size: int
-    backend: str
+def declared_dtype(name: Any) -> torch.dtype:
+    """A dtype of ``update_weights_from_distributed``'s ``dtypes``: SGLang resolves
+    ``getattr(torch, name)``, so "bfloat16", "torch.bfloat16" and aliases ("float", "half") all
+    name one; a torch.dtype passes through (the Python Engine's callers)."""
+    if isinstance(name, torch.dtype) and name in SUPPORTED_DTYPES:
+        return name
+    if isinstance(name, str):
+        dtype = getattr(torch, name.removeprefix("torch."), None)
+        if isinstance(dtype, torch.dtype) and dtype in SUPPORTED_DTYPES:
+            return dtype
+    return str_to_dtype(name)   # raises, listing the supported names
 
 
 class WeightUpdateGroups:
@@ -79,8 +91,9 @@ class WeightUpdateGroups:
     scheduler thread once it is done, registers the group or raises its error.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, tp_rank: int = 0) -> None:
         self.device = device
+        self.tp_rank = tp_rank   # one rank per engine today (no tensor parallelism)
         self.groups: dict[str, UpdateGroup] = {}
         self.pending: dict[str, Future] = {}
 
@@ -88,6 +101,8 @@ class WeightUpdateGroups:
                    world_size: int, group_name: str, backend: str, timeout_s: float
                    ) -> Future:
         """Validate, then start the rendezvous; the future yields the UpdateGroup."""
+        if not isinstance(group_name, str) or not group_name:
+            raise ValueError("group_name: must be a non-empty string")
         if group_name in self.groups or group_name in self.pending:
             raise ValueError(f"group_name: {group_name!r} already exists (or is being joined); "
                              "destroy it first")
@@ -98,9 +113,13 @@ class WeightUpdateGroups:
         if not isinstance(master_port, int) or isinstance(master_port, bool) \
                 or not 0 < master_port < 65536:
             raise ValueError(f"master_port: must be a port number, got {master_port!r}")
-        rank = rank_offset  # one rank per engine here (no tensor parallelism yet)
+        for field_name, value in (("rank_offset", rank_offset), ("world_size", world_size)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{field_name}: must be an integer, got {value!r}")
+        rank = rank_offset + self.tp_rank   # SGLang's rank assignment
         if not 0 < rank < world_size:
-            raise ValueError(f"rank_offset: engine rank {rank} must be in [1, {world_size})")
+            raise ValueError(f"rank_offset: engine rank {rank} must be in [1, {world_size}) "
+                             "(rank 0 is the trainer)")
         future: Future = Future()
         self.pending[group_name] = future
         args = (future, master_address, master_port, rank, world_size, group_name, backend,
@@ -114,31 +133,25 @@ class WeightUpdateGroups:
         self.pending.pop(group_name, None)
         self.groups[group_name] = future.result()
 
-    def _rendezvous(self, future: Future, address: str, port: int, rank: int,
-                    world_size: int, group_name: str, backend: str, timeout_s: float) -> None:
-        timeout = datetime.timedelta(seconds=timeout_s)
+    @staticmethod
+    def _rendezvous(future: Future, address: str, port: int, rank: int, world_size: int,
+                    group_name: str, backend: str, timeout_s: float) -> None:
         where = f"{address}:{port}"
         try:
             try:
-                store = dist.TCPStore(address, port, world_size, is_master=False,
-                                      timeout=timeout)
-            except RuntimeError as e:
+                group = join_update_group(address, port, rank, world_size, group_name, backend,
+                                          timeout_s)
+            except StoreUnreachableError as e:
                 raise TimeoutError(
                     f"init_weights_update_group: the trainer (rank 0) did not open its TCPStore "
                     f"at {where} within {timeout_s:g} s (weight_update_group_timeout): start "
-                    f"the trainer's side of group {group_name!r} at the same time "
-                    f"({str(e).splitlines()[0]})") from None
-            prefix = dist.PrefixStore(group_name, store)
-            try:
-                pg = (dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
-                      if backend == "gloo" else dist.ProcessGroupNCCL(prefix, rank, world_size))
-            except RuntimeError as e:
+                    f"the trainer's side of group {group_name!r} at the same time ({e})"
+                ) from None
+            except GroupIncompleteError as e:
                 raise TimeoutError(
                     f"init_weights_update_group: reached the trainer's store at {where}, but "
-                    f"the {world_size} ranks of group {group_name!r} did not all join within "
-                    f"{timeout_s:g} s; {_missing_ranks(prefix, rank, world_size)} "
-                    f"({str(e).splitlines()[0]})") from None
-            future.set_result(UpdateGroup(pg, rank, world_size, backend))
+                    f"{e}; {_who_is_missing(e.missing, rank)}") from None
+            future.set_result(group)
         except BaseException as e:  # noqa: BLE001 - handed to the scheduler thread
             future.set_exception(e)
 
@@ -146,13 +159,16 @@ class WeightUpdateGroups:
         if group_name in self.pending:
             raise ValueError(f"group_name: {group_name!r} is still being joined; wait for "
                              "init_weights_update_group to return")
-        if self.groups.pop(group_name, None) is None:
+        group = self.groups.pop(group_name, None)
+        if group is None:
             raise ValueError(f"group_name: no weight update group {group_name!r}")
+        group.shutdown()
 
-    def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+    def receive(self, names: list[str], dtypes: list[Any], shapes: list[list[int]],
                 group_name: str, load_format: Optional[str]) -> list[tuple[str, torch.Tensor]]:
-        """Receive the trainer's broadcast (rank 0). Always drains the whole broadcast, even for
-        a bad update, so the trainer never hangs; validation happens afterwards."""
+        """Receive the trainer's broadcast (rank 0) in the dtypes it declares (load_weights
+        casts floating ones afterwards). Always drains the whole broadcast, even for a bad
+        update, so the trainer never hangs; validation happens afterwards."""
         group = self.groups.get(group_name)
         if group is None:
             still = " yet (its init_weights_update_group has not returned)" \
@@ -160,31 +176,33 @@ class WeightUpdateGroups:
             raise ValueError(f"group_name: no weight update group {group_name!r}{still}")
         if load_format not in (None, "flattened_bucket"):
             raise ValueError(f"load_format: must be None or 'flattened_bucket', got {load_format!r}")
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(f"names, dtypes and shapes must have the same length, got "
+                             f"{len(names)}, {len(dtypes)} and {len(shapes)}")
+        torch_dtypes = [declared_dtype(d) for d in dtypes]
         shapes_t = [tuple(int(d) for d in s) for s in shapes]
-        if load_format == "flattened_bucket":
-            metas, total = bucket_layout(names, dtypes, shapes_t)
-            buf = torch.empty(total, dtype=torch.uint8, device=self.device)
-            group.pg.broadcast([buf], opts).wait()
-            return FlattenedBucket(buf, metas).named_tensors()
+        if load_format == "flattened_bucket":   # SGLang's bucket: bytes back to back
+            _, nbytes = flat_layout(torch_dtypes, shapes_t)
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            group.broadcast(buf).wait()
+            return list(zip(names, unflatten(buf, torch_dtypes, shapes_t)))
         out = []
-        for name, dtype, shape in zip(names, dtypes, shapes_t):
-            t = torch.empty(shape, dtype=str_to_dtype(dtype), device=self.device)
-            group.pg.broadcast([t], opts).wait()
+        works = []
+        for name, dtype, shape in zip(names, torch_dtypes, shapes_t):
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            works.append(group.broadcast(t))   # all posted at once, as SGLang does
             out.append((name, t))
+        for work in works:
+            work.wait()
         return out
 
 
-def _missing_ranks(prefix: Any, rank: int, world_size: int) -> str:
-    """Which ranks never joined a gloo group, from the keys gloo's rendezvous writes
-    (``<group seq>/<rank>``); a generic hint if this torch writes another layout."""
-    try:
-        joined = [r for r in range(world_size) if prefix.check([f"0/{r}"])]
-    except RuntimeError:
-        joined = []
-    if rank not in joined:
+def _who_is_missing(missing: list[int], rank: int) -> str:
+    if not missing or missing == [rank]:
         return "the trainer (rank 0) or another engine never created its side"
-    missing = [r for r in range(world_size) if r not in joined]
     who = ", ".join("the trainer (rank 0)" if r == 0 else f"engine rank {r}" for r in missing)
-    return f"missing: {who}"
+    note = ""
+    if 0 in missing and len(missing) > 1:
+        note = (" (a trainer joining the SGLang way waits until every rank has connected "
+                "before building its side, so a missing engine holds it back)")
+    return f"missing: {who}{note}"

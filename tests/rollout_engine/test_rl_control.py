@@ -94,18 +94,17 @@ def test_refit_equivalence(how, w1_w2, w2_reference, w1_engine):
 
 
 def _refit_over_gloo(engine, w2: str, load_format) -> None:
-    """Play the trainer: rank 0 of a gloo group broadcasting W2 to the engine (rank 1)."""
-    import torch.distributed as dist
-
+    """Play the trainer: rank 0 of a gloo group (joined the SGLang way) broadcasting W2 to the
+    engine (rank 1)."""
     from rollout_engine.protocol.bucket import dtype_to_str
+    from rollout_engine.protocol.weight_broadcast import flatten, join_update_group
 
     port = _free_port()
     result: dict = {}
     t = threading.Thread(target=lambda: result.update(init=engine.init_weights_update_group(
         "127.0.0.1", port, 1, 2, group_name="g", backend="gloo")))
     t.start()
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True)
-    pg = dist.ProcessGroupGloo(dist.PrefixStore("g", store), 0, 2)
+    pg = join_update_group("127.0.0.1", port, 0, 2, "g", "gloo", 60)
     t.join()
     assert result["init"][0], result
     tensors = _w2_tensors(w2)
@@ -115,14 +114,11 @@ def _refit_over_gloo(engine, w2: str, load_format) -> None:
     t = threading.Thread(target=lambda: result.update(upd=engine.update_weights_from_distributed(
         names, dtypes, shapes, group_name="g", load_format=load_format, weight_version="w2")))
     t.start()
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    if load_format == "flattened_bucket":
-        (bucket,) = pack_buckets(tensors, bucket_bytes=1 << 40)
-        pg.broadcast([bucket.buffer], opts).wait()
+    if load_format == "flattened_bucket":   # SGLang's bucket: bytes back to back
+        pg.broadcast(flatten([x for _, x in tensors])).wait()
     else:
         for _, x in tensors:
-            pg.broadcast([x.contiguous()], opts).wait()
+            pg.broadcast(x.contiguous()).wait()
     t.join()
     assert result["upd"][0], result
     assert engine.destroy_weights_update_group("g")[0]
@@ -222,7 +218,7 @@ def test_failed_refits_change_nothing(w1_w2, w1_engine, tmp_path):
     cases = {
         "unknown name": good + [("model.layers.99.mlp.up_proj.weight", w2[emb])],
         "wrong shape": good + [(emb, w2[emb][:-1])],
-        "wrong dtype": good + [(emb, w2[emb].double())],
+        "wrong dtype": good + [(emb, w2[emb].to(torch.int32))],   # floats would be cast
     }
     probe = ["model.norm.weight", "model.layers.0.self_attn.q_proj.bias", emb]
     weights_before = [engine.get_weights_by_name(n, truncate_size=1000) for n in probe]

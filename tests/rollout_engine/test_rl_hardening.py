@@ -259,7 +259,7 @@ def _free_port() -> int:
 
 
 def test_rendezvous_does_not_block_other_requests(w1_w2, make_engine):
-    import torch.distributed as dist
+    from rollout_engine.protocol.weight_broadcast import join_update_group
 
     engine = make_engine(w1_w2[0])
     port, box = _free_port(), {}
@@ -276,8 +276,7 @@ def test_rendezvous_does_not_block_other_requests(w1_w2, make_engine):
     out = engine.generate(input_ids=Q, sampling_params=GREEDY)      # served during the wait
     assert out["meta_info"]["finish_reason"]["type"] == "length"
     assert joiner.is_alive()
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True)
-    pg = dist.ProcessGroupGloo(dist.PrefixStore("g", store), 0, 2)
+    pg = join_update_group("127.0.0.1", port, 0, 2, "g", "gloo", 60)   # the SGLang way
     joiner.join(60)
     assert box["r"][0], box
     w2_norm = dict(iter_safetensors(w1_w2[1]))[NORM].contiguous()
@@ -285,9 +284,7 @@ def test_rendezvous_does_not_block_other_requests(w1_w2, make_engine):
     t = threading.Thread(target=lambda: upd.update(r=engine.update_weights_from_distributed(
         [NORM], ["float32"], [list(w2_norm.shape)], group_name="g")))
     t.start()
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    pg.broadcast([w2_norm], opts).wait()
+    pg.broadcast(w2_norm).wait()
     t.join(60)
     assert upd["r"][0], upd
     assert engine.get_weights_by_name(NORM, truncate_size=4) == w2_norm[:4].tolist()

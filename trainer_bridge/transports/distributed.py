@@ -1,30 +1,37 @@
 """Disaggregated refit: the trainer broadcasts (gloo on CPU, NCCL on GPU) to engines that
-joined a weight-update group with it.
+joined a weight-update group with it, exactly as SGLang's engine and slime's trainer do.
 
     trainer (rank 0)                          engine i (rank i + 1)
-    TCPStore(is_master=True)                  init_weights_update_group(addr, port, i + 1, N + 1)
-    PrefixStore(group_name) + ProcessGroup      -> TCPStore(is_master=False) + the same group
+    join_update_group(addr, port, 0, N + 1)   init_weights_update_group(addr, port, i + 1, N + 1)
+      = rendezvous + PrefixStore(group_name)    -> the same store keys on the engine's side
+        + torch's group helper's keys          (rollout_engine.protocol.weight_broadcast)
     per call:  broadcast(bucket or tensors) <-> update_weights_from_distributed(names, dtypes,
                                                 shapes, load_format) -> receive, validate, load
 
-Both ends block until all ranks take part, so every engine call runs in its own thread while
-the trainer side runs here. With `bucket_bytes` the tensors are packed into flat buckets (the
-layout `bucket_layout(names, dtypes, shapes)` that the engine recomputes) and each bucket is
-one broadcast and one engine call; without, every tensor is its own broadcast in one call.
+So an SGLang server joins a group made here, and an engine of ours joins slime's. Both ends
+block until all ranks take part, so every engine call runs in its own thread while the trainer
+side runs here. With `bucket_bytes` the tensors are packed back to back into flat uint8
+buffers (SGLang's `FlattenedTensorBucket` layout, which the engine recomputes from names, dtypes
+and shapes) and each bucket is one broadcast and one engine call; without, every tensor is its
+own broadcast in one call.
 """
 
 from __future__ import annotations
 
 import datetime
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from rollout_engine.protocol.bucket import dtype_to_str
-from trainer_bridge.bucketing import pack
+from rollout_engine.protocol.weight_broadcast import (
+    GroupIncompleteError,
+    UpdateGroup,
+    flatten,
+    join_update_group,
+)
 from trainer_bridge.transports.base import (
     WeightSyncError,
     WeightTransport,
@@ -67,9 +74,8 @@ class DistributedTransport(WeightTransport):
         self.timeout_s = timeout_s
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
             else torch.device("cpu")
-        self.store: Optional[dist.TCPStore] = None
         self.port: Optional[int] = None  # the group's port (master_port, or a free one)
-        self.pg: Any = None
+        self.group: Optional[UpdateGroup] = None
         self.world_size = 0
         self.broken: Optional[str] = None
 
@@ -81,35 +87,31 @@ class DistributedTransport(WeightTransport):
         """Form the group: trainer rank 0, engine i rank i + 1 (world size 1 + len(engines)).
         Each engine's `init_weights_update_group` blocks until all ranks have joined, so they
         run concurrently with the trainer's own join; any engine's failure is raised at once."""
-        if self.pg is not None:
+        if self.group is not None:
             raise ValueError(f"group_name: {self.group_name!r} is already initialized")
         if not engines:
             raise ValueError("engines: need at least one engine")
         port = self.master_port if self.master_port is not None else free_port(
             self.master_address)
         world_size = 1 + len(engines)
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        store = dist.TCPStore(self.master_address, port, world_size, is_master=True,
-                              timeout=timeout, wait_for_workers=False)
         joins = [spawn(checked, e, "init_weights_update_group", self.master_address, port,
                        i + 1, world_size, group_name=self.group_name, backend=self.backend)
                  for i, e in enumerate(engines)]
-        own = spawn(self._make_group, store, world_size, timeout)
+        own = spawn(join_update_group, self.master_address, port, 0, world_size,
+                    self.group_name, self.backend, self.timeout_s)
         # on failure, engines still waiting give up at their own timeout, and the trainer's
         # half-made group (and its store) dies with its thread
-        self.pg = call_all([*joins, own], self.timeout_s)[-1]
-        self.store, self.port, self.world_size = store, port, world_size
-
-    def _make_group(self, store: dist.TCPStore, world_size: int,
-                    timeout: datetime.timedelta) -> Any:
-        prefix = dist.PrefixStore(self.group_name, store)
-        if self.backend == "gloo":
-            return dist.ProcessGroupGloo(prefix, 0, world_size, timeout)
-        return dist.ProcessGroupNCCL(prefix, 0, world_size)
+        try:
+            self.group = call_all([*joins, own], self.timeout_s)[-1]
+        except GroupIncompleteError as e:
+            engines_missing = [f"engine {r - 1} (rank {r})" for r in e.missing if r > 0]
+            raise WeightSyncError(f"{e}; never joined: {', '.join(engines_missing) or '?'}"
+                                  ) from None
+        self.port, self.world_size = port, world_size
 
     def close(self, engines: Sequence[Any]) -> None:
         """Destroy the group on every engine, then drop the trainer's side."""
-        if self.pg is None:
+        if self.group is None:
             return
         errors = []
         for e in engines:
@@ -117,7 +119,8 @@ class DistributedTransport(WeightTransport):
                 checked(e, "destroy_weights_update_group", self.group_name)
             except Exception as exc:  # noqa: BLE001 - tear down the rest anyway
                 errors.append(exc)
-        self.pg, self.store, self.port, self.world_size = None, None, None, 0
+        self.group.shutdown()
+        self.group, self.port, self.world_size = None, None, 0
         self.broken = None
         if errors:
             raise errors[0]
@@ -125,7 +128,7 @@ class DistributedTransport(WeightTransport):
     # -- push ------------------------------------------------------------------------------------
     def push(self, engines: Sequence[Any], named_tensors: Iterable[tuple[str, torch.Tensor]],
              version: str) -> int:
-        if self.pg is None:
+        if self.group is None:
             raise WeightSyncError("no weight-update group: call init_group(engines) first")
         if self.broken:
             raise WeightSyncError(f"the weight-update group is out of step ({self.broken}); "
@@ -136,36 +139,66 @@ class DistributedTransport(WeightTransport):
         on_device = ((n, t.detach().to(self.device)) for n, t in named_tensors)
         if self.bucket_bytes is None:
             tensors = [(n, t.contiguous()) for n, t in on_device]
-            self._call(engines, [n for n, _ in tensors],
-                       [dtype_to_str(t.dtype) for _, t in tensors],
-                       [list(t.shape) for _, t in tensors], [t for _, t in tensors],
-                       None, version, True)
+            self._call(engines, tensors, [t for _, t in tensors], None, version, True)
             return sum(t.numel() * t.element_size() for _, t in tensors)
         moved = 0
-        for index, bucket, last in with_last(pack(on_device, self.bucket_bytes)):
-            self._call(engines, [m.name for m in bucket.metas], [m.dtype for m in bucket.metas],
-                       [list(m.shape) for m in bucket.metas], [bucket.buffer],
-                       "flattened_bucket", version if last else step_version(version, index),
-                       last)
-            moved += bucket.buffer.numel()
+        for index, bucket, last in with_last(_groups(on_device, self.bucket_bytes)):
+            buffer = flatten([t for _, t in bucket])
+            self._call(engines, bucket, [buffer], "flattened_bucket",
+                       version if last else step_version(version, index), last)
+            moved += buffer.numel()
         return moved
 
-    def _call(self, engines: Sequence[Any], names: list[str], dtypes: list[str],
-              shapes: list[list[int]], sends: list[torch.Tensor], load_format: Optional[str],
-              version: str, last: bool) -> None:
-        """One engine call per engine (in threads) while rank 0 broadcasts `sends`: the
-        tensors (or the one bucket buffer) that `names, dtypes, shapes` announce."""
+    def _call(self, engines: Sequence[Any], tensors: list[tuple[str, torch.Tensor]],
+              sends: list[torch.Tensor], load_format: Optional[str], version: str,
+              last: bool) -> None:
+        """One engine call per engine (in threads) announcing `tensors` (names, dtypes, shapes)
+        while rank 0 broadcasts `sends`: the tensors themselves, or their one bucket buffer."""
+        names = [n for n, _ in tensors]
+        dtypes = [dtype_to_str(t.dtype) for _, t in tensors]
+        shapes = [list(t.shape) for _, t in tensors]
         calls = [spawn(checked, e, "update_weights_from_distributed", names, dtypes, shapes,
                        group_name=self.group_name, load_format=load_format, flush_cache=last,
                        weight_version=version) for e in engines]
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        works = [self.pg.broadcast([t], opts) for t in sends]
+        assert self.group is not None
+        works = [self.group.broadcast(t) for t in sends]
         try:
             call_all(calls, self.timeout_s)
         except BaseException as e:
-            if not all(w.is_completed() for w in works):
+            if not _all_done(works, DRAIN_WAIT_S):
                 self.broken = f"a broadcast was not received: {e}"
             raise
         for w in works:
             w.wait()
+
+
+DRAIN_WAIT_S = 5.0
+"""How long a refused update's broadcasts may take to finish: an engine that refuses after
+receiving has drained them (rank 0's side completes a moment later); one that refused before
+never will, and the group is out of step."""
+
+
+def _all_done(works: list[Any], timeout_s: float) -> bool:
+    for w in works:
+        try:
+            w.wait(datetime.timedelta(seconds=timeout_s))
+        except RuntimeError:
+            return False
+    return True
+
+
+def _groups(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+            ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive runs of tensors of at most `bucket_bytes` bytes together (a bigger tensor
+    alone); lazy, so only the current bucket's tensors are held."""
+    run: list[tuple[str, torch.Tensor]] = []
+    used = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if run and used + nbytes > bucket_bytes:
+            yield run
+            run, used = [], 0
+        run.append((name, tensor.contiguous()))
+        used += nbytes
+    if run:
+        yield run
