@@ -83,8 +83,9 @@ class WeightSyncer:
         """Load the weights of a module (its HF-named parameters; tied copies once), a state
         dict or (name, tensor) pairs into every engine, and set their weight version.
 
-        version None: one past the engines' current version if that is an integer (the
-        engines' own auto-versioning), else "1". Don't modify the weights until this returns.
+        version None: the syncer picks one past the engines' current version if that is an
+        integer, else "1", and passes it explicitly (engines, like SGLang, leave their version
+        unchanged by an update that names none). Don't modify the weights until this returns.
         """
         if self.closed:
             raise RuntimeError("this WeightSyncer is closed")

@@ -13,6 +13,9 @@ asked for while such requests hold KV is deferred to the next moment none does.
 
 After a wake without a CPU backup the weights are zeros: generation is refused until every
 weight of the model has been written again (``missing_weights`` counts down per refit).
+
+As in SGLang, a refit changes ``weight_version`` only when it names one (verl refits bucket by
+bucket and names none).
 """
 
 from __future__ import annotations
@@ -121,8 +124,8 @@ class RLControl:
             torch.cuda.synchronize(s.device)   # the trainer may reuse its buffers once we answer
         self.num_refits += 1
         self.generation += 1
-        s.weight_version = (weight_version if weight_version is not None
-                            else _next_version(s.weight_version, self.num_refits))
+        if weight_version is not None:      # SGLang: unchanged unless given
+            s.weight_version = weight_version
         self.missing_weights -= report.names
         s.weights_stale = bool(self.missing_weights)
         # older KV can never be matched again: free it now, or as soon as its last user ends
@@ -248,13 +251,6 @@ class RLControl:
         if not s.can_run and s.by_rid:
             refused = s.abort(AbortReq(abort_all=True, message=self.refusal_reason()))
         return {"paused": False, "refused": refused}
-
-
-def _next_version(old: str, count: int) -> str:
-    """Auto-versions for refits that name none: integers count up, anything else gets a suffix."""
-    if old.isdigit():
-        return str(int(old) + 1)
-    return str(count)
 
 
 __all__ = ["RLControl", "PAUSE_MODES", "ReqState"]

@@ -143,6 +143,8 @@ class Scheduler:
             self.run_batch(batch)
         self.rl.on_idle()  # runs a flush a refit deferred, once no request holds KV
         out, self.outbox = self.outbox, []
+        for o in out:   # never computed (refused, aborted while queued): the serving version
+            o.weight_versions = o.weight_versions or [self.weight_version]
         if not self.has_work:
             self.new_token_ratio.reset()
             if self.config.debug_integrity:

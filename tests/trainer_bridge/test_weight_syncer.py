@@ -67,9 +67,14 @@ def test_sync_makes_a_w1_engine_answer_like_w2(engine_on_w1, w2, transport, buck
             assert versions[:-1] == [f"step-1.partial{i}" for i in range(len(versions) - 1)]
             assert [u["flush_cache"] for u in engine.updates] == [False] * (
                 len(versions) - 1) + [True]
-        # a version of None counts up from an integer version
+        # a version of None: the syncer picks one past an integer version and names it in
+        # every engine call (engines, like SGLang, keep their version when none is named)
         engine_on_w1.update_weight_version("41")
+        engine.updates.clear()
         assert syncer.sync(w2.model).version == "42" == engine_on_w1.get_weight_version()
+        assert engine.updates and all(isinstance(u["weight_version"], str)
+                                      for u in engine.updates)
+        assert engine.updates[-1]["weight_version"] == "42"
     engine_on_w1.check_integrity()
 
 

@@ -1,13 +1,15 @@
 """Refit as SGLang does it: floating dtypes cast on every path (integer / bool mismatches still
-refused).
+refused) and ``weight_version`` unchanged unless given.
 
 SGLang's weight loaders end in ``param.data.copy_(loaded_weight)`` (model_loader/weight_utils
-``default_weight_loader``), so a bf16 trainer refits an fp32 engine.
+``default_weight_loader``), so a bf16 trainer refits an fp32 engine; its HTTP server sets
+``weight_version`` only ``if obj.weight_version is not None`` (entrypoints/http_server.py).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -142,3 +144,48 @@ def test_an_integer_or_bool_mismatch_is_refused_and_changes_nothing(
     assert all(_bits_equal(after[n], before[n]) for n in w2)
     assert engine.get_weight_version() == version
     assert engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"] == out
+
+
+# -- 3. weight_version: unchanged unless given ---------------------------------------------------
+def test_an_update_without_a_version_keeps_the_version(make_engine, qwen2_path, w2, w2_path):
+    engine = make_engine(qwen2_path, weight_version="7")
+    items = sorted(w2.items())
+    # verl: one call per bucket, none names a version; SGLang leaves it alone every time
+    for bucket in (items[:10], items[10:]):
+        assert engine.update_weights_from_tensor(bucket)[0]
+        assert engine.get_weight_version() == "7"
+    assert engine.update_weights_from_disk(w2_path)[0]
+    assert engine.get_weight_version() == "7"
+    assert _broadcast_refit(engine, items[:3], None, "v-group")[0]
+    assert engine.get_weight_version() == "7"
+    out = engine.generate(input_ids=PROMPT, sampling_params=GREEDY)
+    assert out["meta_info"]["weight_version"] == "7"
+    assert engine.update_weights_from_tensor(items[:1], weight_version="step-8")[0]
+    assert engine.get_weight_version() == "step-8"
+
+
+def test_a_response_without_tokens_still_names_the_version(make_engine, qwen2_path):
+    engine = make_engine(qwen2_path, weight_version="v0")
+    out = engine.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 0})
+    assert out["meta_info"]["weight_version"] == "v0" and out["output_ids"] == []
+    # queued while paused, then aborted: it never ran, yet it reports the serving version
+    engine.pause_generation(mode="in_place")
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.update(out=engine.generate(
+        input_ids=PROMPT, sampling_params=GREEDY, rid="queued")))
+    t.start()
+    _wait_until(lambda: engine.get_server_info()["num_waiting_reqs"] == 1)
+    engine.update_weight_version("v1")
+    engine.abort_request("queued")
+    t.join(30)
+    meta = box["out"]["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    assert meta["weight_version"] == "v1" and meta["weight_versions"] == ["v1"]
+    engine.continue_generation()
+
+
+def _wait_until(pred, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
