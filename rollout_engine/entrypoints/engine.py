@@ -185,19 +185,35 @@ class Engine:
             return True, f"updated to weight_version {r.result['weight_version']}"
         return False, r.message
 
+    # The update methods take every field of SGLang's *ReqInput (extras keyword-only): the
+    # scheduler honours what it can and refuses the rest naming the field (rl_control).
     def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
                                  weight_version: Optional[str] = None, flush_cache: bool = True,
-                                 abort_all_requests: bool = False) -> tuple[bool, str]:
+                                 abort_all_requests: bool = False, *, is_async: bool = False,
+                                 torch_empty_cache: bool = False, keep_pause: bool = False,
+                                 recapture_cuda_graph: bool = False, token_step: int = 0,
+                                 manifest: Optional[dict[str, Any]] = None,
+                                 pp_rank: Optional[int] = None) -> tuple[bool, str]:
+        """Reload every weight from a checkpoint directory; ``weight_version`` is left
+        unchanged unless given (SGLang)."""
         return self._update("update_weights_from_disk", model_path=model_path,
                             load_format=load_format, weight_version=weight_version,
-                            flush_cache=flush_cache, abort_all_requests=abort_all_requests)
+                            flush_cache=flush_cache, abort_all_requests=abort_all_requests,
+                            is_async=is_async, torch_empty_cache=torch_empty_cache,
+                            keep_pause=keep_pause, recapture_cuda_graph=recapture_cuda_graph,
+                            token_step=token_step, manifest=manifest, pp_rank=pp_rank)
 
     def update_weights_from_tensor(self, named_tensors: Any, load_format: Optional[str] = None,
                                    flush_cache: bool = True,
-                                   weight_version: Optional[str] = None) -> tuple[bool, str]:
+                                   weight_version: Optional[str] = None, *,
+                                   abort_all_requests: bool = False,
+                                   disable_draft_model: Optional[bool] = None,
+                                   torch_empty_cache: bool = False,
+                                   pp_rank: Optional[int] = None) -> tuple[bool, str]:
         """``named_tensors``: (name, tensor) pairs, a FlattenedBucket (or a list of them) for
         ``load_format="flattened_bucket"``, or already-serialized payload strings. Tensors travel
-        as handles (shared memory / CUDA IPC); keep them unmodified until this returns."""
+        as handles (shared memory / CUDA IPC); keep them unmodified until this returns. A
+        floating tensor of another floating dtype is cast into the parameter."""
         if isinstance(named_tensors, list) and named_tensors and isinstance(named_tensors[0], str):
             serialized = named_tensors
         else:
@@ -207,7 +223,9 @@ class Engine:
             serialized = [serialize_named_tensors(named_tensors)]
         return self._update("update_weights_from_tensor", serialized_named_tensors=serialized,
                             load_format=load_format, flush_cache=flush_cache,
-                            weight_version=weight_version)
+                            weight_version=weight_version, abort_all_requests=abort_all_requests,
+                            disable_draft_model=disable_draft_model,
+                            torch_empty_cache=torch_empty_cache, pp_rank=pp_rank)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
@@ -217,18 +235,24 @@ class Engine:
                        group_name=group_name, backend=backend)
         return r.success, r.message or "ok"
 
-    def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[Any],
                                         shapes: list[list[int]],
                                         group_name: str = "weight_update_group",
                                         load_format: Optional[str] = None,
                                         flush_cache: bool = True,
-                                        weight_version: Optional[str] = None
-                                        ) -> tuple[bool, str]:
+                                        weight_version: Optional[str] = None, *,
+                                        abort_all_requests: bool = False,
+                                        torch_empty_cache: bool = False,
+                                        pp_rank: Optional[int] = None) -> tuple[bool, str]:
+        """Receive one broadcast from rank 0 of ``group_name``: the tensors (or, with
+        ``load_format="flattened_bucket"``, their bytes back to back) in the declared
+        ``dtypes`` (names or torch dtypes); floating ones are cast into the parameters."""
         return self._update("update_weights_from_distributed", names=names,
                             dtypes=[str(d).removeprefix("torch.") for d in dtypes],
                             shapes=[list(s) for s in shapes], group_name=group_name,
                             load_format=load_format, flush_cache=flush_cache,
-                            weight_version=weight_version)
+                            weight_version=weight_version, abort_all_requests=abort_all_requests,
+                            torch_empty_cache=torch_empty_cache, pp_rank=pp_rank)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group"
                                      ) -> tuple[bool, str]:
@@ -242,9 +266,11 @@ class Engine:
     def get_weight_version(self) -> str:
         return _raise_for(self._call("get_weight_version"))["weight_version"]
 
-    def update_weight_version(self, new_version: str) -> str:
-        return _raise_for(self._call("update_weight_version", new_version=new_version))[
-            "weight_version"]
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> str:
+        """Relabel the weights (their KV stays valid); like SGLang's route, it aborts running
+        requests unless ``abort_all_requests=False``."""
+        return _raise_for(self._call("update_weight_version", new_version=new_version,
+                                     abort_all_requests=abort_all_requests))["weight_version"]
 
     def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
         """``abort`` in-flight requests, ``retract`` them to the queue (KV freed, recomputed

@@ -3,6 +3,13 @@
 Each route is a thin proxy of one scheduler control call through ``http_utils.control``, which
 maps ``ControlResult.status`` to the HTTP status with a ``{"success", "message"}`` body. Every
 route but ``/get_weight_version`` changes state or reads weights and needs the admin key.
+
+The weight routes take every field of SGLang's request dataclasses (``io_struct.py``:
+``UpdateWeightFromDiskReqInput``, ``UpdateWeightsFromTensorReqInput``,
+``UpdateWeightsFromDistributedReqInput``, ``InitWeightsUpdateGroupReqInput``, ...) with SGLang's
+defaults, plus their ``BaseReq`` fields (``rid``, ignored; ``http_worker_ipc``, internal: null) and
+``pp_rank`` (0 or null: one pipeline stage). The scheduler refuses a value it cannot honour,
+naming the field; a name SGLang does not define either is still a 400.
 """
 
 from __future__ import annotations
@@ -21,6 +28,27 @@ from rollout_engine.entrypoints.http_utils import (
 )
 
 REQUIRED = object()   # a field the body must carry
+BASE_REQ = ("rid", "http_worker_ipc")   # SGLang's BaseReq fields, on every request dataclass
+
+# SGLang's *ReqInput fields (name -> default) of each weight route
+DISK_FIELDS = {
+    "model_path": REQUIRED, "load_format": None, "abort_all_requests": False,
+    "weight_version": None, "is_async": False, "torch_empty_cache": False, "keep_pause": False,
+    "recapture_cuda_graph": False, "token_step": 0, "flush_cache": True, "manifest": None,
+    "pp_rank": None}
+TENSOR_FIELDS = {
+    "serialized_named_tensors": REQUIRED, "load_format": None, "flush_cache": True,
+    "abort_all_requests": False, "weight_version": None, "disable_draft_model": None,
+    "torch_empty_cache": False, "pp_rank": None}
+DISTRIBUTED_FIELDS = {
+    "names": REQUIRED, "dtypes": REQUIRED, "shapes": REQUIRED,
+    "group_name": "weight_update_group", "flush_cache": True, "abort_all_requests": False,
+    "weight_version": None, "load_format": None, "torch_empty_cache": False, "pp_rank": None}
+INIT_GROUP_FIELDS = {
+    "master_address": REQUIRED, "master_port": REQUIRED, "rank_offset": REQUIRED,
+    "world_size": REQUIRED, "group_name": "weight_update_group", "backend": "nccl"}
+DESTROY_GROUP_FIELDS = {"group_name": "weight_update_group"}
+WEIGHT_VERSION_FIELDS = {"new_version": REQUIRED, "abort_all_requests": True}
 
 if TYPE_CHECKING:
     from rollout_engine.entrypoints.engine import Engine
@@ -36,9 +64,11 @@ def add_rl_routes(app: FastAPI, engine: Engine, admin: list[Any]) -> None:
             raise HTTPError(r.status, r.message)
         return json_response({"weight_version": r.result["weight_version"]})
 
-    def proxy(route: str, method: str, fields: dict[str, Any], http_method: str = "POST"
-              ) -> None:
-        """One route forwarding a JSON body's ``fields`` (name -> default) to a control call."""
+    def proxy(route: str, method: str, fields: dict[str, Any], http_method: str = "POST",
+              base_req: bool = False) -> None:
+        """One route forwarding a JSON body's ``fields`` (name -> default) to a control call;
+        ``base_req``: the body may also carry SGLang's BaseReq fields."""
+        where = route.strip("/")
 
         async def handler(request: Request) -> Response:
             if request.method == "GET":
@@ -46,11 +76,15 @@ def add_rl_routes(app: FastAPI, engine: Engine, admin: list[Any]) -> None:
                                         for k, v in request.query_params.items()}
             else:
                 body = await read_json(request, optional=True)
-            check_fields(body, set(fields), route.strip("/"))
+            check_fields(body, set(fields) | set(BASE_REQ if base_req else ()), where)
+            if base_req:
+                _check_base_req(body, where)
             missing = [k for k, d in fields.items() if d is REQUIRED and body.get(k) is None]
             if missing:
-                raise HTTPError(400, f"{route.strip('/')}: missing required field(s) {missing}")
-            kwargs = {k: body.get(k, None if d is REQUIRED else d) for k, d in fields.items()}
+                raise HTTPError(400, f"{where}: missing required field(s) {missing}")
+            # null means the default, as in SGLang's dataclasses
+            kwargs = {k: d if body.get(k) is None and d is not REQUIRED else body.get(k)
+                      for k, d in fields.items()}
             return await control(engine, method, **kwargs)
 
         app.add_api_route(route, handler, methods=[http_method],
@@ -58,25 +92,29 @@ def add_rl_routes(app: FastAPI, engine: Engine, admin: list[Any]) -> None:
 
     proxy("/release_memory_occupation", "release_memory_occupation", {"tags": None})
     proxy("/resume_memory_occupation", "resume_memory_occupation", {"tags": None})
-    proxy("/update_weights_from_disk", "update_weights_from_disk", {
-        "model_path": REQUIRED, "load_format": None, "weight_version": None, "flush_cache": True,
-        "abort_all_requests": False})
-    proxy("/update_weights_from_tensor", "update_weights_from_tensor", {
-        "serialized_named_tensors": REQUIRED, "load_format": None, "flush_cache": True,
-        "weight_version": None})
-    proxy("/init_weights_update_group", "init_weights_update_group", {
-        "master_address": REQUIRED, "master_port": REQUIRED, "rank_offset": REQUIRED,
-        "world_size": REQUIRED,
-        "group_name": "weight_update_group", "backend": "nccl"})
-    proxy("/update_weights_from_distributed", "update_weights_from_distributed", {
-        "names": REQUIRED, "dtypes": REQUIRED, "shapes": REQUIRED, "group_name": "weight_update_group",
-        "load_format": None, "flush_cache": True, "weight_version": None})
+    proxy("/update_weights_from_disk", "update_weights_from_disk", DISK_FIELDS, base_req=True)
+    proxy("/update_weights_from_tensor", "update_weights_from_tensor", TENSOR_FIELDS,
+          base_req=True)
+    proxy("/init_weights_update_group", "init_weights_update_group", INIT_GROUP_FIELDS,
+          base_req=True)
+    proxy("/update_weights_from_distributed", "update_weights_from_distributed",
+          DISTRIBUTED_FIELDS, base_req=True)
     proxy("/destroy_weights_update_group", "destroy_weights_update_group",
-          {"group_name": "weight_update_group"})
-    proxy("/update_weight_version", "update_weight_version", {"new_version": REQUIRED})
+          DESTROY_GROUP_FIELDS, base_req=True)
+    proxy("/update_weight_version", "update_weight_version", WEIGHT_VERSION_FIELDS,
+          base_req=True)
     proxy("/pause_generation", "pause_generation", {"mode": "abort"})
     proxy("/continue_generation", "continue_generation", {})
     # admin only: it reads the weights (bounded: rl_control.MAX_TRUNCATE_ROWS rows, 400 beyond)
     for http_method in ("GET", "POST"):
         proxy("/get_weights_by_name", "get_weights_by_name",
               {"name": REQUIRED, "truncate_size": 100}, http_method=http_method)
+
+
+def _check_base_req(body: dict[str, Any], where: str) -> None:
+    rid = body.get("rid")
+    if rid is not None and not isinstance(rid, str):
+        raise HTTPError(400, f"{where}: rid must be a string or null, got {rid!r}")
+    if body.get("http_worker_ipc") is not None:
+        raise HTTPError(400, f"{where}: http_worker_ipc is SGLang's internal routing field; "
+                             "leave it null")

@@ -15,7 +15,10 @@ After a wake without a CPU backup the weights are zeros: generation is refused u
 weight of the model has been written again (``missing_weights`` counts down per refit).
 
 As in SGLang, a refit changes ``weight_version`` only when it names one (verl refits bucket by
-bucket and names none).
+bucket and names none), and the update calls take every field of SGLang's ``*ReqInput``: what
+we can honour is honoured (``abort_all_requests``, ``torch_empty_cache``, ``keep_pause``,
+``recapture_cuda_graph``: CUDA graphs read the parameters in place, so they need none), the
+rest is accepted at its default and refused otherwise, naming the field (`_check_flags`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from rollout_engine.protocol.messages import AbortReq
 from rollout_engine.scheduler.control import BusyError, Deferred
 from rollout_engine.scheduler.request import ReqState
 from rollout_engine.weights import refit
-from rollout_engine.weights.loader import LoadReport, read_weight, weight_names
+from rollout_engine.weights.loader import LoadReport, load_weights, read_weight, weight_names
 
 if TYPE_CHECKING:
     from rollout_engine.scheduler.scheduler import Scheduler
@@ -47,6 +50,29 @@ def _tags(tags: Optional[list[str]]) -> list[str]:
     if not isinstance(tags, list) or not all(t in TAGS for t in tags):
         raise ValueError(f"tags: must be a subset of {list(TAGS)}, got {tags!r}")
     return tags
+
+
+def _check_flags(*, weight_version: Optional[str] = None, is_async: bool = False,
+                 keep_pause: bool = False, token_step: int = 0,
+                 manifest: Optional[dict[str, Any]] = None, pp_rank: Optional[int] = None,
+                 **flags: Any) -> None:
+    """Refuse, naming the field, an SGLang update flag this engine cannot honour; ``flags`` are
+    booleans that are all honoured (or trivially true here)."""
+    if weight_version is not None and not isinstance(weight_version, str):
+        raise ValueError(f"weight_version: must be a string or null, got {weight_version!r}")
+    for name, value in {"is_async": is_async, "keep_pause": keep_pause, **flags}.items():
+        if not isinstance(value, bool) and not (name == "disable_draft_model" and value is None):
+            raise ValueError(f"{name}: must be true or false, got {value!r}")
+    if is_async:
+        raise ValueError("is_async: asynchronous disk updates are not supported here; the "
+                         "update runs between batches (leave is_async false)")
+    if not isinstance(token_step, int) or isinstance(token_step, bool) or token_step < 0:
+        raise ValueError(f"token_step: must be a non-negative integer, got {token_step!r}")
+    if manifest is not None:
+        raise ValueError("manifest: checkpoint manifests are not supported; leave it null")
+    if pp_rank not in (None, 0):
+        raise ValueError(f"pp_rank: this engine has one pipeline stage, so only 0 (or null) is "
+                         f"valid, got {pp_rank!r}")
 
 
 class RLControl:
@@ -113,11 +139,15 @@ class RLControl:
                 "seconds": time.perf_counter() - t0}
 
     # -- refit ---------------------------------------------------------------------------------
-    def _apply(self, load: Any, weight_version: Optional[str], flush_cache: bool
-               ) -> dict[str, Any]:
-        s = self.s
-        if "weights" in s.memory_saver.released:
+    def _before_update(self, abort_all_requests: bool) -> None:
+        if "weights" in self.s.memory_saver.released:
             raise BusyError("weights are released; resume_memory_occupation(['weights']) first")
+        if abort_all_requests:
+            self.s.abort(AbortReq(abort_all=True, message="aborted for a weight update"))
+
+    def _apply(self, load: Any, weight_version: Optional[str], flush_cache: bool,
+               torch_empty_cache: bool = False, keep_pause: bool = False) -> dict[str, Any]:
+        s = self.s
         t0 = time.perf_counter()
         report: LoadReport = load()
         if s.device.type == "cuda":
@@ -137,6 +167,10 @@ class RLControl:
             else:
                 s.kv.tree.reset()
                 self.flush_pending = False
+        if torch_empty_cache and s.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if keep_pause:
+            s.paused = True     # as after pause_generation(mode="in_place")
         return {"weight_version": s.weight_version, "weight_generation": self.generation,
                 "num_tensors": report.num_tensors, "num_bytes": report.num_bytes,
                 "num_cast": report.num_cast, "flush_deferred": deferred, **self._stale_info(),
@@ -145,22 +179,36 @@ class RLControl:
     def rpc_update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
                                      weight_version: Optional[str] = None,
                                      flush_cache: bool = True,
-                                     abort_all_requests: bool = False) -> dict[str, Any]:
+                                     abort_all_requests: bool = False,
+                                     torch_empty_cache: bool = False, keep_pause: bool = False,
+                                     **sglang_flags: Any) -> dict[str, Any]:
+        """``sglang_flags``: is_async, recapture_cuda_graph, token_step, manifest, pp_rank."""
+        _check_flags(weight_version=weight_version, flush_cache=flush_cache,
+                     abort_all_requests=abort_all_requests, torch_empty_cache=torch_empty_cache,
+                     keep_pause=keep_pause, **sglang_flags)
         if load_format not in (None, "auto", "safetensors"):
             raise ValueError(f"load_format: {load_format!r} is not supported for disk "
                              "(None, 'auto', 'safetensors')")
-        if abort_all_requests:
-            self.s.abort(AbortReq(abort_all=True, message="aborted for a weight update"))
+        self._before_update(abort_all_requests)
         return self._apply(lambda: refit.refit_from_disk(self.s.runner.model, model_path),
-                           weight_version, flush_cache)
+                           weight_version, flush_cache, torch_empty_cache, keep_pause)
 
     def rpc_update_weights_from_tensor(self, serialized_named_tensors: list[str],
                                        load_format: Optional[str] = None,
                                        flush_cache: bool = True,
-                                       weight_version: Optional[str] = None) -> dict[str, Any]:
+                                       weight_version: Optional[str] = None,
+                                       abort_all_requests: bool = False,
+                                       torch_empty_cache: bool = False,
+                                       **sglang_flags: Any) -> dict[str, Any]:
+        """``sglang_flags``: disable_draft_model (no draft model here), pp_rank."""
+        _check_flags(weight_version=weight_version, flush_cache=flush_cache,
+                     abort_all_requests=abort_all_requests, torch_empty_cache=torch_empty_cache,
+                     **sglang_flags)
         model = self.s.runner.model
+        self._before_update(abort_all_requests)
         return self._apply(lambda: refit.refit_from_serialized(
-            model, serialized_named_tensors, load_format), weight_version, flush_cache)
+            model, serialized_named_tensors, load_format), weight_version, flush_cache,
+            torch_empty_cache)
 
     def rpc_init_weights_update_group(self, master_address: str, master_port: int,
                                       rank_offset: int, world_size: int,
@@ -183,15 +231,21 @@ class RLControl:
                                             group_name: str = "weight_update_group",
                                             load_format: Optional[str] = None,
                                             flush_cache: bool = True,
-                                            weight_version: Optional[str] = None
-                                            ) -> dict[str, Any]:
-        from rollout_engine.weights.loader import load_weights
-
-        # received in the dtypes the trainer declares; floating ones are cast as they load
+                                            weight_version: Optional[str] = None,
+                                            abort_all_requests: bool = False,
+                                            torch_empty_cache: bool = False,
+                                            **sglang_flags: Any) -> dict[str, Any]:
+        """Receive the broadcast in the declared ``dtypes``, then load (floating tensors are
+        cast into the parameters). ``sglang_flags``: pp_rank. The broadcast is drained before
+        anything is refused, so a refused update never leaves the trainer hanging."""
         received = self.s.update_groups.receive(list(names), list(dtypes), shapes, group_name,
                                                 load_format)
+        _check_flags(weight_version=weight_version, flush_cache=flush_cache,
+                     abort_all_requests=abort_all_requests, torch_empty_cache=torch_empty_cache,
+                     **sglang_flags)
+        self._before_update(abort_all_requests)
         return self._apply(lambda: load_weights(self.s.runner.model, received),
-                           weight_version, flush_cache)
+                           weight_version, flush_cache, torch_empty_cache)
 
     def rpc_destroy_weights_update_group(self, group_name: str = "weight_update_group"
                                          ) -> dict[str, Any]:
@@ -219,9 +273,13 @@ class RLControl:
     def rpc_get_weight_version(self) -> dict[str, Any]:
         return {"weight_version": self.s.weight_version}
 
-    def rpc_update_weight_version(self, new_version: str) -> dict[str, Any]:
+    def rpc_update_weight_version(self, new_version: str, abort_all_requests: bool = False
+                                  ) -> dict[str, Any]:
         if not isinstance(new_version, str) or not new_version:
             raise ValueError("new_version: must be a non-empty string")
+        _check_flags(abort_all_requests=abort_all_requests)
+        if abort_all_requests:
+            self.s.abort(AbortReq(abort_all=True, message="aborted for a weight version update"))
         self.s.weight_version = new_version    # a label: the weights and their KV stay valid
         return {"weight_version": new_version}
 
