@@ -255,7 +255,10 @@ async def control(engine: Engine, method: str, status_map: Optional[Mapping[int,
         return error_response(503, str(e), success=False, message=str(e))
     status = (status_map or {}).get(r.status, r.status)
     message = r.message or ("ok" if r.success else f"{method} failed")
-    body: dict[str, Any] = {"success": r.success, "message": message}
+    # SGLang's pause / continue routes answer {"status": "ok", "message"}; the update routes
+    # {"success", "message"}: every control answer carries both
+    body: dict[str, Any] = {"success": r.success, "message": message,
+                            "status": "ok" if r.success else "error"}
     if r.result is not None:
         body["result"] = r.result
     if not r.success:

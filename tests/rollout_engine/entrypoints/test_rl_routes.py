@@ -144,10 +144,12 @@ def test_pause_abort_and_continue(rl_server):
     url = rl_server[0]
     t, box = _start_long_request(url, 1800)   # seconds of decoding: still running at the pause
     with _client(url) as c:
-        assert c.post("/pause_generation", json={"mode": "abort"}).status_code == 200
+        r = c.post("/pause_generation", json={"mode": "abort"})
+        assert r.status_code == 200 and r.json()["status"] == "ok"   # SGLang's answer shape
         t.join()
         assert box["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
         assert c.post("/pause_generation", json={"mode": "sideways"}).status_code == 400
-        assert c.post("/continue_generation").status_code == 200
+        r = c.post("/continue_generation")
+        assert r.status_code == 200 and r.json()["status"] == "ok"
         assert _gen(c).status_code == 200
         assert c.get("/check_integrity").status_code == 200
