@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -171,27 +170,6 @@ def test_default_rules() -> None:
 
 
 # -- /generate ----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def engine(qwen2_path: str) -> Iterator[Any]:
-    from rollout_engine import Engine
-
-    eng = Engine(model_path=qwen2_path, scheduler_mode="thread", dtype="float32", device="cpu",
-                 context_length=512)
-    yield eng
-    try:
-        eng.check_integrity()
-    finally:
-        eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def client(engine: Any) -> Iterator[TestClient]:
-    from rollout_engine.entrypoints.http_server import create_app
-
-    with TestClient(create_app(engine)) as c:
-        yield c
-
-
 @pytest.fixture(scope="module")
 def baseline(engine: Any) -> dict[str, Any]:
     return engine.generate(input_ids=PROMPT_IDS, sampling_params=GREEDY)

@@ -22,7 +22,6 @@ The field names and shapes are copied from their source (not their code):
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -32,27 +31,6 @@ from rollout_engine.compat.fields import GENERATE_REQUEST
 
 PROMPT = "The capital of France is"
 MAX_NEW = 8
-
-
-@pytest.fixture(scope="module")
-def engine(qwen2_path: str) -> Iterator[Any]:
-    from rollout_engine import Engine
-
-    eng = Engine(model_path=qwen2_path, scheduler_mode="thread", dtype="float32", device="cpu",
-                 context_length=512)
-    yield eng
-    try:
-        eng.check_integrity()
-    finally:
-        eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def client(engine: Any) -> Iterator[TestClient]:
-    from rollout_engine.entrypoints.http_server import create_app
-
-    with TestClient(create_app(engine)) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
