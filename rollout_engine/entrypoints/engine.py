@@ -261,7 +261,7 @@ class Engine:
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         return _raise_for(self._call("get_weights_by_name", name=name,
-                                     truncate_size=truncate_size))
+                                     truncate_size=truncate_size)).tolist()
 
     def get_weight_version(self) -> str:
         return _raise_for(self._call("get_weight_version"))["weight_version"]

@@ -8,6 +8,7 @@ API.md gives it: 400 bad input, 401 bad key, 404 unknown route, 409 busy, 413 bo
 
 from __future__ import annotations
 
+import asyncio
 import email.message
 import hmac
 import ipaddress
@@ -24,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from rollout_engine.protocol.messages import WeightSlice
 from rollout_engine.tokenizer_manager import (
     EngineAsleepError,
     EngineBusyError,
@@ -259,7 +261,9 @@ async def control(engine: Engine, method: str, status_map: Optional[Mapping[int,
     # {"success", "message"}: every control answer carries both
     body: dict[str, Any] = {"success": r.success, "message": message,
                             "status": "ok" if r.success else "error"}
-    if r.result is not None:
+    if isinstance(r.result, WeightSlice):   # lists of up to 2^20 floats: not on the event loop
+        body["result"] = await asyncio.to_thread(r.result.tolist)
+    elif r.result is not None:
         body["result"] = r.result
     if not r.success:
         body["error"] = {"message": message, "code": status}

@@ -90,3 +90,18 @@ class SchedulerReady:
 @dataclass
 class SchedulerDied:
     message: str
+
+
+@dataclass
+class WeightSlice:
+    """Rows of a weight as raw float32 bytes: the scheduler only copies them out (one memcpy);
+    the frontend turns them into nested lists (``tolist``), off the scheduler loop."""
+
+    shape: list[int]
+    data: bytes
+
+    def tolist(self) -> Any:
+        import numpy as np
+
+        return np.frombuffer(self.data, dtype=np.float32).reshape(self.shape).tolist()
+

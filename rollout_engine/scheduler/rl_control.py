@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from rollout_engine.memory.memory_saver import TAGS
-from rollout_engine.protocol.messages import AbortReq
+from rollout_engine.protocol.messages import AbortReq, WeightSlice
 from rollout_engine.scheduler.control import BusyError, Deferred
 from rollout_engine.scheduler.request import ReqState
 from rollout_engine.weights import refit
@@ -78,6 +78,7 @@ def _check_flags(*, weight_version: Optional[str] = None, is_async: bool = False
 class RLControl:
     def __init__(self, scheduler: Scheduler) -> None:
         self.s = scheduler
+        self.mapped = refit.MappedStorages()   # the trainer's shm, kept mapped across refits
         self.num_refits = 0
         self.generation = 0                 # bumped by every weight change; keys the KV cache
         self.missing_weights: set[str] = set()  # not written since a wake without backup
@@ -207,7 +208,7 @@ class RLControl:
         model = self.s.runner.model
         self._before_update(abort_all_requests)
         return self._apply(lambda: refit.refit_from_serialized(
-            model, serialized_named_tensors, load_format), weight_version, flush_cache,
+            model, serialized_named_tensors, load_format, self.mapped), weight_version, flush_cache,
             torch_empty_cache)
 
     def rpc_init_weights_update_group(self, master_address: str, master_port: int,
@@ -252,7 +253,7 @@ class RLControl:
         self.s.update_groups.destroy(group_name)
         return {"group_name": group_name}
 
-    def rpc_get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+    def rpc_get_weights_by_name(self, name: str, truncate_size: int = 100) -> WeightSlice:
         """The first ``truncate_size`` rows of a weight, bounded (a debugging read)."""
         if (not isinstance(truncate_size, int) or isinstance(truncate_size, bool)
                 or not 1 <= truncate_size <= MAX_TRUNCATE_ROWS):
@@ -267,7 +268,8 @@ class RLControl:
             raise ValueError(f"truncate_size: {truncate_size} rows of {name!r} hold "
                              f"{part.numel()} elements, over the {MAX_WEIGHT_ELEMENTS} one read "
                              f"may return; ask for at most {MAX_WEIGHT_ELEMENTS // row} rows")
-        return part.float().tolist()
+        flat = part.detach().float().contiguous().cpu()
+        return WeightSlice(list(flat.shape), flat.numpy().tobytes())
 
     # -- versions and pausing -------------------------------------------------------------------
     def rpc_get_weight_version(self) -> dict[str, Any]:
