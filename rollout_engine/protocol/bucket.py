@@ -23,10 +23,12 @@ import torch
 __all__ = [
     "ALIGN_BYTES",
     "SUPPORTED_DTYPES",
+    "BucketPlan",
     "FlattenedBucket",
     "TensorMeta",
     "dtype_to_str",
     "pack_buckets",
+    "plan_buckets",
     "str_to_dtype",
 ]
 
@@ -180,35 +182,34 @@ def _align(num_bytes: int) -> int:
     return -(-num_bytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
-def _build_bucket(
-    pending: list[tuple[TensorMeta, torch.Tensor]],
-    num_bytes: int,
-    device: torch.device,
-    allocate: Allocator | None = None,
-) -> FlattenedBucket:
-    if allocate is None:
-        buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-    else:
-        buffer = allocate(num_bytes, device)
-    with torch.no_grad():  # a requires_grad source must not make the buffer part of a graph
-        for meta, tensor in pending:
-            dst = buffer[meta.offset : meta.offset + meta.nbytes].view(tensor.dtype)
-            dst.view(meta.shape).copy_(tensor)  # copy_ handles non-contiguous sources
-    return FlattenedBucket(buffer=buffer, metas=tuple(meta for meta, _ in pending))
+@dataclass(frozen=True, eq=False)
+class BucketPlan:
+    """One bucket before it is packed: each source tensor beside the meta saying where its
+    bytes go, and the buffer size (`num_bytes`) and device they need."""
+
+    entries: tuple[tuple[TensorMeta, torch.Tensor], ...]
+    num_bytes: int
+    device: torch.device
+
+    def fill(self, buffer: torch.Tensor) -> FlattenedBucket:
+        """Copy the sources into `buffer` (1-D uint8, at least `num_bytes`, on `device`; e.g.
+        a reused one) and return the bucket over its first `num_bytes`."""
+        buffer = buffer[: self.num_bytes]
+        with torch.no_grad():  # a requires_grad source must not make the buffer part of a graph
+            for meta, tensor in self.entries:
+                dst = buffer[meta.offset : meta.offset + meta.nbytes].view(tensor.dtype)
+                dst.view(meta.shape).copy_(tensor)  # copy_ handles non-contiguous sources
+        return FlattenedBucket(buffer=buffer, metas=tuple(meta for meta, _ in self.entries))
 
 
-def pack_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
-    bucket_bytes: int,
-    allocate: Allocator | None = None,
-) -> Iterator[FlattenedBucket]:
-    """Greedily pack tensors, in order, into buckets of at most `bucket_bytes` bytes.
+def plan_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[BucketPlan]:
+    """Greedily lay tensors out, in order, into buckets of at most `bucket_bytes` bytes.
 
     A tensor larger than `bucket_bytes` gets a bucket of its own. Dtypes may mix within a bucket;
-    devices may not (a device change starts a new bucket; the buffer lives on that device).
-    A generator: each bucket is built only when the next one starts, and the caller holding just
-    the current bucket keeps only one alive. `allocate(num_bytes, device)` (default
-    `torch.empty`) makes each 1-D uint8 buffer, e.g. one born in shared memory.
+    devices may not (a device change starts a new bucket). Nothing is copied: `BucketPlan.fill`
+    packs a plan into a buffer the caller chooses.
     """
     if not _is_int(bucket_bytes) or bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
@@ -220,14 +221,33 @@ def pack_buckets(
         offset = _align(used)
         if pending and (offset + nbytes > bucket_bytes or tensor.device != device):
             assert device is not None
-            yield _build_bucket(pending, used, device, allocate)
+            yield BucketPlan(tuple(pending), used, device)
             pending, offset = [], 0
         meta = TensorMeta(name, dtype_to_str(tensor.dtype), tuple(tensor.shape), offset, nbytes)
         pending.append((meta, tensor))
         used, device = offset + nbytes, tensor.device
     if pending:
         assert device is not None
-        yield _build_bucket(pending, used, device, allocate)
+        yield BucketPlan(tuple(pending), used, device)
+
+
+def pack_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    allocate: Allocator | None = None,
+) -> Iterator[FlattenedBucket]:
+    """`plan_buckets`, each plan packed into a new buffer as the caller asks for it.
+
+    A generator: each bucket is built only when the next one starts, and the caller holding just
+    the current bucket keeps only one alive. `allocate(num_bytes, device)` (default
+    `torch.empty`) makes each 1-D uint8 buffer, e.g. one born in shared memory.
+    """
+    for plan in plan_buckets(named_tensors, bucket_bytes):
+        if allocate is None:
+            buffer = torch.empty(plan.num_bytes, dtype=torch.uint8, device=plan.device)
+        else:
+            buffer = allocate(plan.num_bytes, plan.device)
+        yield plan.fill(buffer)
 
 
 def bucket_layout(

@@ -126,6 +126,8 @@ class RLControl:
             s.allocator.reset()
             self.flush_pending = False
         freed = s.memory_saver.release(tags)
+        if "weights" in tags:
+            self.mapped.clear()   # a sleeping engine does not pin the trainer's shared memory
         return {"released": sorted(s.memory_saver.released), "bytes_freed": freed,
                 "seconds": time.perf_counter() - t0}
 
@@ -208,8 +210,8 @@ class RLControl:
         model = self.s.runner.model
         self._before_update(abort_all_requests)
         return self._apply(lambda: refit.refit_from_serialized(
-            model, serialized_named_tensors, load_format, self.mapped), weight_version, flush_cache,
-            torch_empty_cache)
+            model, serialized_named_tensors, load_format, self.mapped), weight_version,
+            flush_cache, torch_empty_cache)
 
     def rpc_init_weights_update_group(self, master_address: str, master_port: int,
                                       rank_offset: int, world_size: int,

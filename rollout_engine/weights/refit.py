@@ -10,6 +10,7 @@ torch.distributed state.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from concurrent.futures import Future
 from typing import Any, Optional
 
@@ -60,14 +61,47 @@ def named_tensors_from_payload(payload: Any, load_format: Optional[str]
     return [(n, t) for n, t in payload]
 
 
-def refit_from_serialized(model: nn.Module, serialized: list[str], load_format: Optional[str]
-                          ) -> LoadReport:
+class MappedStorages:
+    """Keeps the CPU shared-memory storages of the last `num_payloads` tensor payloads mapped.
+
+    A trainer that sends the same shared memory again (its persistent bucket buffers, or
+    parameters already moved into shm) is then read through the existing mapping: torch's
+    handle cache returns it, so a refit maps nothing and takes no page faults (as SGLang
+    caches imported CUDA IPC handles). Every handle is still vetted first by the restricted
+    unpickler. Content is never stale: the mapping is the trainer's own memory, read during
+    the update call. Two payloads cover a trainer alternating two bucket buffers; what is kept
+    stays mapped (and its shm file alive) until pushed out by later payloads or `clear`.
+    """
+
+    def __init__(self, num_payloads: int = 2) -> None:
+        self._recent: deque[list[torch.UntypedStorage]] = deque(maxlen=num_payloads)
+
+    def keep(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        storages = {id(s): s for s in (t.untyped_storage() for _, t in named_tensors
+                                       if t.device.type == "cpu")}
+        self._recent.append(list(storages.values()))
+
+    @property
+    def num_storages(self) -> int:
+        return sum(map(len, self._recent))
+
+    def clear(self) -> None:
+        self._recent.clear()
+
+
+def refit_from_serialized(model: nn.Module, serialized: list[str], load_format: Optional[str],
+                          mapped: Optional[MappedStorages] = None) -> LoadReport:
+    """Load one `update_weights_from_tensor` payload; `mapped` keeps its shm mapped after."""
     if not isinstance(serialized, list) or not serialized:
         raise ValueError("serialized_named_tensors: must be a non-empty list of strings "
                          "(one per tensor-parallel rank)")
     # one rank here: rank 0's payload is ours
     payload = read_refit_payload(serialized[0], model)  # byte cap from the model's size
-    return load_weights(model, named_tensors_from_payload(payload, load_format))
+    named_tensors = named_tensors_from_payload(payload, load_format)
+    report = load_weights(model, named_tensors)
+    if mapped is not None:
+        mapped.keep(named_tensors)
+    return report
 
 
 def declared_dtype(name: Any) -> torch.dtype:

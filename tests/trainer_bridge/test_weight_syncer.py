@@ -4,11 +4,14 @@ logprobs within LOGPROB_TOL (see conftest)."""
 
 from __future__ import annotations
 
+import gc
+import os
 import time
 from typing import Any
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from tests.trainer_bridge.conftest import PROBE, assert_same_rollouts, rollouts
 from trainer_bridge import WeightSyncer
@@ -145,3 +148,45 @@ def test_an_engine_refusing_the_group_fails_fast(engine_on_w1, w2):
         assert time.monotonic() - start < 30
         first.sync(w2.model, version="still-works")  # the first group is untouched
     assert engine_on_w1.get_weight_version() == "still-works"
+
+
+def _engine_matches(engine: Any, model: Any) -> bool:
+    """Every weight the engine reports (up to 1024 rows each) equals the trainer's, bit for
+    bit (fp32 values round-trip exactly through Python floats)."""
+    return all(engine.get_weights_by_name(name, min(len(t), 1024)) == t[:1024].tolist()
+               for name, t in state_dict_items(model))
+
+
+def _shm_path(buffer: torch.Tensor) -> str:
+    _manager, handle, _size = buffer.untyped_storage()._share_filename_cpu_()
+    return os.path.join("/dev/shm", handle.decode().lstrip("/"))
+
+
+def test_bucketed_syncs_reuse_two_shared_buffers_and_free_them_on_close(engine_on_w1, w1, w2):
+    """W1 -> W2 -> W1 through the same reused bucket buffers lands exactly on the last weights
+    (no stale bytes of an earlier bucket or sync); close() frees the buffers."""
+    with WeightSyncer(engine_on_w1, transport="tensor", bucket_bytes=BUCKET) as syncer:
+        syncer.sync(w2.model, version="w2")
+        buffers = syncer.transport.buffers.buffers()
+        assert len(buffers) == 2                     # alternating slots, not one per bucket
+        first = [b.data_ptr() for b in buffers]
+        assert _engine_matches(engine_on_w1, w2.model)
+        syncer.sync(w1.model, version="w1-again")
+        assert [b.data_ptr() for b in syncer.transport.buffers.buffers()] == first
+        assert engine_on_w1.get_weights_by_name(PROBE, 4) == w1.probe
+        assert _engine_matches(engine_on_w1, w1.model)
+        assert not _engine_matches(engine_on_w1, w2.model)
+        assert_same_rollouts(rollouts(engine_on_w1), w1.expected)
+        paths = [_shm_path(b) for b in buffers]
+        assert all(os.path.exists(p) for p in paths)
+        refs = [StorageWeakRef(b.untyped_storage()) for b in buffers]
+        del buffers
+    assert syncer.transport.buffers.num_bytes == 0
+    gc.collect()
+    assert all(r.expired() for r in refs)            # the trainer holds no bucket memory
+    # the engine keeps the last two payloads' shm mapped; two more refits push them out and
+    # the shared-memory files are gone
+    with WeightSyncer(engine_on_w1, transport="tensor", bucket_bytes=None) as syncer:
+        syncer.sync(w1.model, version="a")
+        syncer.sync(w1.model, version="b")
+    assert not any(os.path.exists(p) for p in paths)

@@ -7,28 +7,36 @@
 
 Unbucketed CPU tensors are moved into shared memory *in place* by the serializer (as
 `Tensor.share_memory_()` does): the trainer's parameters keep their values and stay usable.
-Buckets cost one extra copy on the trainer side and far fewer handles (one per bucket); CPU
-buckets are packed straight into shared memory, so the serializer does not copy them again.
+Buckets cost one extra copy on the trainer side and far fewer handles (one per bucket). They are
+packed into two persistent buffers per device (`BucketBuffers`; on CPU born in shared memory,
+so the serializer sends them as they are), pipelined:
+
+    trainer:  pack 0 -> slot 0 | pack 1 -> slot 1 | wait call 0 | pack 2 -> slot 0 | ...
+    engines:                   | apply call 0 (slot 0)   | apply call 1 (slot 1)    | ...
+
+A slot is refilled only after the engine call that read it has returned (engines copy out of
+the buffer during the call), so reuse never shows an engine half-written or stale bytes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, wait
 from typing import Any, Optional
 
 import torch
 
-from trainer_bridge.bucketing import nbytes, pack
+from rollout_engine.protocol.bucket import BucketPlan, plan_buckets
+from trainer_bridge.bucketing import nbytes
 from trainer_bridge.transports.base import (
     WeightTransport,
     call_all,
     checked,
     spawn,
     step_version,
-    with_last,
 )
 
-__all__ = ["TensorTransport"]
+__all__ = ["BucketBuffers", "TensorTransport"]
 
 
 def shared_buffer(num_bytes: int, device: torch.device) -> torch.Tensor:
@@ -40,9 +48,46 @@ def shared_buffer(num_bytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (num_bytes,), (1,))
 
 
+class BucketBuffers:
+    """`NUM_SLOTS` reusable bucket buffers per device, kept from sync to sync.
+
+    A slot is allocated on first use at the size of the largest bucket it must hold (grown only
+    if a later sync needs more) and lives until `release`. The caller must not refill a slot
+    while an engine may still read it.
+    """
+
+    NUM_SLOTS = 2
+
+    def __init__(self) -> None:
+        self._slots: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+    def slot(self, index: int, num_bytes: int, device: torch.device) -> torch.Tensor:
+        """Slot `index % NUM_SLOTS` on `device`, at least `num_bytes` long (1-D uint8)."""
+        key = (device, index % self.NUM_SLOTS)
+        buffer = self._slots.get(key)
+        if buffer is None or buffer.numel() < num_bytes:
+            self._slots.pop(key, None)  # free the small one before allocating its successor
+            buffer = self._slots[key] = shared_buffer(num_bytes, device)
+        return buffer
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes held by all slots."""
+        return sum(b.numel() for b in self._slots.values())
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The slots allocated now (for inspection: tests check they are reused and freed)."""
+        return list(self._slots.values())
+
+    def release(self) -> None:
+        """Drop every slot; CPU shared memory is unlinked once no engine maps it any more."""
+        self._slots.clear()
+
+
 class TensorTransport(WeightTransport):
-    """Each call goes to all engines at once (a thread per engine); the next bucket is built
-    only after every engine has copied the current one, so at most one bucket is alive."""
+    """Each call goes to all engines at once (a thread per engine). Buckets are pipelined over
+    two persistent buffers (module docstring): bucket k+1 is packed while the engines apply
+    bucket k, and each engine call still runs only after the previous one returned."""
 
     name = "tensor"
 
@@ -52,25 +97,48 @@ class TensorTransport(WeightTransport):
             raise ValueError(f"bucket_bytes: must be a positive int or None, got {bucket_bytes!r}")
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
+        self.buffers = BucketBuffers()
 
     def push(self, engines: Sequence[Any], named_tensors: Iterable[tuple[str, torch.Tensor]],
              version: str) -> int:
         if self.bucket_bytes is None:
             tensors = list(named_tensors)
-            self._call(engines, tensors, None, version, True)
+            call_all(self._start(engines, tensors, None, version, True), self.timeout_s)
             return nbytes(tensors)
-        moved = 0
-        for index, bucket, last in with_last(pack(named_tensors, self.bucket_bytes,
-                                                         shared_buffer)):
-            self._call(engines, bucket, "flattened_bucket",
-                       version if last else step_version(version, index), last)
-            moved += bucket.buffer.numel()
-        return moved
+        plans = list(plan_buckets(named_tensors, self.bucket_bytes))
+        slot_bytes = _largest_by_device(plans)  # each slot is sized once for every bucket
+        in_flight: list[Future[Any]] = []
+        try:
+            for index, plan in enumerate(plans):
+                # this slot's last reader was call index-2, which returned before call index-1
+                bucket = plan.fill(self.buffers.slot(index, slot_bytes[plan.device],
+                                                     plan.device))
+                call_all(in_flight, self.timeout_s)
+                last = index == len(plans) - 1
+                in_flight = self._start(engines, bucket, "flattened_bucket",
+                                        version if last else step_version(version, index), last)
+            call_all(in_flight, self.timeout_s)
+        except BaseException:
+            _, still_running = wait(in_flight, timeout=self.timeout_s)
+            if still_running:  # an engine may still read the buffers: never refill them
+                self.buffers.release()
+            raise
+        return sum(plan.num_bytes for plan in plans)
 
-    def _call(self, engines: Sequence[Any], payload: Any, load_format: Optional[str],
-              version: str, last: bool) -> None:
+    def close(self, engines: Sequence[Any]) -> None:
+        self.buffers.release()
+
+    def _start(self, engines: Sequence[Any], payload: Any, load_format: Optional[str],
+               version: str, last: bool) -> list[Future[Any]]:
         # each engine gets its own serialization: a handle carries one reference per receiver
-        futures = [spawn(checked, e, "update_weights_from_tensor", payload,
-                         load_format=load_format, flush_cache=last, weight_version=version)
-                   for e in engines]
-        call_all(futures, self.timeout_s)
+        return [spawn(checked, e, "update_weights_from_tensor", payload,
+                      load_format=load_format, flush_cache=last, weight_version=version)
+                for e in engines]
+
+
+def _largest_by_device(plans: list[BucketPlan]) -> dict[torch.device, int]:
+    """Bytes of the largest bucket on each device."""
+    out: dict[torch.device, int] = {}
+    for plan in plans:
+        out[plan.device] = max(out.get(plan.device, 0), plan.num_bytes)
+    return out
