@@ -190,3 +190,22 @@ def test_bucketed_syncs_reuse_two_shared_buffers_and_free_them_on_close(engine_o
         syncer.sync(w1.model, version="a")
         syncer.sync(w1.model, version="b")
     assert not any(os.path.exists(p) for p in paths)
+
+
+def test_a_bucket_refused_mid_pipeline_leaves_the_buffers_reusable(engine_on_w1, w1, w2):
+    """A bucket the engine refuses (its next bucket already packed) raises; no later bucket is
+    sent, the buffers are kept, and the next sync through them lands exactly on its weights."""
+    bad = [(n, torch.zeros(3, 3) if n == PROBE else t) for n, t in state_dict_items(w2.model)]
+    engine = Recorder(engine_on_w1)
+    with WeightSyncer(engine, transport="tensor", bucket_bytes=BUCKET) as syncer:
+        num_buckets = len(list(syncer.transport.plan(bad)))
+        with pytest.raises(WeightSyncError, match="shape"):
+            syncer.sync(bad, version="bad")
+        assert 1 <= len(engine.updates) < num_buckets     # stopped at the refused bucket
+        assert engine_on_w1.get_weights_by_name(PROBE, 4) == w1.probe
+        assert len(syncer.transport.buffers.buffers()) == 2
+        kept = [b.data_ptr() for b in syncer.transport.buffers.buffers()]
+        syncer.sync(w1.model, version="w1-after-refusal")
+        assert [b.data_ptr() for b in syncer.transport.buffers.buffers()] == kept
+        assert _engine_matches(engine_on_w1, w1.model)
+        assert_same_rollouts(rollouts(engine_on_w1), w1.expected)

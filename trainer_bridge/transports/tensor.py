@@ -105,7 +105,7 @@ class TensorTransport(WeightTransport):
             tensors = list(named_tensors)
             call_all(self._start(engines, tensors, None, version, True), self.timeout_s)
             return nbytes(tensors)
-        plans = list(plan_buckets(named_tensors, self.bucket_bytes))
+        plans = self.plan(named_tensors)
         slot_bytes = _largest_by_device(plans)  # each slot is sized once for every bucket
         in_flight: list[Future[Any]] = []
         try:
@@ -124,6 +124,12 @@ class TensorTransport(WeightTransport):
                 self.buffers.release()
             raise
         return sum(plan.num_bytes for plan in plans)
+
+    def plan(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[BucketPlan]:
+        """The buckets `push` sends for `named_tensors` (one engine call each)."""
+        if self.bucket_bytes is None:
+            raise ValueError("plan: this transport sends tensors unbucketed (bucket_bytes None)")
+        return list(plan_buckets(named_tensors, self.bucket_bytes))
 
     def close(self, engines: Sequence[Any]) -> None:
         self.buffers.release()
