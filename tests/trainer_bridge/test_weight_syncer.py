@@ -209,3 +209,18 @@ def test_a_bucket_refused_mid_pipeline_leaves_the_buffers_reusable(engine_on_w1,
         assert [b.data_ptr() for b in syncer.transport.buffers.buffers()] == kept
         assert _engine_matches(engine_on_w1, w1.model)
         assert_same_rollouts(rollouts(engine_on_w1), w1.expected)
+
+
+def test_releasing_the_weights_unmaps_the_trainers_shared_memory(engine_on_w1, w1, w2):
+    """The engine keeps resent shm mapped across refits, but a sleeping engine pins none."""
+    with WeightSyncer(engine_on_w1, transport="tensor", bucket_bytes=BUCKET) as syncer:
+        syncer.sync(w2.model, version="w2")
+        paths = [_shm_path(b) for b in syncer.transport.buffers.buffers()]
+    gc.collect()
+    assert all(os.path.exists(p) for p in paths)     # still mapped by the engine
+    engine_on_w1.release_memory_occupation(["weights"])
+    assert not any(os.path.exists(p) for p in paths)
+    engine_on_w1.resume_memory_occupation(["weights"])
+    ok, message = engine_on_w1.update_weights_from_disk(w1.path, weight_version="w1")
+    assert ok, message
+    assert _engine_matches(engine_on_w1, w1.model)
