@@ -71,8 +71,12 @@ def memcpy_seconds(num_bytes: int, repeats: int, src_dtype: torch.dtype = torch.
 
 def pack_seconds(source: Any, bucket_bytes: int) -> float:
     """One pass packing every bucket into the tensor transport's two reused buffers, warm
-    (their pages already touched by a first pass), as each sync after the first pays it."""
-    plans = list(plan_buckets(state_dict_items(source), bucket_bytes))
+    (their pages already touched by a first pass), as each sync after the first pays it. A
+    tensor bigger than a bucket is sent over its own bytes, unpacked, so it is skipped."""
+    plans = [p for p in plan_buckets(state_dict_items(source), bucket_bytes)
+             if len(p.entries) > 1 or p.num_bytes <= bucket_bytes]
+    if not plans:
+        return 0.0
     size = max(p.num_bytes for p in plans)
     buffers = BucketBuffers()
 

@@ -9,8 +9,9 @@ torch.distributed state.
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections import deque
+from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Any, Optional
 
@@ -62,31 +63,57 @@ def named_tensors_from_payload(payload: Any, load_format: Optional[str]
 
 
 class MappedStorages:
-    """Keeps the CPU shared-memory storages of the last `num_payloads` tensor payloads mapped.
+    """Keeps the CPU shared-memory storages of recent tensor payloads mapped, least recently
+    sent first out once they hold more than `max_bytes` (twice the model's weights).
 
     A trainer that sends the same shared memory again (its persistent bucket buffers, or
     parameters already moved into shm) is then read through the existing mapping: torch's
     handle cache returns it, so a refit maps nothing and takes no page faults (as SGLang
     caches imported CUDA IPC handles). Every handle is still vetted first by the restricted
     unpickler. Content is never stale: the mapping is the trainer's own memory, read during
-    the update call. Two payloads cover a trainer alternating two bucket buffers; what is kept
-    stays mapped (and its shm file alive) until pushed out by later payloads or `clear`.
+    the update call. What is kept stays mapped (and its shm file alive) until pushed out by
+    later payloads or `clear` (the scheduler clears it when the weights are released).
     """
 
-    def __init__(self, num_payloads: int = 2) -> None:
-        self._recent: deque[list[torch.UntypedStorage]] = deque(maxlen=num_payloads)
+    def __init__(self) -> None:
+        self._lru: OrderedDict[int, torch.UntypedStorage] = OrderedDict()
+        self.num_bytes = 0
 
-    def keep(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        storages = {id(s): s for s in (t.untyped_storage() for _, t in named_tensors
-                                       if t.device.type == "cpu")}
-        self._recent.append(list(storages.values()))
+    def keep(self, named_tensors: list[tuple[str, torch.Tensor]], max_bytes: int) -> None:
+        """Mark the storages of one payload most recent, then evict the oldest of earlier
+        payloads while more than `max_bytes` are kept."""
+        current: set[int] = set()
+        for _, tensor in named_tensors:
+            if tensor.device.type != "cpu":
+                continue
+            storage = tensor.untyped_storage()
+            key = storage._cdata  # the StorageImpl: the same for every view of it
+            current.add(key)
+            if key in self._lru:
+                self._lru.move_to_end(key)
+            else:
+                self._lru[key] = storage
+                self.num_bytes += storage.nbytes()
+        while self.num_bytes > max_bytes and self._lru:
+            key, storage = next(iter(self._lru.items()))
+            if key in current:
+                break  # only this payload is left: keep it whole
+            del self._lru[key]
+            self.num_bytes -= storage.nbytes()
 
     @property
     def num_storages(self) -> int:
-        return sum(map(len, self._recent))
+        return len(self._lru)
 
     def clear(self) -> None:
-        self._recent.clear()
+        self._lru.clear()
+        self.num_bytes = 0
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers."""
+    return sum(t.numel() * t.element_size()
+               for t in itertools.chain(model.parameters(), model.buffers()))
 
 
 def refit_from_serialized(model: nn.Module, serialized: list[str], load_format: Optional[str],
@@ -100,7 +127,7 @@ def refit_from_serialized(model: nn.Module, serialized: list[str], load_format: 
     named_tensors = named_tensors_from_payload(payload, load_format)
     report = load_weights(model, named_tensors)
     if mapped is not None:
-        mapped.keep(named_tensors)
+        mapped.keep(named_tensors, max_bytes=2 * weight_bytes(model))
     return report
 
 

@@ -184,11 +184,11 @@ def test_bucketed_syncs_reuse_two_shared_buffers_and_free_them_on_close(engine_o
     assert syncer.transport.buffers.num_bytes == 0
     gc.collect()
     assert all(r.expired() for r in refs)            # the trainer holds no bucket memory
-    # the engine keeps the last two payloads' shm mapped; two more refits push them out and
-    # the shared-memory files are gone
+    # the engine keeps recent shm mapped, up to twice the model's bytes: three refits from
+    # fresh copies of the weights push the buffers out and their shared-memory files are gone
     with WeightSyncer(engine_on_w1, transport="tensor", bucket_bytes=None) as syncer:
-        syncer.sync(w1.model, version="a")
-        syncer.sync(w1.model, version="b")
+        for i in range(3):
+            syncer.sync([(n, t.clone()) for n, t in state_dict_items(w1.model)], f"copy-{i}")
     assert not any(os.path.exists(p) for p in paths)
 
 

@@ -15,7 +15,9 @@ so the serializer sends them as they are), pipelined:
     engines:                   | apply call 0 (slot 0)   | apply call 1 (slot 1)    | ...
 
 A slot is refilled only after the engine call that read it has returned (engines copy out of
-the buffer during the call), so reuse never shows an engine half-written or stale bytes.
+the buffer during the call), so reuse never shows an engine half-written or stale bytes. A
+tensor bigger than `bucket_bytes` (a bucket of its own) is not packed: its bucket is its own
+bytes, sent as the unbucketed path sends them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from rollout_engine.protocol.bucket import BucketPlan, plan_buckets
+from rollout_engine.protocol.bucket import BucketPlan, FlattenedBucket, plan_buckets
 from trainer_bridge.bucketing import nbytes
 from trainer_bridge.transports.base import (
     WeightTransport,
@@ -106,13 +108,19 @@ class TensorTransport(WeightTransport):
             call_all(self._start(engines, tensors, None, version, True), self.timeout_s)
             return nbytes(tensors)
         plans = self.plan(named_tensors)
-        slot_bytes = _largest_by_device(plans)  # each slot is sized once for every bucket
+        own = [_as_own_bucket(p, self.bucket_bytes) for p in plans]
+        # each slot is sized once for every bucket it packs
+        slot_bytes = _largest_by_device([p for p, o in zip(plans, own) if o is None])
         in_flight: list[Future[Any]] = []
+        num_packed = 0
         try:
-            for index, plan in enumerate(plans):
-                # this slot's last reader was call index-2, which returned before call index-1
-                bucket = plan.fill(self.buffers.slot(index, slot_bytes[plan.device],
-                                                     plan.device))
+            for index, (plan, bucket) in enumerate(zip(plans, own)):
+                if bucket is None:
+                    # this slot's last reader was packed bucket num_packed-2, whose call
+                    # returned before the call now in flight started
+                    bucket = plan.fill(self.buffers.slot(num_packed, slot_bytes[plan.device],
+                                                         plan.device))
+                    num_packed += 1
                 call_all(in_flight, self.timeout_s)
                 last = index == len(plans) - 1
                 in_flight = self._start(engines, bucket, "flattened_bucket",
@@ -140,6 +148,18 @@ class TensorTransport(WeightTransport):
         return [spawn(checked, e, "update_weights_from_tensor", payload,
                       load_format=load_format, flush_cache=last, weight_version=version)
                 for e in engines]
+
+
+def _as_own_bucket(plan: BucketPlan, bucket_bytes: int) -> Optional[FlattenedBucket]:
+    """A tensor larger than `bucket_bytes` (a bucket of its own) sent over its own bytes, as
+    the unbucketed path sends it (moved into shared memory in place on CPU): packing it would
+    copy every byte once more. None when the plan must be packed."""
+    if len(plan.entries) != 1 or plan.num_bytes <= bucket_bytes:
+        return None
+    meta, tensor = plan.entries[0]
+    if not tensor.is_contiguous():
+        return None
+    return FlattenedBucket(tensor.reshape(-1).view(torch.uint8), (meta,))
 
 
 def _largest_by_device(plans: list[BucketPlan]) -> dict[torch.device, int]:
