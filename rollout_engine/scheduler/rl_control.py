@@ -78,7 +78,7 @@ def _check_flags(*, weight_version: Optional[str] = None, is_async: bool = False
 class RLControl:
     def __init__(self, scheduler: Scheduler) -> None:
         self.s = scheduler
-        self.mapped = refit.MappedStorages()   # the trainer's shm, kept mapped across refits
+        self.mapped: Optional[refit.MappedStorages] = None  # trainer shm kept mapped (1st refit)
         self.num_refits = 0
         self.generation = 0                 # bumped by every weight change; keys the KV cache
         self.missing_weights: set[str] = set()  # not written since a wake without backup
@@ -126,7 +126,7 @@ class RLControl:
             s.allocator.reset()
             self.flush_pending = False
         freed = s.memory_saver.release(tags)
-        if "weights" in tags:
+        if "weights" in tags and self.mapped is not None:
             self.mapped.clear()   # a sleeping engine does not pin the trainer's shared memory
         return {"released": sorted(s.memory_saver.released), "bytes_freed": freed,
                 "seconds": time.perf_counter() - t0}
@@ -209,6 +209,8 @@ class RLControl:
                      **sglang_flags)
         model = self.s.runner.model
         self._before_update(abort_all_requests)
+        if self.mapped is None:     # sized from the model once: its weights never change size
+            self.mapped = refit.MappedStorages.for_model(model)
         return self._apply(lambda: refit.refit_from_serialized(
             model, serialized_named_tensors, load_format, self.mapped), weight_version,
             flush_cache, torch_empty_cache)

@@ -64,7 +64,7 @@ def named_tensors_from_payload(payload: Any, load_format: Optional[str]
 
 class MappedStorages:
     """Keeps the CPU shared-memory storages of recent tensor payloads mapped, least recently
-    sent first out once they hold more than `max_bytes` (twice the model's weights).
+    sent first out once they hold more than `max_bytes` (`for_model`: twice its weights).
 
     A trainer that sends the same shared memory again (its persistent bucket buffers, or
     parameters already moved into shm) is then read through the existing mapping: torch's
@@ -75,13 +75,18 @@ class MappedStorages:
     later payloads or `clear` (the scheduler clears it when the weights are released).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
         self._lru: OrderedDict[int, torch.UntypedStorage] = OrderedDict()
         self.num_bytes = 0
 
-    def keep(self, named_tensors: list[tuple[str, torch.Tensor]], max_bytes: int) -> None:
+    @classmethod
+    def for_model(cls, model: nn.Module) -> MappedStorages:
+        return cls(max_bytes=2 * weight_bytes(model))
+
+    def keep(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Mark the storages of one payload most recent, then evict the oldest of earlier
-        payloads while more than `max_bytes` are kept."""
+        payloads while more than `self.max_bytes` are kept."""
         current: set[int] = set()
         for _, tensor in named_tensors:
             if tensor.device.type != "cpu":
@@ -94,7 +99,7 @@ class MappedStorages:
             else:
                 self._lru[key] = storage
                 self.num_bytes += storage.nbytes()
-        while self.num_bytes > max_bytes and self._lru:
+        while self.num_bytes > self.max_bytes and self._lru:
             key, storage = next(iter(self._lru.items()))
             if key in current:
                 break  # only this payload is left: keep it whole
@@ -127,7 +132,7 @@ def refit_from_serialized(model: nn.Module, serialized: list[str], load_format: 
     named_tensors = named_tensors_from_payload(payload, load_format)
     report = load_weights(model, named_tensors)
     if mapped is not None:
-        mapped.keep(named_tensors, max_bytes=2 * weight_bytes(model))
+        mapped.keep(named_tensors)
     return report
 
 
