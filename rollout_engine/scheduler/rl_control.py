@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 MAX_TRUNCATE_ROWS = 1024        # get_weights_by_name: rows a read may return
-MAX_WEIGHT_ELEMENTS = 1 << 20   # ... and elements (the .tolist() runs in the scheduler loop)
+MAX_WEIGHT_ELEMENTS = 1 << 20   # ... and elements (one memcpy in the loop; lists outside)
 
 
 def _tags(tags: Optional[list[str]]) -> list[str]:
@@ -142,7 +142,10 @@ class RLControl:
                 "seconds": time.perf_counter() - t0}
 
     # -- refit ---------------------------------------------------------------------------------
-    def _before_update(self, abort_all_requests: bool) -> None:
+    def _before_update(self, abort_all_requests: bool, **flags: Any) -> None:
+        """Refuse flags we cannot honour (`_check_flags`) and updates while the weights are
+        released; honour ``abort_all_requests``."""
+        _check_flags(abort_all_requests=abort_all_requests, **flags)
         if "weights" in self.s.memory_saver.released:
             raise BusyError("weights are released; resume_memory_occupation(['weights']) first")
         if abort_all_requests:
@@ -186,13 +189,12 @@ class RLControl:
                                      torch_empty_cache: bool = False, keep_pause: bool = False,
                                      **sglang_flags: Any) -> dict[str, Any]:
         """``sglang_flags``: is_async, recapture_cuda_graph, token_step, manifest, pp_rank."""
-        _check_flags(weight_version=weight_version, flush_cache=flush_cache,
-                     abort_all_requests=abort_all_requests, torch_empty_cache=torch_empty_cache,
-                     keep_pause=keep_pause, **sglang_flags)
         if load_format not in (None, "auto", "safetensors"):
             raise ValueError(f"load_format: {load_format!r} is not supported for disk "
                              "(None, 'auto', 'safetensors')")
-        self._before_update(abort_all_requests)
+        self._before_update(abort_all_requests, weight_version=weight_version,
+                            flush_cache=flush_cache, torch_empty_cache=torch_empty_cache,
+                            keep_pause=keep_pause, **sglang_flags)
         return self._apply(lambda: refit.refit_from_disk(self.s.runner.model, model_path),
                            weight_version, flush_cache, torch_empty_cache, keep_pause)
 
@@ -204,11 +206,10 @@ class RLControl:
                                        torch_empty_cache: bool = False,
                                        **sglang_flags: Any) -> dict[str, Any]:
         """``sglang_flags``: disable_draft_model (no draft model here), pp_rank."""
-        _check_flags(weight_version=weight_version, flush_cache=flush_cache,
-                     abort_all_requests=abort_all_requests, torch_empty_cache=torch_empty_cache,
-                     **sglang_flags)
         model = self.s.runner.model
-        self._before_update(abort_all_requests)
+        self._before_update(abort_all_requests, weight_version=weight_version,
+                            flush_cache=flush_cache, torch_empty_cache=torch_empty_cache,
+                            **sglang_flags)
         if self.mapped is None:     # sized from the model once: its weights never change size
             self.mapped = refit.MappedStorages.for_model(model)
         return self._apply(lambda: refit.refit_from_serialized(
@@ -245,10 +246,9 @@ class RLControl:
         anything is refused, so a refused update never leaves the trainer hanging."""
         received = self.s.update_groups.receive(list(names), list(dtypes), shapes, group_name,
                                                 load_format)
-        _check_flags(weight_version=weight_version, flush_cache=flush_cache,
-                     abort_all_requests=abort_all_requests, torch_empty_cache=torch_empty_cache,
-                     **sglang_flags)
-        self._before_update(abort_all_requests)
+        self._before_update(abort_all_requests, weight_version=weight_version,
+                            flush_cache=flush_cache, torch_empty_cache=torch_empty_cache,
+                            **sglang_flags)
         return self._apply(lambda: load_weights(self.s.runner.model, received),
                            weight_version, flush_cache, torch_empty_cache)
 
