@@ -1,15 +1,26 @@
-"""Reference attention in plain PyTorch (SDPA over gathered slots); the CPU default."""
+"""Attention in PyTorch (SDPA over gathered slots), the CPU default; decode uses the C++ paged
+kernel of ``cpu_kernels`` (K/V read in place, shared prefixes read once) where it can.
+
+The PyTorch decode path stays as the reference: ``use_kernel=False`` or the environment variable
+``ROLLOUT_ENGINE_ATTN_KERNEL=0`` forces it, and it is taken whenever the kernel cannot be built
+or does not cover the pool (not float32 on CPU, an unusual head_dim).
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool
+from rollout_engine.model_runner.attention import cpu_kernels
 from rollout_engine.model_runner.attention.base import AttentionBackend
 from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
+
+KERNEL_ENV = "ROLLOUT_ENGINE_ATTN_KERNEL"
 
 
 @dataclass
@@ -22,14 +33,40 @@ class _DecodeMeta:
 
 
 @dataclass
+class _KernelDecodeMeta:
+    plan: cpu_kernels.DecodePlan    # rows, lengths and shared-prefix groups for the kernel
+
+
+@dataclass
 class _ExtendMeta:
     slot_rows: list[torch.Tensor]           # per request: slots of positions [0, seq_len)
     masks: list[Optional[torch.Tensor]]     # per request: [E, L] causal mask, None if E == 1
 
 
 class TorchNativeBackend(AttentionBackend):
+    """SDPA over gathered slots; decode through the paged C++ kernel when available.
+
+    ``use_kernel``: None reads ``ROLLOUT_ENGINE_ATTN_KERNEL`` (on unless "0").
+    ``min_shared_len``: shortest shared prefix worth cascade attention; None disables it.
+    """
+
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool,
+                 use_kernel: Optional[bool] = None,
+                 min_shared_len: Optional[int] = cpu_kernels.DEFAULT_MIN_SHARED_LEN) -> None:
+        super().__init__(kv_pool, req_to_token)
+        if use_kernel is None:
+            use_kernel = os.environ.get(KERNEL_ENV, "1") != "0"
+        supported = cpu_kernels.kernel_supports(kv_pool.dtype, kv_pool.device, kv_pool.shape[2])
+        self.decode_kernel = cpu_kernels.load_paged_decode() if use_kernel and supported else None
+        self.min_shared_len = min_shared_len
+
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         table = self.req_to_token.table
+        if fb.mode == ForwardMode.DECODE and self.decode_kernel is not None:
+            plan = cpu_kernels.plan_decode(table, fb.req_pool_indices, fb.seq_lens,
+                                           max(fb.seq_lens_list), self.min_shared_len)
+            fb.attn_metadata = _KernelDecodeMeta(plan)
+            return
         if fb.mode == ForwardMode.DECODE:
             max_len = max(fb.seq_lens_list)
             idx = table[fb.req_pool_indices, :max_len].reshape(-1)
@@ -60,6 +97,10 @@ class TorchNativeBackend(AttentionBackend):
         pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         kbuf, vbuf = pool.k_buffers[layer_id], pool.v_buffers[layer_id]
         meta = fb.attn_metadata
+        if isinstance(meta, _KernelDecodeMeta):
+            assert self.decode_kernel is not None
+            return cpu_kernels.paged_decode(self.decode_kernel, q, kbuf, vbuf,
+                                            self.req_to_token.table, meta.plan, scaling)
         if isinstance(meta, _DecodeMeta):
             # index_select into per-forward scratch: no fresh 10-100 MB allocation (page faults)
             # per layer, and much faster than advanced indexing on CPU

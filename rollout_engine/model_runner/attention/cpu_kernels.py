@@ -1,0 +1,235 @@
+"""CPU paged decode attention: a C++ kernel that reads K/V from the pool in place, with
+shared-prefix (cascade) attention for rows that share their first slots, and its reference.
+
+Cascade (Hydragen) attention. In a GRPO batch the samples of one prompt share the prompt's KV
+slots (the radix cache hands siblings the same pages), so their slot rows agree on a prefix:
+
+    row r0:  | s0 s1 ... s127 | a0 a1 ... a70 |        shared prefix: slots [0, p)
+    row r1:  | s0 s1 ... s127 | b0 b1 ... b95 |        own suffix:    slots [p, seq_len)
+    ...
+
+Attention of one query row q over keys split into two parts P (prefix) and O (own) is
+
+    out = (sum_{j in P} e^{s_j} v_j + sum_{j in O} e^{s_j} v_j) / (sum_{j in P} e^{s_j} + sum_{j in O} e^{s_j})
+
+with s_j = scale * q . k_j. Each part is kept as an online-softmax state (m, l, acc):
+m = max_j s_j, l = sum_j e^{s_j - m}, acc = sum_j e^{s_j - m} v_j. Two states merge exactly by
+log-sum-exp: m = max(m1, m2), l = l1 e^{m1 - m} + l2 e^{m2 - m}, acc likewise, out = acc / l.
+So the prefix part of every member of a group (n rows x G query heads per KV head) is computed
+as one batched product against the prefix keys, read once instead of n times, and each row then
+continues from that state over its own suffix. The kernel (``csrc/paged_decode.cpp``) does both
+phases; ``paged_decode_ref`` below does the same in PyTorch, for tests.
+
+The kernel is compiled at first use with ``torch.utils.cpp_extension`` (ninja) into
+``$ROLLOUT_ENGINE_CACHE/torch_extensions`` (torch's default extensions directory when unset), so
+later processes only load it. If it cannot be built, ``load_paged_decode`` logs one warning and
+returns None, and the caller keeps its PyTorch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+DEFAULT_MIN_SHARED_LEN = 16     # shorter shared prefixes are not worth a separate pass
+MAX_CHUNK_ROWS = 16             # group members per prefix task: bounds the task's scratch
+
+PagedDecodeOp = Callable[..., torch.Tensor]
+
+
+def _cpu_tag() -> str:
+    """Short hash of what the compiled code depends on: torch, Python, the CPU (-march=native)."""
+    cpu = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu += "".join(line for line in f if line.startswith(("model name", "flags")))
+    except OSError:
+        pass
+    key = f"{torch.__version__}|{platform.python_version()}|{cpu}"
+    return hashlib.sha1(key.encode()).hexdigest()[:10]
+
+
+def _build_directory(name: str) -> Optional[str]:
+    root = os.environ.get("ROLLOUT_ENGINE_CACHE")
+    if not root:
+        return None     # torch's default: $TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions
+    path = Path(root) / "torch_extensions" / name
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
+def _build() -> PagedDecodeOp:
+    """Compile (or, when up to date, just load) the kernel; raises on any failure."""
+    from torch.utils import cpp_extension
+
+    name = f"rollout_engine_paged_decode_{_cpu_tag()}"
+    flags = ["-O3", "-fopenmp"]
+    if platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64"):
+        flags.append("-march=native")
+    # -fopenmp: at::parallel_for is OpenMP inline code under torch's OpenMP backend; the
+    # library links libgomp.so.1, the soname torch already loaded, so one runtime runs both.
+    cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
+                       extra_ldflags=["-fopenmp"], build_directory=_build_directory(name),
+                       is_python_module=False, verbose=False)
+    return torch.ops.rollout_engine_cpu.paged_decode
+
+
+@functools.cache
+def load_paged_decode() -> Optional[PagedDecodeOp]:
+    """The compiled kernel, or None (after one warning) when it cannot be built or loaded."""
+    try:
+        return _build()
+    except Exception as e:  # noqa: BLE001 - any build/import failure means "use the torch path"
+        logger.warning("CPU paged decode attention kernel unavailable (%s: %s); using the "
+                       "PyTorch path", type(e).__name__, str(e).strip().splitlines()[-1:])
+        return None
+
+
+def kernel_supports(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and head_dim in SUPPORTED_HEAD_DIMS
+
+
+@dataclass
+class DecodePlan:
+    """Which rows share which prefix, as the kernel's index tensors (all int64).
+
+    Members of a group are split into chunks of at most ``MAX_CHUNK_ROWS`` rows; chunk c is the
+    batch rows ``members[chunk_offsets[c]:chunk_offsets[c + 1]]``, which share the slots
+    ``table[rows[members[chunk_offsets[c]]], :chunk_lens[c]]``. Row b then attends to its own
+    slots ``[own_start[b], seq_lens[b])``; ``own_start[b]`` is 0 for a row in no group.
+    """
+
+    rows: torch.Tensor            # [B] req_to_token rows
+    seq_lens: torch.Tensor        # [B]
+    own_start: torch.Tensor       # [B]
+    members: torch.Tensor         # [M] batch indices of grouped rows, chunk by chunk
+    chunk_offsets: torch.Tensor   # [num_chunks + 1]
+    chunk_lens: torch.Tensor      # [num_chunks] shared prefix length of each chunk
+
+    @property
+    def num_grouped_rows(self) -> int:
+        return int(self.members.numel())
+
+
+def _empty_plan(rows: torch.Tensor, seq_lens: torch.Tensor) -> DecodePlan:
+    z = torch.zeros(0, dtype=torch.int64)
+    return DecodePlan(rows, seq_lens, torch.zeros_like(seq_lens), z, torch.zeros(1, dtype=torch.int64), z)
+
+
+def plan_decode(table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
+                min_shared_len: Optional[int] = DEFAULT_MIN_SHARED_LEN) -> DecodePlan:
+    """Find groups of decode rows whose slot rows start with the same slots.
+
+    Rows are put in lexicographic order of their (masked) slot rows, so rows sharing a prefix
+    are neighbours, and ``lcp[i]`` = common prefix length of sorted neighbours i and i + 1. A
+    group is a run of neighbours; it shares the minimum lcp inside it. The run is cut where
+    ``lcp < min_shared_len``, and also where lcp is under half a neighbouring lcp: then that
+    pair shares only an outer prefix (say a system prompt common to every group) and keeping
+    the inner groups (each prompt's samples) saves more reads. ``min_shared_len=None`` plans
+    no sharing (every row attends to its whole row on its own).
+    """
+    rows = rows.to(torch.int64).contiguous()
+    seq_lens = seq_lens.to(torch.int64).contiguous()
+    num_rows = int(rows.numel())
+    if min_shared_len is None or num_rows < 2 or max_len < min_shared_len:
+        return _empty_plan(rows, seq_lens)
+    valid = torch.arange(max_len)[None, :] < seq_lens[:, None]          # [B, L]
+    key = torch.where(valid, table[rows, :max_len], -1)
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)          # lexicographic rank
+    order = torch.argsort(inverse, stable=True)
+    a, b = order[:-1], order[1:]
+    same = (key[a] == key[b]) & valid[a] & valid[b]
+    lcp = same.to(torch.int32).cumprod(dim=1).sum(dim=1)                # [B - 1]
+    neighbour = torch.zeros_like(lcp)
+    if lcp.numel() > 1:
+        neighbour[1:] = lcp[:-1]
+        neighbour[:-1] = torch.maximum(neighbour[:-1], lcp[1:])
+    cut = (lcp < min_shared_len) | (2 * lcp < neighbour)
+    gid = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(cut, 0)])  # per sorted pos
+    num_groups = int(gid[-1]) + 1
+    size = torch.bincount(gid, minlength=num_groups)
+    shared = torch.full((num_groups,), max_len, dtype=torch.int64)
+    inner = ~cut
+    shared.scatter_reduce_(0, gid[1:][inner], lcp[inner].to(torch.int64), reduce="amin")
+    grouped = size[gid] >= 2                                            # per sorted position
+    if not bool(grouped.any()):
+        return _empty_plan(rows, seq_lens)
+    own_start = torch.zeros_like(seq_lens)
+    own_start[order[grouped]] = shared[gid[grouped]]
+    # chunks: consecutive grouped positions of one group, MAX_CHUNK_ROWS at a time
+    pos = torch.nonzero(grouped).flatten()
+    g = gid[pos]
+    first = torch.searchsorted(gid, g)                                  # group's first position
+    starts = ((pos - first) % MAX_CHUNK_ROWS) == 0
+    chunk_first = torch.nonzero(starts).flatten()
+    chunk_offsets = torch.cat([chunk_first, torch.tensor([pos.numel()])])
+    return DecodePlan(rows, seq_lens, own_start, order[pos].contiguous(), chunk_offsets,
+                      shared[g[chunk_first]].contiguous())
+
+
+def paged_decode(op: PagedDecodeOp, q: torch.Tensor, k_buffer: torch.Tensor,
+                 v_buffer: torch.Tensor, table: torch.Tensor, plan: DecodePlan,
+                 scale: float) -> torch.Tensor:
+    """q ``[B, Hq, D]`` -> ``[B, Hq, D]``: row b attends to slots ``table[rows[b], :seq_lens[b]]``
+    of one layer's pool buffers ``[num_slots + 1, Hkv, D]`` (float32, read in place)."""
+    return op(q.contiguous(), k_buffer, v_buffer, table, plan.rows, plan.seq_lens,
+              plan.own_start, plan.members, plan.chunk_offsets, plan.chunk_lens, float(scale))
+
+
+def _partial(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Online-softmax state (m, l, acc) of queries ``[Hkv, N, D]`` over keys ``[Hkv, L, D]``."""
+    if keys.shape[1] == 0:      # nothing to attend to: the state that merges as a no-op
+        shape = (*q.shape[:2], 1)
+        return (torch.full(shape, -torch.inf, dtype=q.dtype), torch.zeros(shape, dtype=q.dtype),
+                torch.zeros_like(q))
+    s = torch.matmul(q, keys.transpose(1, 2)) * scale                   # [Hkv, N, L]
+    m = s.amax(dim=-1, keepdim=True)
+    p = torch.exp(s - m)
+    return m, p.sum(dim=-1, keepdim=True), torch.matmul(p, values)
+
+
+def paged_decode_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                     table: torch.Tensor, plan: DecodePlan, scale: float) -> torch.Tensor:
+    """What the kernel computes, in PyTorch (float64 inside): each chunk's prefix once, each
+    row's own suffix, merged by log-sum-exp. For tests; slow."""
+    bsz, hq, hd = q.shape
+    hkv = k_buffer.shape[1]
+    qg = q.double().reshape(bsz, hkv, hq // hkv, hd)                    # [B, Hkv, G, D]
+    kb, vb = k_buffer.double(), v_buffer.double()
+    state: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    offsets = plan.chunk_offsets.tolist()
+    for c, n in enumerate(plan.chunk_lens.tolist()):
+        members = plan.members[offsets[c]:offsets[c + 1]]
+        slots = table[plan.rows[members[0]], :n]
+        keys, values = kb[slots].transpose(0, 1), vb[slots].transpose(0, 1)
+        queries = qg[members].transpose(0, 1).reshape(hkv, -1, hd)      # [Hkv, n_m * G, D]
+        m, denom, acc = (t.reshape(hkv, len(members), -1, t.shape[-1]).transpose(0, 1)
+                         for t in _partial(queries, keys, values, scale))
+        for i, b in enumerate(members.tolist()):
+            state[b] = (m[i], denom[i], acc[i])
+    out = torch.empty(bsz, hkv, hq // hkv, hd, dtype=torch.float64)
+    for b in range(bsz):
+        slots = table[plan.rows[b], int(plan.own_start[b]):int(plan.seq_lens[b])]
+        m2, denom2, acc2 = _partial(qg[b], kb[slots].transpose(0, 1),
+                                    vb[slots].transpose(0, 1), scale)
+        if b in state:
+            m1, denom1, acc1 = state[b]
+            m = torch.maximum(m1, m2)
+            w1, w2 = torch.exp(m1 - m), torch.exp(m2 - m)                # e^{-inf} = 0: empty
+            denom2, acc2 = denom1 * w1 + denom2 * w2, acc1 * w1 + acc2 * w2
+        out[b] = acc2 / denom2
+    return out.reshape(bsz, hq, hd).to(q.dtype)
