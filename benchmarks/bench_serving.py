@@ -1,18 +1,18 @@
-"""Online serving: streaming /generate requests against a live server, next to the same workload
-through ``transformers.generate`` in-process, one request at a time (what a naive server does).
+"""Online serving: our server vs vLLM's OpenAI server (CPU build), the same streaming workload.
 
-Requests arrive as a Poisson process at ``--rate`` req/s (``inf``: all at once) or are kept at a
-fixed ``--concurrency``. Prompts are random ids (seeded); every request generates exactly
-``--output-len`` tokens (``ignore_eos``), temperature 1.0, on the ~55M tiny qwen2, float32, with
-the same torch thread count on both sides. Without ``--url`` a server is started and stopped.
+Both servers get the same requests on the same OpenAI route, ``/v1/completions`` with
+``stream: true``: prompts of random token ids (seeded), exactly ``--output-len`` new tokens
+(``ignore_eos``), temperature 1.0, on the ~55M tiny qwen2 directory, float32, 2 threads. At most
+``--concurrency`` streams are in flight (each of 16 and 64 by default); the servers run one after
+the other, never at once, each started and stopped by this script (vLLM in its own venv through
+``vllm_peer.py``; skipped with a message when that cannot be set up).
 
-    python benchmarks/bench_serving.py --quick             # 16 requests x 32 tokens (< 1 min;
-                                                           # transformers on the first 4)
-    python benchmarks/bench_serving.py --rate 4            # full, Poisson arrivals
-    python benchmarks/bench_serving.py --url http://127.0.0.1:30000 --concurrency 8
+    python benchmarks/bench_serving.py --quick                 # 16 streams x 32 tokens
+    python benchmarks/bench_serving.py                         # 16 and 64 streams, 128 tokens
+    python benchmarks/bench_serving.py --sides ours --url http://127.0.0.1:30000
 
-Reports throughput, TTFT and inter-token latency p50 / p99; the last line printed is the ratio
-server tok/s / transformers tok/s.
+Reports throughput, TTFT and inter-token latency (ITL) p50 / p99. The last line printed is
+ours / vLLM throughput at the highest concurrency.
 """
 
 from __future__ import annotations
@@ -21,163 +21,139 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import socket
 import subprocess
 import sys
 import time
 from typing import Any, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 
 import common  # noqa: E402
-import torch  # noqa: E402
+import vllm_peer  # noqa: E402
 
 
 def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     return torch.randint(5, vocab, (num, length), generator=g).tolist()  # no special ids
 
 
-# -- the server ----------------------------------------------------------------------------------
-def start_server(model_dir: str, threads: int) -> tuple[subprocess.Popen, str]:
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rollout_engine.launch_server", "--model-path", model_dir,
-         "--port", str(port), "--dtype", "float32", "--device", "cpu",
-         "--num-threads", str(threads), "--random-seed", "0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
+        return s.getsockname()[1]
+
+
+def start_server(side: str, model_dir: str, threads: int, max_seqs: int
+                 ) -> tuple[subprocess.Popen, str]:
+    """Our server or vLLM's, on a free loopback port; returns once ``/health`` answers."""
     import httpx
 
-    deadline = time.time() + 300
+    port = _free_port()
+    if side == "ours":
+        cmd = [sys.executable, "-m", "rollout_engine.launch_server", "--model-path", model_dir,
+               "--port", str(port), "--dtype", "float32", "--device", "cpu",
+               "--num-threads", str(threads), "--random-seed", "0",
+               "--max-running-requests", str(max_seqs)]
+        env = None
+    else:
+        py = vllm_peer.vllm_python()
+        if py is None:
+            raise RuntimeError("vLLM is not available")
+        cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+               "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
+               "--enable-prefix-caching", "--max-num-seqs", str(max_seqs), "--seed", "0",
+               "--no-enable-log-requests"]
+        env = vllm_peer.vllm_env(threads)
+    log = open(os.path.join(common.RESULTS_DIR, f".{side}_server.log"), "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd="/")
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {proc.stderr.read().decode()[-2000:]}")
+            raise RuntimeError(f"the {side} server exited (rc {proc.returncode}); see {log.name}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
             pass
-        time.sleep(0.2)
+        time.sleep(0.5)
     proc.kill()
-    raise RuntimeError("the server did not become healthy within 300 s")
+    raise RuntimeError(f"the {side} server did not become healthy within 600 s")
 
 
-async def one_request(client: Any, prompt: list[int], output_len: int, seed: int
+async def one_request(client: Any, model: str, prompt: list[int], output_len: int
                       ) -> dict[str, Any]:
-    body = {"input_ids": prompt, "stream": True, "sampling_params": {
-        "max_new_tokens": output_len, "temperature": 1.0, "ignore_eos": True,
-        "sampling_seed": seed}}
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 1.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     times: list[float] = []
     tokens = 0
-    async with client.stream("POST", "/generate", json=body) as r:
+    async with client.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            if len(chunk["output_ids"]) > tokens:   # chunks are cumulative, as SGLang's
+                raise RuntimeError(str(chunk["error"]))
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
                 times.append(time.perf_counter())
-                tokens = len(chunk["output_ids"])
-    return {"start": t0, "ttft": times[0] - t0, "e2e": times[-1] - t0, "tokens": tokens,
-            "itl": [b - a for a, b in zip(times, times[1:])]}
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return {"ttft": times[0] - t0, "e2e": times[-1] - t0, "tokens": tokens,
+            "itl": [b - a for a, b in zip(times, times[1:])], "chunks": len(times)}
 
 
-async def run_load(url: str, prompts: list[list[int]], output_len: int, rate: float,
-                   concurrency: Optional[int], seed: int) -> dict[str, Any]:
+async def run_load(url: str, prompts: list[list[int]], output_len: int, concurrency: int
+                   ) -> dict[str, Any]:
     import httpx
 
-    rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=len(prompts) + 8)
-    gate = asyncio.Semaphore(concurrency or len(prompts))
+    limits = httpx.Limits(max_connections=concurrency + 8)
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=1800, limits=limits) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        # warm-up: a full wave of the same kind of request
+        await asyncio.gather(*(one_request(client, model, p, 8) for p in prompts[:concurrency]))
 
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        await one_request(client, prompts[0][:8], 4, seed)        # warm-up through the stack
-
-        async def gated(i: int, delay: float) -> dict[str, Any]:
-            await asyncio.sleep(delay)
+        async def gated(p: list[int]) -> dict[str, Any]:
             async with gate:
-                return await one_request(client, prompts[i], output_len, seed + i)
+                return await one_request(client, model, p, output_len)
 
-        delays, t = [], 0.0
-        for _ in prompts:
-            delays.append(t)
-            if rate != float("inf"):
-                t += rng.expovariate(rate)
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(gated(i, d) for i, d in enumerate(delays)))
+        results = await asyncio.gather(*(gated(p) for p in prompts))
         wall = time.perf_counter() - t0
-    tokens = sum(r["tokens"] for r in results)
     assert all(r["tokens"] == output_len for r in results), "ignore_eos lengths differ"
+    tokens = sum(r["tokens"] for r in results)
     ttft = [r["ttft"] for r in results]
     itl = [x for r in results for x in r["itl"]]
-    e2e = [r["e2e"] for r in results]
     ms = 1000.0
     return {"wall_s": wall, "requests": len(results), "generated_tokens": tokens,
-            "tok_s": tokens / wall, "req_s": len(results) / wall,
-            "ttft_ms": {"p50": common.p50(ttft) * ms, "p99": common.p99(ttft) * ms,
-                        "mean": sum(ttft) / len(ttft) * ms},
-            "itl_ms": {"p50": common.p50(itl) * ms, "p99": common.p99(itl) * ms,
-                       "mean": sum(itl) / max(len(itl), 1) * ms},
-            "e2e_s": {"p50": common.p50(e2e), "p99": common.p99(e2e)}}
-
-
-# -- the baseline --------------------------------------------------------------------------------
-def run_hf(model_dir: str, prompts: list[list[int]], output_len: int, seed: int
-           ) -> dict[str, Any]:
-    """``transformers.generate`` per request, in arrival order (no batching across requests)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-    def generate(ids: list[int], new: int) -> int:
-        x = torch.tensor([ids])
-        with torch.inference_mode():
-            out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=True,
-                                 temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new,
-                                 min_new_tokens=new, pad_token_id=0)
-        return out.shape[1] - len(ids)
-
-    torch.manual_seed(seed)
-    generate(prompts[0][:8], 4)
-    e2e = []
-    t0 = time.perf_counter()
-    for p in prompts:
-        t = time.perf_counter()
-        assert generate(p, output_len) == output_len
-        e2e.append(time.perf_counter() - t)
-    wall = time.perf_counter() - t0
-    tokens = len(prompts) * output_len
-    return {"wall_s": wall, "generated_tokens": tokens, "tok_s": tokens / wall,
-            "per_token_ms": wall / tokens * 1000.0,
-            "e2e_s": {"p50": common.p50(e2e), "p99": common.p99(e2e)}}
+            "tok_s": tokens / wall,
+            "chunks_per_request": sum(r["chunks"] for r in results) / len(results),
+            "ttft_ms": {"p50": common.p50(ttft) * ms, "p99": common.p99(ttft) * ms},
+            "itl_ms": {"p50": common.p50(itl) * ms, "p99": common.p99(itl) * ms}}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--url", help="a running server; default: start one")
-    ap.add_argument("--quick", action="store_true", help="16 requests x 32 new tokens")
-    ap.add_argument("--num-requests", type=int)
+    ap.add_argument("--quick", action="store_true", help="16 streams, 32 new tokens")
+    ap.add_argument("--concurrency", default=None, help="comma-separated (default 16,64)")
+    ap.add_argument("--requests-per-stream", type=int, default=2,
+                    help="requests = concurrency x this")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int)
-    ap.add_argument("--rate", type=float, default=float("inf"),
-                    help="Poisson arrival rate, requests/s (inf = all at once)")
-    ap.add_argument("--concurrency", type=int, help="at most this many requests in flight")
     ap.add_argument("--threads", type=int, default=common.DEFAULT_THREADS)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-baseline", action="store_true", help="skip transformers")
-    ap.add_argument("--baseline-requests", type=int,
-                    help="requests run through transformers (default: all; 4 with --quick). "
-                         "Sequential tok/s does not depend on how many are run.")
-    ap.add_argument("--name", default="bench_serving", help="results/<name>.json")
+    ap.add_argument("--sides", default="ours,vllm")
+    ap.add_argument("--url", help="a running server for the first side instead of starting one")
+    ap.add_argument("--name", default=None, help="results/<name>.json")
     args = ap.parse_args()
-    num = args.num_requests or (16 if args.quick else 64)
+    levels = ([int(c) for c in args.concurrency.split(",")] if args.concurrency
+              else [16] if args.quick else [16, 64])
     output_len = args.output_len or (32 if args.quick else 128)
 
     threads = common.set_threads(args.threads)
@@ -185,58 +161,66 @@ def main() -> None:
 
     model_dir = str(tiny_model_path("qwen2", **PRESET_55M))
     mach = common.measure_machine()
-    params = common.model_params(model_dir)
-    roof = common.compute_roofline_tok_s(mach["matmul_fp32_gflops"], params["matmul"])
-    arrival = (f"concurrency {args.concurrency}" if args.concurrency else
-               "all at once" if args.rate == float("inf") else f"Poisson {args.rate:g} req/s")
-    print(f"machine: {mach['cores']} cores, {mach['cpu_model']}, torch {mach['torch']}, "
-          f"{threads} threads; matmul {mach['matmul_fp32_gflops']:.1f} GFLOP/s", flush=True)
-    print(f"workload: {num} requests ({arrival}), {args.input_len}-token prompts, {output_len} "
-          f"new tokens, T=1.0, ignore_eos, streaming /generate", flush=True)
+    print(f"machine: {mach['cores']} cores, {mach['cpu_model']} ({', '.join(mach['cpu_flags'])}),"
+          f" torch {mach['torch']}, {threads} threads; matmul {mach['matmul_fp32_gflops']:.1f} "
+          f"GFLOP/s", flush=True)
+    print(f"workload: concurrency {levels}, {args.requests_per_stream} requests per stream, "
+          f"{args.input_len}-token prompts, {output_len} new, T=1, ignore_eos, streaming "
+          f"/v1/completions", flush=True)
 
-    prompts = make_prompts(num, args.input_len, 32000, args.seed)
-    proc = None
-    url = args.url
-    t0 = time.perf_counter()
-    if url is None:
-        proc, url = start_server(model_dir, threads)
-    startup = time.perf_counter() - t0
-    try:
-        srv = asyncio.run(run_load(url, prompts, output_len, args.rate, args.concurrency,
-                                   args.seed))
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
-    print(f"server:       {srv['tok_s']:8.1f} tok/s  {srv['req_s']:.2f} req/s  TTFT p50 "
-          f"{srv['ttft_ms']['p50']:.0f} / p99 {srv['ttft_ms']['p99']:.0f} ms  ITL p50 "
-          f"{srv['itl_ms']['p50']:.1f} / p99 {srv['itl_ms']['p99']:.1f} ms", flush=True)
-    num_hf = args.baseline_requests or (4 if args.quick else num)
-    hf = None if args.no_baseline else run_hf(model_dir, prompts[:num_hf], output_len,
-                                              args.seed)
-    rows = [["server (HTTP, streaming)", srv["tok_s"], srv["wall_s"], srv["tok_s"] / roof]]
-    if hf is not None:
-        print(f"transformers: {hf['tok_s']:8.1f} tok/s  (sequential, {hf['per_token_ms']:.1f} "
-              f"ms/token, first {num_hf} requests)", flush=True)
-        rows.append(["transformers (sequential)", hf["tok_s"], hf["wall_s"], hf["tok_s"] / roof])
-    rows.append(["compute roofline (2P)", roof, "", 1.0])
-    print(common.table(rows, ["", "tok/s", "wall s", "fraction of roofline"]))
-    ratio = srv["tok_s"] / hf["tok_s"] if hf is not None else None
-    path = common.save_result(args.name, {
-        "mode": "quick" if args.quick else "full", "machine": mach,
-        "workload": {"requests": num, "arrival": arrival, "rate": args.rate,
-                     "concurrency": args.concurrency, "input_len": args.input_len,
-                     "output_len": output_len, "temperature": 1.0, "ignore_eos": True,
-                     "model": "tiny qwen2 PRESET_55M", "dtype": "float32", "threads": threads,
-                     "server": "started by the benchmark" if proc is not None else url},
-        "params": params, "roofline_tok_s": roof, "server_startup_s": startup,
-        "server": srv, "transformers_sequential": hf, "transformers_requests": num_hf,
-        "ratio_server_over_transformers": ratio,
-    })
+    found: dict[str, dict[str, Any]] = {}
+    sides = [s for s in args.sides.split(",") if s]
+    for i, side in enumerate(sides):
+        proc = None
+        try:
+            if args.url and i == 0:
+                url = args.url
+            else:
+                proc, url = start_server(side, model_dir, threads, max(256, max(levels)))
+        except RuntimeError as exc:
+            print(f"{side}: skipped ({exc})", flush=True)
+            continue
+        try:
+            found[side] = {}
+            for c in levels:
+                prompts = make_prompts(c * args.requests_per_stream, args.input_len, 32000,
+                                       args.seed + c)
+                r = asyncio.run(run_load(url, prompts, output_len, c))
+                found[side][str(c)] = r
+                print(f"{side} x{c}: {r['tok_s']:.1f} tok/s, TTFT p50 {r['ttft_ms']['p50']:.0f}"
+                      f" / p99 {r['ttft_ms']['p99']:.0f} ms, ITL p50 {r['itl_ms']['p50']:.1f} / "
+                      f"p99 {r['itl_ms']['p99']:.1f} ms", flush=True)
+        finally:
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    rows = []
+    for c in levels:
+        for side in sides:
+            r: Optional[dict[str, Any]] = found.get(side, {}).get(str(c))
+            if r is not None:
+                rows.append([c, side, r["tok_s"], r["ttft_ms"]["p50"], r["ttft_ms"]["p99"],
+                             r["itl_ms"]["p50"], r["itl_ms"]["p99"]])
+    print(common.table(rows, ["streams", "server", "tok/s", "TTFT p50 ms", "TTFT p99 ms",
+                              "ITL p50 ms", "ITL p99 ms"]))
+    name = args.name or ("bench_serving_quick" if args.quick else "bench_serving")
+    path = common.save_result(name, {
+        "machine": mach,
+        "workload": {"concurrency": levels, "requests_per_stream": args.requests_per_stream,
+                     "input_len": args.input_len, "output_len": output_len,
+                     "temperature": 1.0, "ignore_eos": True, "route": "/v1/completions",
+                     "model": "tiny qwen2 PRESET_55M", "dtype": "float32", "threads": threads},
+        "results": found})
     print(f"saved {path}")
-    if ratio is not None:
-        print(f"server / transformers (sequential) throughput ratio: {ratio:.2f}x "
-              f"({srv['tok_s']:.0f} vs {hf['tok_s']:.0f} tok/s)")
+    top = str(max(levels))
+    if top in found.get("ours", {}) and top in found.get("vllm", {}):
+        o, v = found["ours"][top], found["vllm"][top]
+        print(f"ours / vLLM at {top} streams: {o['tok_s'] / v['tok_s']:.2f}x throughput "
+              f"({o['tok_s']:.0f} vs {v['tok_s']:.0f} tok/s), ITL p50 {o['itl_ms']['p50']:.1f} "
+              f"vs {v['itl_ms']['p50']:.1f} ms")
 
 
 if __name__ == "__main__":
