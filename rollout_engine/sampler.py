@@ -10,12 +10,19 @@ temperature (``T = 0``, greedy, scores raw logits: ``T = 1``), computed before p
 top-k / top-p / min-p truncation: what a trainer recomputes from the same weights. ``top_k = 1``
 samples greedily but keeps its temperature for the logprobs. ``_scaled`` is the one place where
 a temperature becomes a divisor.
+
+One pass over ``[B, V]`` where it can be: the logprobs are computed once and, without
+penalties, are also the sampling distribution (``exp`` of them, not a second softmax). Top-k
+and top-p look only at ``torch.topk`` candidates (top-p grows the candidate count until the
+mass reaches ``p``, then falls back to a sort); the kept tokens are the same set a stable
+descending sort keeps (ties go to the lower id) and are sampled by inverse CDF in vocabulary
+order, as over the full vocabulary.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -40,6 +47,82 @@ def derive_seed(seed: int, index: int) -> int:
 
 
 @dataclass
+class Penalties:
+    """Penalties of the rows that have any, as sparse entries; they shape the sampling
+    distribution only, never the returned logprobs. Applied to the raw logits in this order:
+    ``repetition`` (``x / r`` where ``x > 0``, else ``x * r``), then ``additive`` (frequency and
+    presence as ``-(f * count + p)``, ``-inf`` for ids banned by ``min_new_tokens``)."""
+
+    rows: torch.Tensor                                   # [P] int64 batch rows, ascending
+    repetition: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    additive: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    # each: (index into ``rows`` [N] int64, token id [N] int64, value [N] float32)
+
+
+class PenaltyCounts:
+    """Token counts of the requests that use penalties, one device row each: taken when such a
+    request first samples, updated in place as its tokens are appended (``record``), given back
+    when it ends. Rows grow by doubling up to the most such requests alive at once; the tensors
+    are dropped whenever no request holds a row."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.free_rows: list[int] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        v, dev = self.vocab_size, self.device
+        self.counts = torch.zeros((0, v), dtype=torch.float32, device=dev)  # output tokens
+        self.seen = torch.zeros((0, v), dtype=torch.bool, device=dev)       # prompt or output
+        self.free_rows = []
+
+    @property
+    def num_used(self) -> int:
+        return self.counts.shape[0] - len(self.free_rows)
+
+    def take(self, prompt_ids: list[int], output_ids: list[int]) -> int:
+        """A row counting ``output_ids`` and marking ``prompt_ids + output_ids`` seen."""
+        if not self.free_rows:
+            old = self.counts.shape[0]
+            new = max(2 * old, 8)
+            self.counts = torch.cat([self.counts, self.counts.new_zeros(new - old, self.vocab_size)])
+            self.seen = torch.cat([self.seen, self.seen.new_zeros(new - old, self.vocab_size)])
+            self.free_rows = list(range(new - 1, old - 1, -1))
+        row = self.free_rows.pop()
+        self.counts[row].zero_()
+        self.seen[row].zero_()
+        if output_ids:
+            out = torch.tensor(output_ids, dtype=torch.int64, device=self.device)
+            self.counts[row].index_add_(0, out, torch.ones(len(output_ids), device=self.device))
+        ids = prompt_ids + output_ids
+        if ids:
+            self.seen[row, torch.tensor(ids, dtype=torch.int64, device=self.device)] = True
+        return row
+
+    def give_back(self, row: int) -> None:
+        self.free_rows.append(row)
+        if self.num_used == 0:
+            self._reset()
+
+    def record(self, rows: list[int], tokens: list[int]) -> None:
+        """Token ``tokens[i]`` was appended to the request holding ``rows[i]``."""
+        r = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        t = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        self.counts.index_put_((r, t), torch.ones(len(rows), device=self.device), accumulate=True)
+        self.seen[r, t] = True
+
+    def entries(self, rows: list[int], seen: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """Sparse ``(i, token, count)`` of rows ``rows`` (``i`` indexes ``rows``): output counts,
+        or with ``seen`` every seen token (no count)."""
+        sub = (self.seen if seen else self.counts).index_select(
+            0, torch.tensor(rows, dtype=torch.int64, device=self.device))
+        i, tok = sub.nonzero(as_tuple=True)
+        return i, tok, (None if seen else sub[i, tok])
+
+
+@dataclass
 class SamplingBatch:
     """Per-row sampling parameters for one forward's sampled rows, as tensors."""
 
@@ -48,18 +131,16 @@ class SamplingBatch:
     top_ks: torch.Tensor            # [B] int64, vocab size for "all"
     min_ps: torch.Tensor            # [B] float32
     uniforms: torch.Tensor          # [B] float64
-    # additive logit penalties and banned tokens; None when no row needs them
-    logit_bias: Optional[torch.Tensor] = None       # [B, V] float32
-    repetition_penalties: Optional[torch.Tensor] = None  # [B] float32
-    repetition_mask: Optional[torch.Tensor] = None  # [B, V] bool: token seen in prompt or output
-    top_logprobs_num: int = 0
+    penalties: Optional[Penalties] = None
+    top_logprobs_num: Union[int, list[int]] = 0      # per row, or one number for every row
 
 
 @dataclass
 class SampleOutput:
     token_ids: list[int]
     logprobs: list[float]                       # logprob of the chosen token
-    top_logprobs: Optional[list[list[tuple[float, int]]]]  # when top_logprobs_num > 0
+    # per row (empty for a row that asked for none); None when no row asked
+    top_logprobs: Optional[list[list[tuple[float, int]]]]
 
 
 def _scaled(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
@@ -77,83 +158,105 @@ def compute_logprobs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.
     return torch.log_softmax(_scaled(logits, temperatures), dim=-1)
 
 
-def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
-    """Choose one token per row of ``logits`` ([B, V] float32)."""
-    logprobs = compute_logprobs(logits, sb.temperatures)
-    logits = apply_penalties(logits, sb)
-    greedy = greedy_rows(sb)
-    all_greedy = bool(greedy.all())
-    # argmax over [B, V] only when some row is greedy
-    tokens = torch.argmax(logits, dim=-1) if all_greedy or bool(greedy.any()) else None
-    if not all_greedy:
-        sampled = _sample_filtered(logits, sb)
-        tokens = sampled if tokens is None else torch.where(greedy, tokens, sampled)
-    assert tokens is not None
-    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
-    top = None
-    if sb.top_logprobs_num > 0:
-        vals, idx = logprobs.topk(sb.top_logprobs_num, dim=-1)
-        top = [list(zip(v, i)) for v, i in zip(vals.tolist(), idx.tolist())]
-    return SampleOutput(tokens.tolist(), chosen.tolist(), top)
-
-
 def greedy_rows(sb: SamplingBatch) -> torch.Tensor:
     """[B] bool: rows that take the argmax (``SamplingParams.is_greedy``: T = 0 or top_k = 1)."""
     return (sb.temperatures == 0) | (sb.top_ks == 1)
 
 
-def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    if sb.repetition_penalties is not None and sb.repetition_mask is not None:
-        p = sb.repetition_penalties[:, None]
-        penalised = torch.where(logits > 0, logits / p, logits * p)
-        logits = torch.where(sb.repetition_mask, penalised, logits)
-    if sb.logit_bias is not None:
-        logits = logits + sb.logit_bias
-    return logits
+def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
+    """The penalised raw logits of ``pen.rows``: a new [P, V] tensor."""
+    x = logits.index_select(0, pen.rows)
+    if pen.repetition is not None:
+        r, tok, value = pen.repetition
+        seen = x[r, tok]
+        x[r, tok] = torch.where(seen > 0, seen / value, seen * value)
+    if pen.additive is not None:
+        r, tok, value = pen.additive
+        x.index_put_((r, tok), value, accumulate=True)
+    return x
 
 
-def filtered_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """softmax(logits / T) restricted by top-k, top-p and min-p, renormalised. [B, V]."""
-    probs = torch.softmax(_scaled(logits, sb.temperatures), dim=-1)
-    vocab = probs.shape[-1]
-    need_sort = bool((sb.top_ks < vocab).any()) or bool((sb.top_ps < 1.0).any())
-    if need_sort:
-        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
-        ranks = torch.arange(vocab, device=probs.device)[None, :]
-        keep = ranks < sb.top_ks[:, None]
-        # top-p keeps the smallest head whose mass reaches p: a token stays if the mass before it < p
-        before = sorted_p.cumsum(dim=-1) - sorted_p
-        keep &= before < sb.top_ps[:, None]
-        keep[:, 0] = True
-        sorted_p = sorted_p * keep
-        probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
-    if bool((sb.min_ps > 0).any()):
-        threshold = probs.max(dim=-1, keepdim=True).values * sb.min_ps[:, None]
-        probs = torch.where(probs >= threshold, probs, torch.zeros_like(probs))
-    # every path above leaves ``probs`` a fresh tensor of our own: normalise in place
-    return probs.div_(probs.sum(dim=-1, keepdim=True))
+def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
+    """Choose one token per row of ``logits`` ([B, V] float32)."""
+    b, vocab = logits.shape
+    logprobs = compute_logprobs(logits, sb.temperatures)
+    greedy = greedy_rows(sb)
+    truncated = ~greedy & ((sb.top_ks < vocab) | (sb.top_ps < 1))
+    plain = ~greedy & ~truncated
+    # what greedy rows take the argmax of, and the log-distribution the other rows sample from
+    scores, dist = logits, logprobs
+    pen = sb.penalties
+    if pen is not None and pen.rows.numel():
+        raw = apply_penalties(logits, pen)
+        pen_dist = torch.log_softmax(_scaled(raw, sb.temperatures[pen.rows]), dim=-1)
+        if pen.rows.numel() == b:
+            scores, dist = raw, pen_dist
+        else:
+            is_pen = torch.zeros(b, dtype=torch.bool, device=logits.device)
+            is_pen[pen.rows] = True
+            if bool((greedy & is_pen).any()):
+                scores = logits.index_copy(0, pen.rows, raw)
+            if bool((~greedy & is_pen).any()):
+                dist = logprobs.index_copy(0, pen.rows, pen_dist)
+    tokens = torch.empty(b, dtype=torch.int64, device=logits.device)
+    for mask, pick in ((greedy, None), (plain, _sample_plain), (truncated, _sample_truncated)):
+        idx = mask.nonzero().squeeze(1)
+        n = idx.numel()
+        if n == 0:
+            continue
+        whole = n == b
+        if pick is None:
+            tokens[idx] = (scores if whole else scores.index_select(0, idx)).argmax(dim=-1)
+        else:
+            rows = dist if whole else dist.index_select(0, idx)
+            tokens[idx] = pick(rows, *(t if whole else t[idx] for t in (
+                sb.top_ks, sb.top_ps, sb.min_ps, sb.uniforms)))
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    return SampleOutput(tokens.tolist(), chosen.tolist(), _top_logprobs(logprobs, sb))
 
 
-_CDF_BLOCK = 128
+def _top_logprobs(logprobs: torch.Tensor, sb: SamplingBatch
+                  ) -> Optional[list[list[tuple[float, int]]]]:
+    """Top logprobs of the rows that ask for them (only those rows pay for topk)."""
+    b, vocab = logprobs.shape
+    nums = sb.top_logprobs_num
+    nums = [nums] * b if isinstance(nums, int) else nums
+    asking = [i for i, k in enumerate(nums) if k > 0]
+    if not asking:
+        return None
+    k = min(max(nums), vocab)
+    rows = logprobs if len(asking) == b else logprobs[asking]
+    vals, idx = rows.topk(k, dim=-1)
+    top: list[list[tuple[float, int]]] = [[] for _ in range(b)]
+    for i, v, t in zip(asking, vals.tolist(), idx.tolist()):
+        top[i] = list(zip(v[:nums[i]], t[:nums[i]]))
+    return top
 
 
 _BLOCK = 256
 
 
-def _sample_filtered(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """Inverse-CDF sampling in two levels (blocks of the vocabulary, then tokens of one block),
-    in float64, so no [B, V] float64 cumsum is ever built."""
-    probs = filtered_probs(logits, sb)
+def _sample_plain(dist: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+                  min_ps: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Rows without top-k / top-p: ``exp(dist)`` (no second softmax), min-p applied."""
+    probs = dist.exp()
+    if bool((min_ps > 0).any()):
+        threshold = probs.amax(dim=-1, keepdim=True) * min_ps[:, None]
+        probs.masked_fill_(probs < threshold, 0.0)
+    return _inverse_cdf(probs, uniforms)
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF of unnormalised ``probs`` [B, V] in vocabulary order, in two levels (blocks
+    of the vocabulary, then tokens of one block) in float64, so no [B, V] float64 cumsum is
+    ever built."""
     b, v = probs.shape
     nb = -(-v // _BLOCK)
-    if nb * _BLOCK != v:
-        probs_padded = torch.nn.functional.pad(probs, (0, nb * _BLOCK - v))
-    else:
-        probs_padded = probs
-    padded = probs_padded.view(b, nb, _BLOCK)
+    padded = probs if nb * _BLOCK == v else torch.nn.functional.pad(probs, (0, nb * _BLOCK - v))
+    padded = padded.view(b, nb, _BLOCK)
     # float32 sums of 256 entries are exact to ~1e-7; the running total is kept in float64
     block_cdf = padded.sum(dim=-1).to(torch.float64).cumsum(dim=-1)          # [B, nb]
-    target = sb.uniforms.to(torch.float64)[:, None] * block_cdf[:, -1:]
+    target = uniforms.to(torch.float64)[:, None] * block_cdf[:, -1:]
     block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=nb - 1)   # [B, 1]
     before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)),
                          torch.zeros_like(target))
@@ -166,3 +269,83 @@ def _sample_filtered(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     if bool(zero.any()):
         idx = torch.where(zero, probs.argmax(dim=-1), idx)
     return idx
+
+
+_TOP_P_CANDIDATES = 256   # first candidate count for rows with top-p but no top-k
+_TOP_P_GROWTH = 8
+_SORT_FRACTION = 8        # past vocab / this many candidates, a full sort is cheaper
+
+
+def _sample_truncated(dist: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+                      min_ps: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Rows with top-k and / or top-p, from the ``c`` most likely candidates of each row."""
+    n, vocab = dist.shape
+    tokens = torch.empty(n, dtype=torch.int64, device=dist.device)
+    capped = top_ks < vocab
+    want = int(top_ks[capped].max()) if bool(capped.any()) else 0
+    if not bool(capped.all()):
+        want = max(want, _TOP_P_CANDIDATES)
+    todo = torch.arange(n, device=dist.device)
+    while todo.numel():
+        c = want + 1   # one past the largest cut: shows whether a tie crosses it
+        whole = todo.numel() == n
+        rows = dist if whole else dist.index_select(0, todo)
+        if c * _SORT_FRACTION >= vocab:
+            vals, ids = rows.sort(dim=-1, descending=True, stable=True)
+        else:
+            vals, ids = rows.topk(c, dim=-1)
+        k, p, m_p, u = (t if whole else t[todo] for t in (top_ks, top_ps, min_ps, uniforms))
+        done, picked, mass = _pick(rows, vals, ids, k, p, m_p, u)
+        tokens[todo[done]] = picked
+        if bool(done.all()):
+            break
+        # the head's mass fell short of p: grow at least by the shortfall (the tail is flatter)
+        short = (p[~done].to(torch.float64) / mass[~done].clamp(min=1e-30)).max()
+        want = max(want * _TOP_P_GROWTH, int(c * float(short)) + 1)
+        todo = todo[~done]
+    return tokens
+
+
+def _pick(rows: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, top_ks: torch.Tensor,
+          top_ps: torch.Tensor, min_ps: torch.Tensor, uniforms: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample the rows whose kept set lies inside the candidates ``vals, ids`` ([n, c],
+    descending). Returns (done [n] bool, their tokens, every row's candidate mass)."""
+    n, c = vals.shape
+    vocab = rows.shape[1]
+    probs = vals.to(torch.float64).exp()
+    before = probs.cumsum(dim=-1) - probs
+    pos = torch.arange(c, device=vals.device)[None, :]
+    # top-p keeps the smallest head whose mass reaches p: a token stays if the mass before it < p
+    keep = (pos < top_ks[:, None]) & (before < top_ps.to(torch.float64)[:, None])
+    keep[:, 0] = True
+    num_kept = keep.sum(dim=-1)
+    done = (num_kept < c) | (c == vocab)
+    mass = before[:, -1] + probs[:, -1]
+    # a tie across the cut: the kept part of the tied group is its lowest ids (a stable sort)
+    last = vals.gather(1, (num_kept - 1)[:, None]).squeeze(1)
+    after = vals.gather(1, num_kept.clamp(max=c - 1)[:, None]).squeeze(1)
+    tied = done & (num_kept < c) & (last == after)
+    for r in tied.nonzero().squeeze(1).tolist():
+        m = int(num_kept[r])
+        first = int((vals[r, :m] > last[r]).sum())
+        ids[r, first:m] = (rows[r] == last[r]).nonzero().squeeze(1)[:m - first]
+    keep &= probs >= probs[:, :1] * min_ps.to(torch.float64)[:, None]
+    if c == vocab:   # a full sort: back to vocabulary order with a scatter, not a second sort
+        kept = torch.zeros_like(rows, dtype=torch.bool).scatter_(1, ids, keep)
+        return done, _inverse_cdf(rows.exp().masked_fill_(~kept, 0.0), uniforms), mass
+    keep, vals, ids, probs = keep[done], vals[done], ids[done], probs[done]
+    # inverse CDF over the kept tokens in vocabulary order, as over the whole vocabulary
+    ids = torch.where(keep, ids, vocab)
+    ids, order = ids.sort(dim=-1)
+    probs = torch.where(keep, probs, 0.0).gather(1, order)
+    cdf = probs.cumsum(dim=-1)
+    target = uniforms[done].to(torch.float64)[:, None] * cdf[:, -1:]
+    j = torch.searchsorted(cdf, target, right=True)
+    j = torch.minimum(j, keep.sum(dim=-1, keepdim=True) - 1)
+    picked = ids.gather(1, j).squeeze(1)
+    zero = probs.gather(1, j).squeeze(1) == 0  # rounding can only land past the last kept one
+    if bool(zero.any()):
+        picked = torch.where(zero, ids.gather(1, probs.argmax(dim=-1, keepdim=True)).squeeze(1),
+                             picked)
+    return done, picked, mass

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
 from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
-from rollout_engine.sampler import SamplingBatch, uniform_for
+from rollout_engine.sampler import Penalties, PenaltyCounts, SamplingBatch, uniform_for
 from rollout_engine.scheduler.request import Req
 
 
@@ -71,8 +72,9 @@ class ScheduleBatch:
 
 
 def build_sampling_batch(reqs: list[Req], vocab_size: int, eos_ids: frozenset[int],
-                         device: torch.device) -> SamplingBatch:
-    """Per-row tensors of the requests about to sample (in row order)."""
+                         device: torch.device, counts: PenaltyCounts) -> SamplingBatch:
+    """Per-row tensors of the requests about to sample (in row order). A request that uses
+    penalties takes a row of ``counts`` the first time it gets here."""
     temps, top_ps, top_ks, min_ps, uniforms = [], [], [], [], []
     for req in reqs:
         p = req.params
@@ -81,41 +83,71 @@ def build_sampling_batch(reqs: list[Req], vocab_size: int, eos_ids: frozenset[in
         top_ks.append(vocab_size if p.top_k == -1 else min(p.top_k, vocab_size))
         min_ps.append(p.min_p)
         uniforms.append(uniform_for(req.seed, len(req.output_ids)))
-    sb = SamplingBatch(
+    return SamplingBatch(
         temperatures=torch.tensor(temps, dtype=torch.float32, device=device),
         top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
         top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
         min_ps=torch.tensor(min_ps, dtype=torch.float32, device=device),
         uniforms=torch.tensor(uniforms, dtype=torch.float64, device=device),
-        top_logprobs_num=max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0),
+        penalties=_penalties(reqs, eos_ids, device, counts),
+        top_logprobs_num=[r.top_logprobs_num if r.return_logprob else 0 for r in reqs],
     )
-    _add_penalties(sb, reqs, vocab_size, eos_ids, device)
-    return sb
 
 
-def _add_penalties(sb: SamplingBatch, reqs: list[Req], vocab_size: int,
-                   eos_ids: frozenset[int], device: torch.device) -> None:
-    needs_bias = any(
-        r.params.frequency_penalty or r.params.presence_penalty
-        or len(r.output_ids) < r.params.min_new_tokens for r in reqs)
-    if needs_bias:
-        bias = torch.zeros((len(reqs), vocab_size), dtype=torch.float32, device=device)
-        for i, r in enumerate(reqs):
-            p = r.params
-            if (p.frequency_penalty or p.presence_penalty) and r.output_ids:
-                counts = torch.bincount(torch.tensor(r.output_ids, device=device),
-                                        minlength=vocab_size).float()
-                bias[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-            if len(r.output_ids) < p.min_new_tokens:
-                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
-                if banned:
-                    bias[i, list(banned)] = float("-inf")
-        sb.logit_bias = bias
-    if any(r.params.repetition_penalty != 1.0 for r in reqs):
-        mask = torch.zeros((len(reqs), vocab_size), dtype=torch.bool, device=device)
-        for i, r in enumerate(reqs):
-            if r.params.repetition_penalty != 1.0:
-                mask[i, torch.tensor(r.all_ids, device=device)] = True
-        sb.repetition_mask = mask
-        sb.repetition_penalties = torch.tensor(
-            [r.params.repetition_penalty for r in reqs], dtype=torch.float32, device=device)
+def uses_counts(req: Req) -> bool:
+    """Whether ``req``'s penalties need its token counts (a row of ``PenaltyCounts``)."""
+    p = req.params
+    return bool(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0)
+
+
+def _penalties(reqs: list[Req], eos_ids: frozenset[int], device: torch.device,
+               counts: PenaltyCounts) -> Optional[Penalties]:
+    """Sparse penalties of the rows that have any, from the incrementally kept counts."""
+    rows: list[int] = []
+    rep: list[tuple[int, int, float]] = []           # (index into rows, counts row, penalty)
+    add: list[tuple[int, int, float, float]] = []    # (index, counts row, frequency, presence)
+    ban_i: list[int] = []
+    ban_ids: list[int] = []
+    for i, r in enumerate(reqs):
+        p = r.params
+        banned = (set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+                  if len(r.output_ids) < p.min_new_tokens else set())
+        counted = uses_counts(r)
+        if not counted and not banned:
+            continue
+        pos = len(rows)
+        rows.append(i)
+        if counted:
+            if r.penalty_row is None:
+                r.penalty_row = counts.take(r.input_ids, r.output_ids)
+            if p.repetition_penalty != 1.0:
+                rep.append((pos, r.penalty_row, p.repetition_penalty))
+            if p.frequency_penalty or p.presence_penalty:
+                add.append((pos, r.penalty_row, p.frequency_penalty, p.presence_penalty))
+        ban_i.extend([pos] * len(banned))
+        ban_ids.extend(sorted(banned))
+    if not rows:
+        return None
+
+    def t(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    pen = Penalties(rows=t(rows))
+    if rep:
+        j, tok, _ = counts.entries([row for _, row, _ in rep], seen=True)
+        pen.repetition = (t([pos for pos, _, _ in rep])[j], tok,
+                          t([v for _, _, v in rep], torch.float32)[j])
+    parts_i, parts_tok, parts_val = [t(ban_i)], [t(ban_ids)], [
+        torch.full((len(ban_ids),), float("-inf"), device=device)]
+    if add:
+        j, tok, n = counts.entries([row for _, row, _, _ in add], seen=False)
+        assert n is not None
+        f = t([f for _, _, f, _ in add], torch.float32)[j]
+        pr = t([pr for _, _, _, pr in add], torch.float32)[j]
+        parts_i.append(t([pos for pos, _, _, _ in add])[j])
+        parts_tok.append(tok)
+        parts_val.append(-(f * n + pr))
+    if add or ban_ids:
+        # a banned id that also has a count sums to -inf whatever the order
+        pen.additive = (torch.cat(parts_i), torch.cat(parts_tok), torch.cat(parts_val))
+    return pen

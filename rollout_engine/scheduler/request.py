@@ -19,6 +19,9 @@ class ReqState(Enum):
 class Req:
     """A request's tokens, KV ownership and results.
 
+    ``all_ids`` is one list, ``input_ids + output_ids``, that every new token is appended to
+    (``append_output``): per-step readers never copy the whole sequence.
+
     KV bookkeeping (positions of ``all_ids``)::
 
         | cached_len: slots held by the tree (locked) | own pages ... | unallocated
@@ -39,6 +42,8 @@ class Req:
         self.arrival = arrival
         self.state = ReqState.WAITING
         self.output_ids: list[int] = []
+        self.all_ids: list[int] = list(msg.input_ids)   # kept equal to input_ids + output_ids
+        self.penalty_row: Optional[int] = None   # its row of the scheduler's PenaltyCounts
         # KV
         self.req_pool_idx: Optional[int] = None
         self.slots: list[int] = []
@@ -57,14 +62,14 @@ class Req:
         self.num_retractions = 0
         self.sent_len = 0          # output tokens already streamed to the frontend
 
+    def append_output(self, token: int) -> None:
+        self.output_ids.append(token)
+        self.all_ids.append(token)
+
     # -- derived -------------------------------------------------------------------------------
     @property
-    def all_ids(self) -> list[int]:
-        return self.input_ids + self.output_ids
-
-    @property
     def seq_len(self) -> int:
-        return len(self.input_ids) + len(self.output_ids)
+        return len(self.all_ids)
 
     @property
     def finished(self) -> bool:

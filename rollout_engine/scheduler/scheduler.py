@@ -30,7 +30,7 @@ from rollout_engine.protocol.messages import (
     GenerateReq,
     ReqOutput,
 )
-from rollout_engine.sampler import compute_logprobs, sample
+from rollout_engine.sampler import PenaltyCounts, compute_logprobs, sample
 from rollout_engine.scheduler import policy
 from rollout_engine.scheduler.batch import ScheduleBatch, build_sampling_batch
 from rollout_engine.scheduler.control import ControlHandlers
@@ -58,6 +58,7 @@ class Scheduler:
         self.eos_ids = eos_token_ids(config.model_path, tokenizer)
         self.stop_checker = StopChecker(tokenizer, self.eos_ids, self.runner.context_len)
         self.vocab_size = self.runner.arch.vocab_size
+        self.penalty_counts = PenaltyCounts(self.vocab_size, self.device)
         self.weight_version = config.weight_version
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -233,10 +234,8 @@ class Scheduler:
     def _refuse_waiting(self, req: Req, message: str, admitted: set[int]) -> None:
         """Finish a waiting request that can never run; ``admitted`` drops it from the queue."""
         req.finished_reason = {"type": "abort", "message": message}
-        req.state = ReqState.FINISHED
-        self.by_rid.pop(req.rid, None)
         admitted.add(id(req))
-        self.outbox.append(req.make_output(full=not req.stream))
+        self._retire(req)
 
     def schedule_decode(self) -> Optional[ScheduleBatch]:
         if not self.running:
@@ -296,10 +295,15 @@ class Scheduler:
         if to_sample:
             rows = [row for _, row in to_sample]
             reqs = [r for r, _ in to_sample]
-            sb = build_sampling_batch(reqs, self.vocab_size, self.eos_ids, self.device)
+            sb = build_sampling_batch(reqs, self.vocab_size, self.eos_ids, self.device,
+                                      self.penalty_counts)
             # decode samples every row in order: skip the [B, V] copy of an index
             whole = rows == list(range(logits.shape[0]))
             out = sample(logits if whole else logits[rows], sb)
+            counted = [(r.penalty_row, t) for r, t in zip(reqs, out.token_ids)
+                       if r.penalty_row is not None]
+            if counted:
+                self.penalty_counts.record([row for row, _ in counted], [t for _, t in counted])
             for i, req in enumerate(reqs):
                 self._append_token(req, out.token_ids[i], out.logprobs[i],
                                    out.top_logprobs[i] if out.top_logprobs else None)
@@ -333,7 +337,7 @@ class Scheduler:
 
     def _append_token(self, req: Req, token: int, logprob: float,
                       top: Optional[list[tuple[float, int]]]) -> None:
-        req.output_ids.append(token)
+        req.append_output(token)
         req.see_weight_version(self.weight_version)
         if req.return_logprob:
             req.output_logprobs.append(logprob)
@@ -355,13 +359,21 @@ class Scheduler:
             self.outbox.append(req.make_output(full=False))
 
     def _finish(self, req: Req) -> None:
-        req.state = ReqState.FINISHED
         self.kv.release(req, cache=True)
         if req in self.running:
             self.running.remove(req)
         if self.chunked is req:
             self.chunked = None
+        self._retire(req)
+
+    def _retire(self, req: Req) -> None:
+        """The end of every request the scheduler took (finished, aborted, refused): it holds
+        no KV any more; forget it and send its last output."""
+        req.state = ReqState.FINISHED
         self.by_rid.pop(req.rid, None)
+        if req.penalty_row is not None:
+            self.penalty_counts.give_back(req.penalty_row)
+            req.penalty_row = None
         self.outbox.append(req.make_output(full=not req.stream))
 
     # -- abort ---------------------------------------------------------------------------------
@@ -372,9 +384,7 @@ class Scheduler:
             req.finished_reason = {"type": "abort", "message": msg.message}
             if req.state == ReqState.WAITING:
                 self.waiting.remove(req)
-                req.state = ReqState.FINISHED
-                self.by_rid.pop(req.rid, None)
-                self.outbox.append(req.make_output(full=not req.stream))
+                self._retire(req)
             else:
                 self._finish(req)
         return len(targets)
