@@ -34,6 +34,7 @@ from rollout_engine.protocol.messages import AbortReq, WeightSlice
 from rollout_engine.scheduler.control import BusyError, Deferred
 from rollout_engine.scheduler.request import ReqState
 from rollout_engine.weights import refit
+from rollout_engine.weights.disk_reader import PartialLoadError
 from rollout_engine.weights.loader import LoadReport, load_weights, read_weight, weight_names
 
 if TYPE_CHECKING:
@@ -126,8 +127,10 @@ class RLControl:
             s.allocator.reset()
             self.flush_pending = False
         freed = s.memory_saver.release(tags)
-        if "weights" in tags and self.mapped is not None:
-            self.mapped.clear()   # a sleeping engine does not pin the trainer's shared memory
+        if "weights" in tags:
+            if self.mapped is not None:
+                self.mapped.clear()   # a sleeping engine pins none of the trainer's shm
+            s.update_groups.release_buffers()   # nor a broadcast receive buffer
         return {"released": sorted(s.memory_saver.released), "bytes_freed": freed,
                 "seconds": time.perf_counter() - t0}
 
@@ -195,8 +198,19 @@ class RLControl:
         self._before_update(abort_all_requests, weight_version=weight_version,
                             flush_cache=flush_cache, torch_empty_cache=torch_empty_cache,
                             keep_pause=keep_pause, **sglang_flags)
-        return self._apply(lambda: refit.refit_from_disk(self.s.runner.model, model_path),
-                           weight_version, flush_cache, torch_empty_cache, keep_pause)
+        return self._apply(lambda: self._read_checkpoint(model_path), weight_version,
+                           flush_cache, torch_empty_cache, keep_pause)
+
+    def _read_checkpoint(self, model_path: str) -> LoadReport:
+        try:
+            return refit.refit_from_disk(self.s.runner.model, model_path)
+        except PartialLoadError as e:
+            # some weights may be half overwritten: refuse generation until they are rewritten
+            self.generation += 1
+            self.s.kv.tree.retire_generations_before(self.generation)
+            self.missing_weights |= e.names
+            self.s.weights_stale = True
+            raise ValueError(str(e)) from None
 
     def rpc_update_weights_from_tensor(self, serialized_named_tensors: list[str],
                                        load_format: Optional[str] = None,

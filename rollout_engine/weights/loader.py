@@ -78,15 +78,37 @@ def load_weights(
     require_all: every parameter must be covered (the first load).
     Raises ValueError naming the first bad tensor; nothing has been written then.
     """
-    table = model.weight_map()  # type: ignore[operator]
-    ignored = getattr(model, "ignored_weight", lambda name: False)
-    plan: list[tuple[torch.Tensor, int, int, torch.Tensor]] = []
-    seen: set[str] = set()
-    for name, tensor in named_tensors:
-        if ignored(name):
-            continue
+    checked = list(named_tensors)
+    for name, tensor in checked:
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"weight {name!r}: expected a tensor, got {type(tensor).__name__}")
+    targets = plan_targets(model, [(n, tuple(t.shape), t.dtype) for n, t in checked],
+                           require_all=require_all)
+    by_name = dict(checked)   # names are unique once plan_targets accepted them
+    num_bytes = num_cast = 0
+    with torch.no_grad():
+        for name, dst in targets:
+            tensor = by_name[name]
+            dst.copy_(tensor)   # casts while copying when the dtypes differ
+            num_bytes += dst.numel() * dst.element_size()
+            num_cast += tensor.dtype != dst.dtype
+    return LoadReport(num_tensors=len(targets), num_bytes=num_bytes,
+                      names=frozenset(n for n, _ in targets), num_cast=num_cast)
+
+
+def plan_targets(model: torch.nn.Module, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
+                 *, require_all: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """Check ``(hf_name, shape, dtype)`` of every incoming tensor against ``model`` and return
+    (name, destination view in the parameter) for each one to copy, in order. Skips ignored
+    weights and a tied checkpoint's ``lm_head.weight``. Raises ValueError naming the first bad
+    tensor (unknown, twice, wrong shape, uncastable dtype; with ``require_all``, missing)."""
+    table = model.weight_map()  # type: ignore[operator]
+    ignored = getattr(model, "ignored_weight", lambda name: False)
+    targets: list[tuple[str, torch.Tensor]] = []
+    seen: set[str] = set()
+    for name, shape, dtype in specs:
+        if ignored(name):
+            continue
         if name == "lm_head.weight" and name not in table:
             continue  # tied embeddings: the checkpoint may still carry a copy
         if name not in table:
@@ -96,26 +118,19 @@ def load_weights(
         seen.add(name)
         param, row0, rows = table[name]
         expected = (rows, *param.shape[1:]) if param.dim() else ()
-        if tuple(tensor.shape) != tuple(expected):
-            raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} does not match the "
+        if tuple(shape) != tuple(expected):
+            raise ValueError(f"weight {name!r}: shape {tuple(shape)} does not match the "
                              f"model's {tuple(expected)}")
-        if not castable(tensor.dtype, param.dtype):
-            raise ValueError(f"weight {name!r}: dtype {tensor.dtype} does not match the "
+        if not castable(dtype, param.dtype):
+            raise ValueError(f"weight {name!r}: dtype {dtype} does not match the "
                              f"model's {param.dtype} (only floating-point weights are cast)")
-        plan.append((param, row0, rows, tensor))
+        targets.append((name, param.data if param.dim() == 0 else
+                        param.data.narrow(0, row0, rows)))
     if require_all:
         missing = sorted(set(table) - seen)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[:3]}")
-    num_bytes = num_cast = 0
-    with torch.no_grad():
-        for param, row0, rows, tensor in plan:
-            dst = param.data if param.dim() == 0 else param.data.narrow(0, row0, rows)
-            dst.copy_(tensor)   # casts while copying when the dtypes differ
-            num_bytes += dst.numel() * dst.element_size()
-            num_cast += tensor.dtype != dst.dtype
-    return LoadReport(num_tensors=len(plan), num_bytes=num_bytes, names=frozenset(seen),
-                      num_cast=num_cast)
+    return targets
 
 
 def castable(src: torch.dtype, dst: torch.dtype) -> bool:

@@ -10,6 +10,7 @@ torch.distributed state.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -28,13 +29,16 @@ from rollout_engine.protocol.weight_broadcast import (
     join_update_group,
     unflatten,
 )
-from rollout_engine.weights.loader import LoadReport, iter_safetensors, load_weights
+from rollout_engine.weights.disk_reader import load_checkpoint
+from rollout_engine.weights.loader import LoadReport, load_weights
 
 LOAD_FORMATS = (None, "direct", "flattened_bucket")
 
 
 def refit_from_disk(model: nn.Module, model_path: str) -> LoadReport:
-    return load_weights(model, list(iter_safetensors(model_path)))
+    """Read the checkpoint straight into the parameters (`disk_reader`); raises
+    `PartialLoadError` if reading failed once writing had begun."""
+    return load_checkpoint(model, model_path)
 
 
 def named_tensors_from_payload(payload: Any, load_format: Optional[str]
@@ -162,6 +166,7 @@ class WeightUpdateGroups:
         self.tp_rank = tp_rank   # one rank per engine today (no tensor parallelism)
         self.groups: dict[str, UpdateGroup] = {}
         self.pending: dict[str, Future] = {}
+        self.staging: dict[str, StagingBuffer] = {}   # one reused receive buffer per group
 
     def start_init(self, master_address: str, master_port: int, rank_offset: int,
                    world_size: int, group_name: str, backend: str, timeout_s: float
@@ -228,7 +233,14 @@ class WeightUpdateGroups:
         group = self.groups.pop(group_name, None)
         if group is None:
             raise ValueError(f"group_name: no weight update group {group_name!r}")
+        self.staging.pop(group_name, None)
         group.shutdown()
+
+    def release_buffers(self) -> None:
+        """Free every group's receive buffer (the weights are being released); the next
+        update allocates it again."""
+        for staging in self.staging.values():
+            staging.release()
 
     def receive(self, names: list[str], dtypes: list[Any], shapes: list[list[int]],
                 group_name: str, load_format: Optional[str]) -> list[tuple[str, torch.Tensor]]:
@@ -247,20 +259,71 @@ class WeightUpdateGroups:
                              f"{len(names)}, {len(dtypes)} and {len(shapes)}")
         torch_dtypes = [declared_dtype(d) for d in dtypes]
         shapes_t = [tuple(int(d) for d in s) for s in shapes]
+        for name, shape in zip(names, shapes_t):
+            if any(d < 0 for d in shape):
+                raise ValueError(f"shapes: weight {name!r} has a negative dimension {shape}")
+        staging = self.staging.setdefault(group_name, StagingBuffer(self.device))
         if load_format == "flattened_bucket":   # SGLang's bucket: bytes back to back
             _, nbytes = flat_layout(torch_dtypes, shapes_t)
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            buf = staging.take(nbytes)
             group.broadcast(buf).wait()
             return list(zip(names, unflatten(buf, torch_dtypes, shapes_t)))
+        # one broadcast per tensor, all posted at once (as SGLang does), each received into
+        # its own aligned slice of the reused buffer
+        offsets, nbytes = aligned_layout(torch_dtypes, shapes_t)
+        buf = staging.take(nbytes)
         out = []
         works = []
-        for name, dtype, shape in zip(names, torch_dtypes, shapes_t):
-            t = torch.empty(shape, dtype=dtype, device=self.device)
-            works.append(group.broadcast(t))   # all posted at once, as SGLang does
+        for name, dtype, shape, (start, end) in zip(names, torch_dtypes, shapes_t, offsets):
+            t = buf[start:end].view(dtype).view(shape)
+            works.append(group.broadcast(t))
             out.append((name, t))
         for work in works:
             work.wait()
         return out
+
+
+class StagingBuffer:
+    """A weight-update group's receive buffer, allocated once and reused by every update
+    (grown when one needs more, never shrunk): a broadcast lands here, is validated, and only
+    then copied into the parameters, so a broadcast cut off halfway (the trainer died, a size
+    mismatch) leaves the weights untouched. Reuse also spares each refit the page faults of
+    fresh memory. The caller must be done with the previous `take` before the next."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffer: Optional[torch.Tensor] = None
+
+    def take(self, num_bytes: int) -> torch.Tensor:
+        """The first `num_bytes` of the buffer (1-D uint8)."""
+        if self.buffer is None or self.buffer.numel() < num_bytes:
+            self.buffer = None   # free the small one first
+            self.buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+        return self.buffer[:num_bytes]
+
+    @property
+    def num_bytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+    def release(self) -> None:
+        self.buffer = None
+
+
+STAGING_ALIGN = 64
+"""Per-tensor receives start at multiples of this (any dtype can be viewed there)."""
+
+
+def aligned_layout(dtypes: list[torch.dtype], shapes: list[tuple[int, ...]]
+                   ) -> tuple[list[tuple[int, int]], int]:
+    """Byte ranges of tensors laid out one after another at `STAGING_ALIGN`-aligned offsets,
+    and the total size."""
+    ranges, used = [], 0
+    for dtype, shape in zip(dtypes, shapes):
+        start = -(-used // STAGING_ALIGN) * STAGING_ALIGN
+        end = start + math.prod(shape) * dtype.itemsize
+        ranges.append((start, end))
+        used = end
+    return ranges, used
 
 
 def _who_is_missing(missing: list[int], rank: int) -> str:
