@@ -75,6 +75,7 @@ class RadixCache(BasePrefixCache):
         self._evictable_size = 0
         self._protected_size = 0
         self._live_generation: Optional[int] = None  # namespaces of older ones are retired
+        self.version = 0  # bumped by every change a match could see (callers cache matches)
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -116,6 +117,7 @@ class RadixCache(BasePrefixCache):
             self._num_nodes += 1
             self._evictable_size += len(leaf.key)
             self._push_leaf(leaf)
+            self.version += 1
         elif node is not ns_root and not node.children:
             self._push_leaf(node)
         return prefix_len
@@ -349,6 +351,7 @@ class RadixCache(BasePrefixCache):
         node.parent = upper
         upper.children[self._child_key(node.key)] = node
         self._num_nodes += 1
+        self.version += 1
         return upper
 
     def _path_to_root(self, node: object) -> list[TreeNode]:
@@ -414,6 +417,7 @@ class RadixCache(BasePrefixCache):
         freed = [v for v in freed if v.numel()]
         if freed:
             self.allocator.free(torch.cat(freed))  # type: ignore[attr-defined]
+            self.version += 1
 
     def _iter_nodes(self) -> Iterator[TreeNode]:
         stack = [self.root]

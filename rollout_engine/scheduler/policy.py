@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from rollout_engine.memory.prefix_cache import CacheNamespace, MatchResult
 from rollout_engine.scheduler.kv_manager import KVManager
@@ -63,11 +64,12 @@ class NewTokenRatio:
 
 @dataclass
 class Candidate:
-    """A waiting request and its prefix match at ordering time. The match only orders the
-    queue: an earlier admission may evict it, so admission matches again before locking."""
+    """A waiting request and its prefix match at ordering time (None in arrival order). The
+    match only orders the queue: an earlier admission may evict it, so admission matches again
+    before locking."""
 
     req: Req
-    match: MatchResult
+    match: Optional[MatchResult] = None
 
 
 def match_cap(req: Req, page_size: int) -> int:
@@ -81,14 +83,23 @@ def match_cap(req: Req, page_size: int) -> int:
 
 def order_waiting(waiting: list[Req], kv: KVManager, namespace_of, policy: str,
                   fallback_len: int) -> list[Candidate]:
-    """Longest cached prefix first (``lpm``), falling back to arrival order (``fcfs``) when the
-    queue is long enough that matching every request each step would cost more than it saves."""
-    cands = [Candidate(r, kv.match(r, namespace_of(r), match_cap(r, kv.page_size)))
-             for r in waiting]
-    if policy == "lpm" and len(waiting) <= fallback_len:
-        cands.sort(key=lambda c: (-c.match.slots.numel(), c.req.arrival))
-    else:
-        cands.sort(key=lambda c: c.req.arrival)
+    """Longest cached prefix first (``lpm``), falling back to arrival order (``fcfs``, no
+    matching) when the queue is long enough that matching would cost more than it saves.
+
+    A request's match is kept with the cache's change counter, its namespace and its cap, and
+    redone only when one of them moved: a queue waiting on a busy decode is not re-walked
+    through the tree every step."""
+    if policy != "lpm" or len(waiting) > fallback_len:
+        return sorted((Candidate(r) for r in waiting), key=lambda c: c.req.arrival)
+    version = getattr(kv.tree, "version", None)   # None: a cache without one (match each time)
+    cands = []
+    for r in waiting:
+        namespace, cap = namespace_of(r), match_cap(r, kv.page_size)
+        key = (version, namespace, cap)
+        if version is None or r.order_match_key != key:
+            r.order_match, r.order_match_key = kv.match(r, namespace, cap), key
+        cands.append(Candidate(r, r.order_match))
+    cands.sort(key=lambda c: (-(c.match.matched_len if c.match else 0), c.req.arrival))
     return cands
 
 

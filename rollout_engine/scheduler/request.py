@@ -44,6 +44,10 @@ class Req:
         self.output_ids: list[int] = []
         self.all_ids: list[int] = list(msg.input_ids)   # kept equal to input_ids + output_ids
         self.penalty_row: Optional[int] = None   # its row of the scheduler's PenaltyCounts
+        # the prefix match that ordered the queue, and the (cache version, namespace, cap) it
+        # was made under: re-matched only when one of them changes (see policy.order_waiting)
+        self.order_match: Any = None
+        self.order_match_key: Any = None
         # KV
         self.req_pool_idx: Optional[int] = None
         self.slots: list[int] = []
