@@ -146,8 +146,11 @@ def plan_decode(table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
     num_rows = int(rows.numel())
     if min_shared_len is None or num_rows < 2 or max_len < min_shared_len:
         return _empty_plan(rows, seq_lens)
+    slots = table[rows, :max_len]
+    if int(torch.unique(slots[:, 0]).numel()) == num_rows:             # no two rows share slot 0
+        return _empty_plan(rows, seq_lens)
     valid = torch.arange(max_len)[None, :] < seq_lens[:, None]          # [B, L]
-    key = torch.where(valid, table[rows, :max_len], -1)
+    key = torch.where(valid, slots, -1)
     _, inverse = torch.unique(key, dim=0, return_inverse=True)          # lexicographic rank
     order = torch.argsort(inverse, stable=True)
     a, b = order[:-1], order[1:]

@@ -66,73 +66,111 @@ inline v8f exp8(v8f x) {
   return p * scale;
 }
 
-// Online-softmax state of nq query rows: m[nq], l[nq], acc[nq * D].
+// sums[j] = sum of the lanes of a[j]: the 8 dot products of 8 keys in one vector.
+inline v8f reduce8(const v8f* a) {
+  v8f t[4];
+  for (int i = 0; i < 4; ++i) {
+    t[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+  }
+  v8f u = __builtin_shufflevector(t[0], t[1], 0, 1, 8, 9, 4, 5, 12, 13) +
+          __builtin_shufflevector(t[0], t[1], 2, 3, 10, 11, 6, 7, 14, 15);
+  v8f w = __builtin_shufflevector(t[2], t[3], 0, 1, 8, 9, 4, 5, 12, 13) +
+          __builtin_shufflevector(t[2], t[3], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(u, w, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(u, w, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// Online-softmax state of query rows: m[r], l[r], acc[r * D].
 struct State {
   float* m;
   float* l;
   float* acc;
 };
 
-// Attend nq query rows Q [nq, D] (already multiplied by the softmax scale) over the keys at
-// slots[0:n), updating st. NC = D / 8 vectors per head row.
+// Attend the query rows Q [nh, nq, D] (already multiplied by the softmax scale; row (h, i)
+// reads KV head h) over the keys at slots[0:n), updating st (rows in the same order).
+// A slot's K (and V) row holds all nh heads, slot_stride = nh * D floats; the whole row is
+// used by one task, so the next block's rows are prefetched in full.
 template <int NC>
-void attend(const float* Q, int64_t nq, const int64_t* slots, int64_t n, const float* kbuf,
-            const float* vbuf, int64_t slot_stride, State st, float* S) {
+void attend(const float* Q, int64_t nh, int64_t nq, const int64_t* slots, int64_t n,
+            const float* kbuf, const float* vbuf, int64_t slot_stride, State st, float* S) {
   constexpr int64_t D = NC * 8;
+  const int64_t rows = nh * nq, row_bytes = slot_stride * int64_t(sizeof(float));
   const float* kp[kBlock];
   const float* vp[kBlock];
   for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
     const int64_t bk = std::min(kBlock, n - j0);
-    for (int64_t j = 0; j < bk; ++j) {
-      kp[j] = kbuf + slots[j0 + j] * slot_stride;
-      vp[j] = vbuf + slots[j0 + j] * slot_stride;
+    for (int64_t j = 0; j < kBlock; ++j) {  // tail keys alias key 0; their scores are masked
+      const int64_t slot = slots[j0 + (j < bk ? j : 0)];
+      kp[j] = kbuf + slot * slot_stride;
+      vp[j] = vbuf + slot * slot_stride;
     }
-    // S[i, j] = q_i . k_j
-    for (int64_t i = 0; i < nq; ++i) {
-      const float* qi = Q + i * D;
+    for (int64_t j = j0 + kBlock; j < std::min(n, j0 + 2 * kBlock); ++j) {
+      const char* kn = reinterpret_cast<const char*>(kbuf + slots[j] * slot_stride);
+      const char* vn = reinterpret_cast<const char*>(vbuf + slots[j] * slot_stride);
+      for (int64_t off = 0; off < row_bytes; off += 64) {
+        __builtin_prefetch(kn + off);
+        __builtin_prefetch(vn + off);
+      }
+    }
+    // S[r, j] = q_r . k_j, eight keys at a time
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = Q + r * D;
+      const int64_t koff = (r / nq) * D;
       v8f qv[NC];
-      for (int c = 0; c < NC; ++c) qv[c] = load8(qi + 8 * c);
-      float* si = S + i * kBlock;
-      for (int64_t j = 0; j < bk; ++j) {
-        v8f a0 = qv[0] * load8(kp[j]), a1 = splat(0.0f);
-        for (int c = 1; c < NC; c += 2) {
-          a1 += qv[c] * load8(kp[j] + 8 * c);
-          if (c + 1 < NC) a0 += qv[c + 1] * load8(kp[j] + 8 * (c + 1));
+      for (int c = 0; c < NC; ++c) qv[c] = load8(qr + 8 * c);
+      float* sr = S + r * kBlock;
+      for (int64_t j8 = 0; j8 < bk; j8 += 8) {
+        v8f a[8];
+        for (int j = 0; j < 8; ++j) {
+          const float* kj = kp[j8 + j] + koff;
+          a[j] = qv[0] * load8(kj);
+          for (int c = 1; c < NC; ++c) a[j] += qv[c] * load8(kj + 8 * c);
         }
-        si[j] = hsum(a0 + a1);
+        store8(sr + j8, reduce8(a));
       }
-      for (int64_t j = bk; j < kBlock; ++j) si[j] = kNegInf;
+      for (int64_t j = bk; j < kBlock; ++j) sr[j] = kNegInf;
     }
-    // rescale the state to the new running max; S becomes the weights exp(s - m)
-    for (int64_t i = 0; i < nq; ++i) {
-      float* si = S + i * kBlock;
-      float mx = st.m[i];
-      for (int64_t j = 0; j < bk; ++j) mx = std::max(mx, si[j]);
-      const float alpha = st.m[i] == kNegInf ? 0.0f : std::exp(st.m[i] - mx);
-      float sum = 0.0f;
-      for (int64_t c = 0; c < kBlock; c += 8) store8(si + c, exp8(load8(si + c) - mx));
-      for (int64_t j = 0; j < bk; ++j) sum += si[j];
-      st.m[i] = mx;
-      st.l[i] = st.l[i] * alpha + sum;
+    // rescale each row's state to its new running max; S becomes the weights exp(s - m)
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = S + r * kBlock;
+      v8f mv = load8(sr);
+      for (int64_t c = 8; c < kBlock; c += 8) {
+        const v8f x = load8(sr + c);
+        mv = mv > x ? mv : x;
+      }
+      float mx = st.m[r];
+      for (int j = 0; j < 8; ++j) mx = std::max(mx, mv[j]);
+      const float alpha = st.m[r] == kNegInf ? 0.0f : std::exp(st.m[r] - mx);
+      v8f sum = splat(0.0f);
+      for (int64_t c = 0; c < kBlock; c += 8) {
+        const v8f p = exp8(load8(sr + c) - mx);
+        store8(sr + c, p);
+        sum += p;  // masked tail keys add ~1e-38 each: below any tolerance
+      }
+      st.m[r] = mx;
+      st.l[r] = st.l[r] * alpha + hsum(sum);
       if (alpha != 1.0f) {
-        float* ai = st.acc + i * D;
-        for (int c = 0; c < NC; ++c) store8(ai + 8 * c, load8(ai + 8 * c) * alpha);
+        float* ar = st.acc + r * D;
+        for (int c = 0; c < NC; ++c) store8(ar + 8 * c, load8(ar + 8 * c) * alpha);
       }
     }
-    // acc_i += sum_j p_ij v_j, eight vectors of acc_i in registers at a time
-    for (int64_t i = 0; i < nq; ++i) {
-      const float* pi = S + i * kBlock;
-      float* ai = st.acc + i * D;
+    // acc_r += sum_j p_rj v_j, eight vectors of acc_r in registers at a time
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* pr = S + r * kBlock;
+      const int64_t voff = (r / nq) * D;
+      float* ar = st.acc + r * D;
       for (int c0 = 0; c0 < NC; c0 += 8) {
         constexpr int W = NC < 8 ? NC : 8;
         v8f a[W];
-        for (int c = 0; c < W; ++c) a[c] = load8(ai + 8 * (c0 + c));
+        for (int c = 0; c < W; ++c) a[c] = load8(ar + 8 * (c0 + c));
         for (int64_t j = 0; j < bk; ++j) {
-          const v8f p = splat(pi[j]);
-          const float* vj = vp[j] + 8 * c0;
+          const v8f p = splat(pr[j]);
+          const float* vj = vp[j] + voff + 8 * c0;
           for (int c = 0; c < W; ++c) a[c] += p * load8(vj + 8 * c);
         }
-        for (int c = 0; c < W; ++c) store8(ai + 8 * (c0 + c), a[c]);
+        for (int c = 0; c < W; ++c) store8(ar + 8 * (c0 + c), a[c]);
       }
     }
   }
@@ -163,54 +201,57 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   // Phase 1 leaves each grouped row's (m, l) here and its unnormalised acc in out.
   std::vector<float> m_part(num_chunks ? B * Hq : 0), l_part(num_chunks ? B * Hq : 0);
 
-  // Phase 1: one task per (chunk, kv head); the chunk's members' G query heads each form
-  // one block of queries Q [members * G, D] against the shared prefix.
-  at::parallel_for(0, num_chunks * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // Phase 1: one task per chunk. Its nm members' queries form Q [Hkv, nm * G, D]: KV head
+  // h's block holds query heads h*G .. h*G+G-1 of every member, all against the shared prefix.
+  at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> Q, m, l, acc, S;
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t c = t / Hkv, h = t % Hkv;
-      const int64_t m0 = cod[c], nm = cod[c + 1] - m0, nq = nm * G;
-      Q.resize(nq * D);
-      m.assign(nq, kNegInf);
-      l.assign(nq, 0.0f);
-      acc.assign(nq * D, 0.0f);
-      S.resize(nq * kBlock);
-      for (int64_t a = 0; a < nm; ++a) {
-        const float* src = qd + (md[m0 + a] * Hq + h * G) * D;
-        for (int64_t x = 0; x < G * D; ++x) Q[a * G * D + x] = src[x] * sc;
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t m0 = cod[c], nm = cod[c + 1] - m0, nq = nm * G, rows_q = Hkv * nq;
+      Q.resize(rows_q * D);
+      m.assign(rows_q, kNegInf);
+      l.assign(rows_q, 0.0f);
+      acc.assign(rows_q * D, 0.0f);
+      S.resize(rows_q * kBlock);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        for (int64_t a = 0; a < nm; ++a) {
+          const float* src = qd + (md[m0 + a] * Hq + h * G) * D;
+          float* dst = Q.data() + (h * nq + a * G) * D;
+          for (int64_t x = 0; x < G * D; ++x) dst[x] = src[x] * sc;
+        }
       }
-      const int64_t* slots = td + rd[md[m0]] * C;
-      attend<NC>(Q.data(), nq, slots, cld[c], kd + h * D, vd + h * D, slot_stride,
+      attend<NC>(Q.data(), Hkv, nq, td + rd[md[m0]] * C, cld[c], kd, vd, slot_stride,
                  State{m.data(), l.data(), acc.data()}, S.data());
-      for (int64_t a = 0; a < nm; ++a) {
-        const int64_t base = md[m0 + a] * Hq + h * G;
-        std::memcpy(&m_part[base], &m[a * G], G * sizeof(float));
-        std::memcpy(&l_part[base], &l[a * G], G * sizeof(float));
-        std::memcpy(outd + base * D, &acc[a * G * D], G * D * sizeof(float));
+      for (int64_t h = 0; h < Hkv; ++h) {
+        for (int64_t a = 0; a < nm; ++a) {
+          const int64_t src = h * nq + a * G, dst = md[m0 + a] * Hq + h * G;
+          std::memcpy(&m_part[dst], &m[src], G * sizeof(float));
+          std::memcpy(&l_part[dst], &l[src], G * sizeof(float));
+          std::memcpy(outd + dst * D, &acc[src * D], G * D * sizeof(float));
+        }
       }
     }
   });
 
-  // Phase 2: one task per (row, kv head) over the row's own slots, then normalise.
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> Q(G * D), m(G), l(G), acc(G * D), S(G * kBlock);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / Hkv, h = t % Hkv, base = b * Hq + h * G;
-      const int64_t start = od[b], len = ld[b];
+  // Phase 2: one task per row over its own slots (Q [Hkv, G, D] is q[b] as laid out), then
+  // normalise.
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> Q(Hq * D), m(Hq), l(Hq), acc(Hq * D), S(Hq * kBlock);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t base = b * Hq, start = od[b], len = ld[b];
       const float* src = qd + base * D;
-      for (int64_t x = 0; x < G * D; ++x) Q[x] = src[x] * sc;
+      for (int64_t x = 0; x < Hq * D; ++x) Q[x] = src[x] * sc;
       if (start > 0) {
-        std::memcpy(m.data(), &m_part[base], G * sizeof(float));
-        std::memcpy(l.data(), &l_part[base], G * sizeof(float));
-        std::memcpy(acc.data(), outd + base * D, G * D * sizeof(float));
+        std::memcpy(m.data(), &m_part[base], Hq * sizeof(float));
+        std::memcpy(l.data(), &l_part[base], Hq * sizeof(float));
+        std::memcpy(acc.data(), outd + base * D, Hq * D * sizeof(float));
       } else {
         std::fill(m.begin(), m.end(), kNegInf);
         std::fill(l.begin(), l.end(), 0.0f);
         std::fill(acc.begin(), acc.end(), 0.0f);
       }
-      attend<NC>(Q.data(), G, td + rd[b] * C + start, len - start, kd + h * D, vd + h * D,
-                 slot_stride, State{m.data(), l.data(), acc.data()}, S.data());
-      for (int64_t r = 0; r < G; ++r) {
+      attend<NC>(Q.data(), Hkv, G, td + rd[b] * C + start, len - start, kd, vd, slot_stride,
+                 State{m.data(), l.data(), acc.data()}, S.data());
+      for (int64_t r = 0; r < Hq; ++r) {
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
         float* dst = outd + (base + r) * D;
         for (int64_t x = 0; x < D; ++x) dst[x] = acc[r * D + x] * inv;
