@@ -248,3 +248,21 @@ def test_build_directory_follows_the_cache_env(monkeypatch, tmp_path) -> None:
     assert path is not None and path.startswith(str(tmp_path))
     monkeypatch.delenv("ROLLOUT_ENGINE_CACHE")
     assert cpu_kernels._build_directory("x") is None
+
+
+def test_malformed_plans_raise(kernel) -> None:
+    """The kernel checks the plan before forming a pointer from it: errors, never a crash."""
+    q, k, v = torch.randn(2, 4, 64), torch.randn(10, 2, 64), torch.randn(10, 2, 64)
+    table = torch.tensor([[0, 1, 2, 99], [0, 1, 5, 6]])
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    none = (t([]), t([0]), t([]))
+    bad = [([4, 4], [0, 0], none, "slot 99 out of range"),
+           ([3, 4], [2, 0], none, "own_start"),               # own part without a chunk
+           ([3, 9], [0, 0], none, "length"),                  # longer than the table row
+           ([3, 4], [2, 2], (t([0, 0]), t([0, 2]), t([2])), "chunk member")]
+    for lens, own, (members, offsets, chunk_lens), match in bad:
+        with pytest.raises(RuntimeError, match=match):
+            kernel(q, k, v, table, t([0, 1]), t(lens), t(own), members, offsets, chunk_lens, 0.1)
+    out = kernel(q, k, v, table, t([0, 1]), t([3, 4]), t([2, 2]), t([0, 1]), t([0, 2]), t([2]),
+                 0.1)
+    assert torch.isfinite(out).all()

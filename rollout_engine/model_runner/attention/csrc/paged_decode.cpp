@@ -94,7 +94,8 @@ struct State {
 // used by one task, so the next block's rows are prefetched in full.
 template <int NC>
 void attend(const float* Q, int64_t nh, int64_t nq, const int64_t* slots, int64_t n,
-            const float* kbuf, const float* vbuf, int64_t slot_stride, State st, float* S) {
+            const float* kbuf, const float* vbuf, int64_t num_slots, int64_t slot_stride,
+            State st, float* S) {
   constexpr int64_t D = NC * 8;
   const int64_t rows = nh * nq, row_bytes = slot_stride * int64_t(sizeof(float));
   const float* kp[kBlock];
@@ -103,6 +104,7 @@ void attend(const float* Q, int64_t nh, int64_t nq, const int64_t* slots, int64_
     const int64_t bk = std::min(kBlock, n - j0);
     for (int64_t j = 0; j < kBlock; ++j) {  // tail keys alias key 0; their scores are masked
       const int64_t slot = slots[j0 + (j < bk ? j : 0)];
+      TORCH_CHECK(slot >= 0 && slot < num_slots, "paged_decode: slot ", slot, " out of range");
       kp[j] = kbuf + slot * slot_stride;
       vp[j] = vbuf + slot * slot_stride;
     }
@@ -196,7 +198,26 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   const int64_t* cld = chunk_lens.data_ptr<int64_t>();
   float* outd = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  const int64_t num_chunks = chunk_lens.size(0);
+  const int64_t num_chunks = chunk_lens.size(0), S_total = k.size(0), R = table.size(0);
+
+  // The plan is checked before any pointer is formed from it (O(B) work): every row has
+  // 1..C slots in a real table row, and a row starts its own part past a prefix exactly when
+  // it is a member of one chunk of that prefix length.
+  std::vector<int64_t> prefix_of(B, 0);
+  TORCH_CHECK(cod[0] == 0 && cod[num_chunks] == members.size(0), "paged_decode: chunk offsets");
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    TORCH_CHECK(cod[c] < cod[c + 1], "paged_decode: empty chunk");
+    for (int64_t i = cod[c]; i < cod[c + 1]; ++i) {
+      TORCH_CHECK(md[i] >= 0 && md[i] < B && prefix_of[md[i]] == 0 && cld[c] > 0,
+                  "paged_decode: bad chunk member");
+      prefix_of[md[i]] = cld[c];
+    }
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(rd[b] >= 0 && rd[b] < R && ld[b] >= 1 && ld[b] <= C &&
+                    od[b] == prefix_of[b] && od[b] <= ld[b],
+                "paged_decode: bad row, length or own_start for batch row ", b);
+  }
 
   // Phase 1 leaves each grouped row's (m, l) here and its unnormalised acc in out.
   std::vector<float> m_part(num_chunks ? B * Hq : 0), l_part(num_chunks ? B * Hq : 0);
@@ -219,7 +240,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
           for (int64_t x = 0; x < G * D; ++x) dst[x] = src[x] * sc;
         }
       }
-      attend<NC>(Q.data(), Hkv, nq, td + rd[md[m0]] * C, cld[c], kd, vd, slot_stride,
+      attend<NC>(Q.data(), Hkv, nq, td + rd[md[m0]] * C, cld[c], kd, vd, S_total, slot_stride,
                  State{m.data(), l.data(), acc.data()}, S.data());
       for (int64_t h = 0; h < Hkv; ++h) {
         for (int64_t a = 0; a < nm; ++a) {
@@ -249,7 +270,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
         std::fill(l.begin(), l.end(), 0.0f);
         std::fill(acc.begin(), acc.end(), 0.0f);
       }
-      attend<NC>(Q.data(), Hkv, G, td + rd[b] * C + start, len - start, kd, vd, slot_stride,
+      attend<NC>(Q.data(), Hkv, G, td + rd[b] * C + start, len - start, kd, vd, S_total,
+                 slot_stride,
                  State{m.data(), l.data(), acc.data()}, S.data());
       for (int64_t r = 0; r < Hq; ++r) {
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
@@ -272,6 +294,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
                   table.is_contiguous(), "paged_decode needs contiguous q, k, v, table");
   TORCH_CHECK(q.size(2) == k.size(2) && q.size(1) % k.size(1) == 0, "head shapes disagree");
   TORCH_CHECK(chunk_offsets.size(0) == chunk_lens.size(0) + 1, "chunk_offsets size");
+  TORCH_CHECK(rows.size(0) == q.size(0) && seq_lens.size(0) == q.size(0) &&
+                  own_start.size(0) == q.size(0) && table.dim() == 2, "paged_decode: sizes");
   for (const at::Tensor* t : {&table, &rows, &seq_lens, &own_start, &members, &chunk_offsets,
                               &chunk_lens}) {
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "index tensors: int64");

@@ -1,0 +1,168 @@
+"""Decode attention per layer on CPU: index_select + SDPA (the reference) vs the paged C++ kernel
+without and with shared-prefix (cascade) attention, side by side in one run.
+
+GRPO shape: batch B = 64 / 128 / 256 rows in groups of 8 samples that share their prompt's
+128 KV slots (as the radix cache lays them out), each with 64-128 tokens of its own; the 55M
+qwen2's attention (8 query heads, 2 KV heads, head_dim 64), float32, 2 torch threads. Slots are
+placed the way the engine allocates them at page_size 1: each prompt's 128 slots consecutive,
+then one slot per row per decode step (a row's own tokens B slots apart).
+
+Each variant times ``TorchNativeBackend.forward`` of one layer (K/V write + attention; the
+per-step ``init_forward_metadata`` is timed separately); variants are interleaved within every
+repeat and the best time is kept (shared, noisy machines).
+
+    python benchmarks/bench_attention.py --quick   # fewer repeats
+    python benchmarks/bench_attention.py
+
+The last line printed is the kernel / reference speedup at each batch (plain and cascade).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# this checkout's engine, even if another checkout is the installed (editable) one
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
+
+import common  # noqa: E402
+import torch  # noqa: E402
+
+from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool  # noqa: E402
+from rollout_engine.model_runner.attention import cpu_kernels  # noqa: E402
+from rollout_engine.model_runner.attention.torch_native import TorchNativeBackend  # noqa: E402
+from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+
+HQ, HKV, HEAD_DIM = 8, 2, 64
+GROUP, PROMPT, OWN_MIN, OWN_MAX = 8, 128, 64, 128
+VARIANTS = {  # name -> TorchNativeBackend keyword arguments
+    "reference": {"use_kernel": False},
+    "kernel": {"use_kernel": True, "min_shared_len": None},
+    "cascade": {"use_kernel": True},
+}
+
+
+def grpo_batch(batch: int, gen: torch.Generator) -> tuple[KVPool, ReqToTokenPool, ForwardBatch]:
+    """Pools and a decode ForwardBatch for ``batch // GROUP`` prompts x GROUP samples."""
+    own = torch.randint(OWN_MIN, OWN_MAX + 1, (batch,), generator=gen)
+    num_prompts = batch // GROUP
+    decode_base = num_prompts * PROMPT
+    num_slots = decode_base + OWN_MAX * batch + 1
+    pool = KVPool(num_slots, 1, HKV, HEAD_DIM, torch.float32, torch.device("cpu"))
+    pool.k_buffers[0].normal_(generator=gen)
+    pool.v_buffers[0].normal_(generator=gen)
+    rtt = ReqToTokenPool(batch, PROMPT + OWN_MAX + 8, torch.device("cpu"))
+    lens, loc = [], []
+    for b in range(batch):
+        prompt = list(range((b // GROUP) * PROMPT, (b // GROUP + 1) * PROMPT))
+        n = int(own[b])
+        rtt.write(b, 0, prompt + [decode_base + t * batch + b for t in range(n)])
+        lens.append(PROMPT + n)
+        loc.append(decode_base + (n - 1) * batch + b)
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    fb = ForwardBatch(
+        mode=ForwardMode.DECODE, input_ids=t([0] * batch), positions=t([n - 1 for n in lens]),
+        out_cache_loc=t(loc), req_pool_indices=t(list(range(batch))), seq_lens=t(lens),
+        prefix_lens=t([n - 1 for n in lens]), extend_lens=t([1] * batch),
+        logits_indices=t(list(range(batch))), seq_lens_list=lens,
+        prefix_lens_list=[n - 1 for n in lens], extend_lens_list=[1] * batch)
+    return pool, rtt, fb
+
+
+def kv_bytes(fb: ForwardBatch, shared: bool) -> int:
+    """K + V bytes one layer must read: every row's slots, or each shared prompt once."""
+    tokens = sum(fb.seq_lens_list)
+    if shared:
+        tokens -= (GROUP - 1) * PROMPT * (fb.batch_size // GROUP)
+    return 2 * tokens * HKV * HEAD_DIM * 4
+
+
+def run_layer(backend: TorchNativeBackend, meta: object, fb: ForwardBatch, q: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    fb.attn_metadata = meta
+    return backend.forward(q, k, v, 0, HEAD_DIM ** -0.5, fb)
+
+
+def interleaved_best(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    for fn in fns.values():
+        fn()
+        fn()
+    best = {name: math.inf for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--threads", type=int, default=common.DEFAULT_THREADS)
+    ap.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
+    args = ap.parse_args()
+    threads = common.set_threads(args.threads)
+    reps = 10 if args.quick else 40
+
+    t0 = time.perf_counter()
+    op = cpu_kernels.load_paged_decode()
+    load_s = time.perf_counter() - t0
+    if op is None:
+        sys.exit("the paged decode kernel did not build; nothing to compare")
+    machine = common.measure_machine()
+    print(f"{machine['cpu_model']} ({', '.join(machine['cpu_flags'])}), torch {machine['torch']},"
+          f" {threads} threads; kernel load {load_s:.2f} s;"
+          f" copy_ {machine['copy_gbps']} GB/s (read + write)")
+
+    gen = torch.Generator().manual_seed(0)
+    rows, results = [], []
+    for batch in args.batches:
+        pool, rtt, fb = grpo_batch(batch, gen)
+        q = torch.randn(batch, HQ, HEAD_DIM, generator=gen)
+        k = torch.randn(batch, HKV, HEAD_DIM, generator=gen)
+        v = torch.randn(batch, HKV, HEAD_DIM, generator=gen)
+        backends = {name: TorchNativeBackend(pool, rtt, **kw) for name, kw in VARIANTS.items()}
+        plan_fns = {n: functools.partial(b.init_forward_metadata, fb) for n, b in backends.items()}
+        layer_fns = {}
+        for name, backend in backends.items():
+            plan_fns[name]()
+            layer_fns[name] = functools.partial(run_layer, backend, fb.attn_metadata, fb, q, k, v)
+        outs = {name: fn() for name, fn in layer_fns.items()}
+        err = max(float((outs[n] - outs["reference"]).abs().max()) for n in ("kernel", "cascade"))
+        layer_s = interleaved_best(layer_fns, reps)
+        plan_s = interleaved_best(plan_fns, max(3, reps // 4))
+        gbps = {n: kv_bytes(fb, n == "cascade") / layer_s[n] / 1e9 for n in VARIANTS}
+        speed = {n: layer_s["reference"] / layer_s[n] for n in ("kernel", "cascade")}
+        rows.append([batch, round(sum(fb.seq_lens_list) / batch),
+                     *(layer_s[n] * 1e3 for n in VARIANTS),
+                     speed["kernel"], speed["cascade"],
+                     *(plan_s[n] * 1e3 for n in VARIANTS), gbps["kernel"], gbps["cascade"], err])
+        results.append({"batch": batch, "mean_seq_len": sum(fb.seq_lens_list) / batch,
+                        "layer_ms": {n: layer_s[n] * 1e3 for n in VARIANTS},
+                        "metadata_ms": {n: plan_s[n] * 1e3 for n in VARIANTS},
+                        "speedup_vs_reference": speed, "kv_read_gbps": gbps,
+                        "max_abs_err_vs_reference": err})
+    header = ["batch", "mean len", "ref ms", "kernel ms", "cascade ms", "kernel x", "cascade x",
+              "ref meta ms", "kernel meta ms", "cascade meta ms", "kernel GB/s", "cascade GB/s",
+              "max err"]
+    print(common.table(rows, header))
+    path = common.save_result("bench_attention", {
+        "machine": machine, "threads": threads, "kernel_load_s": load_s, "reps": reps,
+        "shape": {"hq": HQ, "hkv": HKV, "head_dim": HEAD_DIM, "group": GROUP, "prompt": PROMPT,
+                  "own": [OWN_MIN, OWN_MAX]},
+        "results": results})
+    print(f"saved {path}")
+    print("speedup vs index_select + SDPA: " + ", ".join(
+        f"B={r['batch']} kernel {r['speedup_vs_reference']['kernel']:.2f}x"
+        f" cascade {r['speedup_vs_reference']['cascade']:.2f}x" for r in results))
+
+
+if __name__ == "__main__":
+    main()
