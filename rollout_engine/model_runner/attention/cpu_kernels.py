@@ -28,12 +28,13 @@ returns None, and the caller keeps its PyTorch path.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -62,28 +63,60 @@ def _cpu_tag() -> str:
     return hashlib.sha1(key.encode()).hexdigest()[:10]
 
 
-def _build_directory(name: str) -> Optional[str]:
+def _kernel_name() -> str:
+    return f"rollout_engine_paged_decode_{_cpu_tag()}"
+
+
+def _build_directory(name: str) -> str:
+    """``$ROLLOUT_ENGINE_CACHE/torch_extensions/<name>``, else torch's default
+    (``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions/<py>_cpu/<name>``)."""
     root = os.environ.get("ROLLOUT_ENGINE_CACHE")
     if not root:
-        return None     # torch's default: $TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions
+        from torch.utils import cpp_extension
+
+        return cpp_extension._get_build_directory(name, False)
     path = Path(root) / "torch_extensions" / name
     path.mkdir(parents=True, exist_ok=True)
     return str(path)
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: str) -> Iterator[None]:
+    """Serialise our loaders on an flock, which the OS drops when its holder dies.
+
+    torch's own lock is a plain file (``<build_dir>/lock``): a process killed mid-build leaves
+    it behind and every later loader waits on it forever. Under our flock no other loader of
+    ours is building, so a leftover torch lock is stale and is removed.
+    """
+    try:
+        import fcntl
+    except ImportError:     # not POSIX: torch's lock alone
+        yield
+        return
+    with open(Path(build_dir) / "rollout_engine.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            (Path(build_dir) / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _build() -> PagedDecodeOp:
     """Compile (or, when up to date, just load) the kernel; raises on any failure."""
     from torch.utils import cpp_extension
 
-    name = f"rollout_engine_paged_decode_{_cpu_tag()}"
+    name = _kernel_name()
+    build_dir = _build_directory(name)
     flags = ["-O3", "-fopenmp"]
     if platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64"):
         flags.append("-march=native")
     # -fopenmp: at::parallel_for is OpenMP inline code under torch's OpenMP backend; the
     # library links libgomp.so.1, the soname torch already loaded, so one runtime runs both.
-    cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
-                       extra_ldflags=["-fopenmp"], build_directory=_build_directory(name),
-                       is_python_module=False, verbose=False)
+    with _build_lock(build_dir):
+        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
+                           extra_ldflags=["-fopenmp"], build_directory=build_dir,
+                           is_python_module=False, verbose=False)
     return torch.ops.rollout_engine_cpu.paged_decode
 
 

@@ -8,7 +8,10 @@ stale slots past each row's length. The kernel must match index_select + SDPA to
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -244,10 +247,21 @@ def test_reference_forced_by_env_and_unsupported_pools(kernel, monkeypatch) -> N
 
 def test_build_directory_follows_the_cache_env(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("ROLLOUT_ENGINE_CACHE", str(tmp_path))
-    path = cpu_kernels._build_directory("x")
-    assert path is not None and path.startswith(str(tmp_path))
+    assert cpu_kernels._build_directory("x").startswith(str(tmp_path))
     monkeypatch.delenv("ROLLOUT_ENGINE_CACHE")
-    assert cpu_kernels._build_directory("x") is None
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch"))
+    assert cpu_kernels._build_directory("x").startswith(str(tmp_path / "torch"))
+
+
+def test_a_stale_build_lock_does_not_hang_the_next_loader(kernel) -> None:
+    """A process killed mid-build leaves torch's lock file; the next load must still finish."""
+    lock = Path(cpu_kernels._build_directory(cpu_kernels._kernel_name())) / "lock"
+    lock.touch()
+    code = ("from rollout_engine.model_runner.attention import cpu_kernels as c; "
+            "assert c.load_paged_decode() is not None")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
+                   cwd=Path(__file__).resolve().parents[3])
+    assert not lock.exists()
 
 
 def test_malformed_plans_raise(kernel) -> None:
