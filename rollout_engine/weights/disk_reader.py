@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from rollout_engine.protocol.bucket import copy_into
 from rollout_engine.weights.loader import (
     LoadReport,
     iter_safetensors,
@@ -193,7 +194,7 @@ class _Job:
         raw = files.mapped(self.entry.path)[self.offset:self.offset + self.entry.nbytes]
         if raw.storage_offset() % self.entry.dtype.itemsize:
             raw = raw.clone()   # misaligned in the file: view it from an aligned copy
-        self.dst.copy_(raw.view(self.entry.dtype).view(self.entry.shape))
+        copy_into(self.dst, raw.view(self.entry.dtype).view(self.entry.shape))
 
 
 def _jobs(entry: Entry, dst: torch.Tensor) -> list[_Job]:

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from rollout_engine.protocol.bucket import copy_into
+
 
 def read_hf_config(model_path: str) -> dict[str, Any]:
     path = os.path.join(model_path, "config.json")
@@ -89,7 +91,7 @@ def load_weights(
     with torch.no_grad():
         for name, dst in targets:
             tensor = by_name[name]
-            dst.copy_(tensor)   # casts while copying when the dtypes differ
+            copy_into(dst, tensor)   # casts while copying when the dtypes differ
             num_bytes += dst.numel() * dst.element_size()
             num_cast += tensor.dtype != dst.dtype
     return LoadReport(num_tensors=len(targets), num_bytes=num_bytes,

@@ -22,7 +22,7 @@ bytes, sent as the unbucketed path sends them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, wait
 from typing import Any, Optional
 
@@ -60,7 +60,9 @@ class BucketBuffers:
 
     NUM_SLOTS = 2
 
-    def __init__(self) -> None:
+    def __init__(self, allocate: Callable[[int, torch.device], torch.Tensor] = shared_buffer
+                 ) -> None:
+        self.allocate = allocate   # (num_bytes, device) -> a 1-D uint8 buffer
         self._slots: dict[tuple[torch.device, int], torch.Tensor] = {}
 
     def slot(self, index: int, num_bytes: int, device: torch.device) -> torch.Tensor:
@@ -69,7 +71,7 @@ class BucketBuffers:
         buffer = self._slots.get(key)
         if buffer is None or buffer.numel() < num_bytes:
             self._slots.pop(key, None)  # free the small one before allocating its successor
-            buffer = self._slots[key] = shared_buffer(num_bytes, device)
+            buffer = self._slots[key] = self.allocate(num_bytes, device)
         return buffer
 
     @property
