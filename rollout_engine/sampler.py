@@ -48,56 +48,75 @@ def derive_seed(seed: int, index: int) -> int:
 
 @dataclass
 class Penalties:
-    """Penalties of the rows that have any, as sparse entries; they shape the sampling
-    distribution only, never the returned logprobs. Applied to the raw logits in this order:
-    ``repetition`` (``x / r`` where ``x > 0``, else ``x * r``), then ``additive`` (frequency and
-    presence as ``-(f * count + p)``, ``-inf`` for ids banned by ``min_new_tokens``)."""
+    """Penalties as sparse entries, each ``(row, id)`` at most once per list; they shape the
+    sampling distribution only, never the returned logprobs. An entry's logit ``x`` becomes
+    ``x / r`` if ``x > 0`` else ``x * r`` (``repetition``), then gets ``bias`` added (frequency
+    and presence: ``-(f * count + p * [count > 0])``); ``banned`` ids (``min_new_tokens``) get
+    ``-inf``."""
 
-    rows: torch.Tensor                                   # [P] int64 batch rows, ascending
-    repetition: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
-    additive: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
-    # each: (index into ``rows`` [N] int64, token id [N] int64, value [N] float32)
+    rows: torch.Tensor                          # [N] int64 batch rows
+    ids: torch.Tensor                           # [N] int64 token ids
+    repetition: Optional[torch.Tensor] = None   # [N] float32 (1: none)
+    bias: Optional[torch.Tensor] = None         # [N] float32
+    banned: Optional[tuple[torch.Tensor, torch.Tensor]] = None   # (batch rows, ids)
 
 
 class PenaltyCounts:
     """Token counts of the requests that use penalties, one device row each: taken when such a
     request first samples, updated in place as its tokens are appended (``record``), given back
-    when it ends. Rows grow by doubling up to the most such requests alive at once; the tensors
+    when it ends. Besides the dense counts a row lists its distinct tokens (prompt and output,
+    in order of first sight), so a step reads its penalty entries without scanning the
+    vocabulary. Rows grow by doubling up to the most such requests alive at once; the tensors
     are dropped whenever no request holds a row."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
-        self.free_rows: list[int] = []
         self._reset()
 
     def _reset(self) -> None:
         v, dev = self.vocab_size, self.device
         self.counts = torch.zeros((0, v), dtype=torch.float32, device=dev)  # output tokens
         self.seen = torch.zeros((0, v), dtype=torch.bool, device=dev)       # prompt or output
-        self.free_rows = []
+        self.ids = torch.zeros((0, 64), dtype=torch.int64, device=dev)      # distinct, padded
+        self.num_ids = torch.zeros(0, dtype=torch.int64, device=dev)
+        self.free_rows: list[int] = []
 
     @property
     def num_used(self) -> int:
         return self.counts.shape[0] - len(self.free_rows)
 
+    def _grow(self, rows: int = 0, width: int = 0) -> None:
+        old_rows, old_width = self.ids.shape
+        new_rows, new_width = max(rows, old_rows), max(width, old_width)
+        ids = self.ids.new_zeros(new_rows, new_width)
+        ids[:old_rows, :old_width] = self.ids
+        self.ids = ids
+        if new_rows > old_rows:
+            extra = new_rows - old_rows
+            self.counts = torch.cat([self.counts, self.counts.new_zeros(extra, self.vocab_size)])
+            self.seen = torch.cat([self.seen, self.seen.new_zeros(extra, self.vocab_size)])
+            self.num_ids = torch.cat([self.num_ids, self.num_ids.new_zeros(extra)])
+            self.free_rows = list(range(new_rows - 1, old_rows - 1, -1)) + self.free_rows
+
     def take(self, prompt_ids: list[int], output_ids: list[int]) -> int:
-        """A row counting ``output_ids`` and marking ``prompt_ids + output_ids`` seen."""
+        """A row counting ``output_ids`` and listing ``prompt_ids + output_ids`` as seen."""
         if not self.free_rows:
-            old = self.counts.shape[0]
-            new = max(2 * old, 8)
-            self.counts = torch.cat([self.counts, self.counts.new_zeros(new - old, self.vocab_size)])
-            self.seen = torch.cat([self.seen, self.seen.new_zeros(new - old, self.vocab_size)])
-            self.free_rows = list(range(new - 1, old - 1, -1))
+            self._grow(rows=max(2 * self.counts.shape[0], 8))
         row = self.free_rows.pop()
+        distinct = list(dict.fromkeys(prompt_ids + output_ids))
+        if len(distinct) > self.ids.shape[1]:
+            self._grow(width=max(2 * self.ids.shape[1], len(distinct)))
         self.counts[row].zero_()
         self.seen[row].zero_()
+        self.num_ids[row] = len(distinct)
+        if distinct:
+            ids = torch.tensor(distinct, dtype=torch.int64, device=self.device)
+            self.ids[row, :len(distinct)] = ids
+            self.seen[row, ids] = True
         if output_ids:
             out = torch.tensor(output_ids, dtype=torch.int64, device=self.device)
             self.counts[row].index_add_(0, out, torch.ones(len(output_ids), device=self.device))
-        ids = prompt_ids + output_ids
-        if ids:
-            self.seen[row, torch.tensor(ids, dtype=torch.int64, device=self.device)] = True
         return row
 
     def give_back(self, row: int) -> None:
@@ -106,20 +125,31 @@ class PenaltyCounts:
             self._reset()
 
     def record(self, rows: list[int], tokens: list[int]) -> None:
-        """Token ``tokens[i]`` was appended to the request holding ``rows[i]``."""
+        """Token ``tokens[i]`` was appended to the request holding ``rows[i]`` (rows distinct)."""
         r = torch.tensor(rows, dtype=torch.int64, device=self.device)
         t = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-        self.counts.index_put_((r, t), torch.ones(len(rows), device=self.device), accumulate=True)
-        self.seen[r, t] = True
+        self.counts[r, t] += 1
+        new = ~self.seen[r, t]
+        r, t = r[new], t[new]
+        if r.numel():
+            pos = self.num_ids[r]
+            width = int(pos.max()) + 1
+            if width > self.ids.shape[1]:
+                self._grow(width=2 * width)
+            self.ids[r, pos] = t
+            self.num_ids[r] = pos + 1
+            self.seen[r, t] = True
 
-    def entries(self, rows: list[int], seen: bool
-                ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """Sparse ``(i, token, count)`` of rows ``rows`` (``i`` indexes ``rows``): output counts,
-        or with ``seen`` every seen token (no count)."""
-        sub = (self.seen if seen else self.counts).index_select(
-            0, torch.tensor(rows, dtype=torch.int64, device=self.device))
-        i, tok = sub.nonzero(as_tuple=True)
-        return i, tok, (None if seen else sub[i, tok])
+    def entries(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(i, id, count)`` for every seen id of the rows ``rows`` (``i`` indexes ``rows``),
+        ``count`` its output count."""
+        r = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        num = self.num_ids[r]
+        width = int(num.max()) if rows else 0
+        listed = torch.arange(width, device=self.device)[None, :] < num[:, None]
+        i, col = listed.nonzero(as_tuple=True)
+        ids = self.ids.index_select(0, r)[:, :width][i, col]
+        return i, ids, self.counts.view(-1)[r[i] * self.vocab_size + ids]
 
 
 @dataclass
@@ -163,56 +193,96 @@ def greedy_rows(sb: SamplingBatch) -> torch.Tensor:
     return (sb.temperatures == 0) | (sb.top_ks == 1)
 
 
-def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
-    """The penalised raw logits of ``pen.rows``: a new [P, V] tensor."""
-    x = logits.index_select(0, pen.rows)
-    if pen.repetition is not None:
-        r, tok, value = pen.repetition
-        seen = x[r, tok]
-        x[r, tok] = torch.where(seen > 0, seen / value, seen * value)
-    if pen.additive is not None:
-        r, tok, value = pen.additive
-        x.index_put_((r, tok), value, accumulate=True)
-    return x
-
-
+@torch.inference_mode()
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
-    """Choose one token per row of ``logits`` ([B, V] float32)."""
+    """Choose one token per row of ``logits`` ([B, V] float32). With penalties, their entries
+    of ``logits`` are changed in place while sampling and restored before returning (in
+    inference mode: the runner's logits are inference tensors)."""
     b, vocab = logits.shape
-    logprobs = compute_logprobs(logits, sb.temperatures)
+    scaled = _scaled(logits, sb.temperatures)
+    logprobs = torch.log_softmax(scaled, dim=-1)
     greedy = greedy_rows(sb)
     truncated = ~greedy & ((sb.top_ks < vocab) | (sb.top_ps < 1))
     plain = ~greedy & ~truncated
-    # what greedy rows take the argmax of, and the log-distribution the other rows sample from
-    scores, dist = logits, logprobs
-    pen = sb.penalties
-    if pen is not None and pen.rows.numel():
-        raw = apply_penalties(logits, pen)
-        pen_dist = torch.log_softmax(_scaled(raw, sb.temperatures[pen.rows]), dim=-1)
-        if pen.rows.numel() == b:
-            scores, dist = raw, pen_dist
-        else:
-            is_pen = torch.zeros(b, dtype=torch.bool, device=logits.device)
-            is_pen[pen.rows] = True
-            if bool((greedy & is_pen).any()):
-                scores = logits.index_copy(0, pen.rows, raw)
-            if bool((~greedy & is_pen).any()):
-                dist = logprobs.index_copy(0, pen.rows, pen_dist)
+    # logprobs is the sampling distribution too, except at penalty entries (patched in place)
+    log_totals = None
+    restore: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    if sb.penalties is not None:
+        penalised = _penalise(logits, scaled, logprobs, sb, greedy, restore)
+        top_p_rows = (truncated & penalised).nonzero().squeeze(1)
+        if top_p_rows.numel():   # top-p needs their (no longer 1) total mass
+            log_totals = torch.zeros(b, dtype=torch.float64, device=logits.device)
+            log_totals[top_p_rows] = torch.logsumexp(
+                logprobs.index_select(0, top_p_rows).to(torch.float64), dim=-1)
     tokens = torch.empty(b, dtype=torch.int64, device=logits.device)
-    for mask, pick in ((greedy, None), (plain, _sample_plain), (truncated, _sample_truncated)):
+    idx = greedy.nonzero().squeeze(1)
+    if idx.numel():
+        tokens[idx] = (logits if idx.numel() == b else logits.index_select(0, idx)).argmax(-1)
+    for mask, pick in ((plain, _sample_plain), (truncated, _sample_truncated)):
         idx = mask.nonzero().squeeze(1)
-        n = idx.numel()
-        if n == 0:
+        if idx.numel() == 0:
             continue
-        whole = n == b
-        if pick is None:
-            tokens[idx] = (scores if whole else scores.index_select(0, idx)).argmax(dim=-1)
-        else:
-            rows = dist if whole else dist.index_select(0, idx)
-            tokens[idx] = pick(rows, *(t if whole else t[idx] for t in (
-                sb.top_ks, sb.top_ps, sb.min_ps, sb.uniforms)))
+        whole = idx.numel() == b
+        rows = logprobs if whole else logprobs.index_select(0, idx)
+        k, p, m, u = (t if whole else t[idx] for t in (sb.top_ks, sb.top_ps, sb.min_ps,
+                                                        sb.uniforms))
+        totals = None if log_totals is None else (log_totals if whole else log_totals[idx])
+        tokens[idx] = pick(rows, k, p, m, u, totals)
+    for flat, idx, saved in reversed(restore):
+        flat.index_copy_(0, idx, saved)
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
     return SampleOutput(tokens.tolist(), chosen.tolist(), _top_logprobs(logprobs, sb))
+
+
+def _penalise(logits: torch.Tensor, scaled: torch.Tensor, logprobs: torch.Tensor,
+              sb: SamplingBatch, greedy: torch.Tensor,
+              restore: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Write the penalised values of ``sb.penalties``' entries into ``logprobs`` (and into
+    ``logits`` for greedy rows), appending to ``restore`` what undoes it; returns [B] bool, the
+    rows with penalties. Nothing else of [B, V] is touched: no second softmax.
+
+    log_softmax computes ``(s - m) - log_sum`` with the row's max ``m``; an entry gets the same
+    expression of its penalised ``s``, so it ties with an unpenalised token exactly where the
+    penalised softmax would (ties go to the lower id). The row no longer sums to 1: sampling
+    by inverse CDF needs no normalising, top-p gets the row's total."""
+    pen = sb.penalties
+    assert pen is not None
+    b, vocab = logits.shape
+    penalised = torch.zeros(b, dtype=torch.bool, device=logits.device)
+    penalised[pen.rows] = True
+    if pen.banned is not None:
+        penalised[pen.banned[0]] = True
+    # the row constants: lp at the max of s is -log_sum exactly
+    m, at = scaled.max(dim=-1, keepdim=True)
+    log_sum = -logprobs.gather(1, at).squeeze(1)
+    m = m.squeeze(1)
+    greedy_too = bool((greedy & penalised).any())
+    lp_flat, x_flat = logprobs.view(-1), logits.view(-1)
+
+    def patch(flat: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
+        restore.append((flat, idx, flat.index_select(0, idx)))
+        flat.index_copy_(0, idx, values)
+
+    if pen.rows.numel():
+        idx = pen.rows * vocab + pen.ids
+        x = x_flat.index_select(0, idx)
+        if pen.repetition is not None:
+            x = torch.where(x > 0, x / pen.repetition, x * pen.repetition)
+        if pen.bias is not None:
+            x = x + pen.bias
+        s = x
+        if scaled is not logits:   # as _scaled: a row with T = 1 divides by 1, exactly
+            t = sb.temperatures[pen.rows]
+            s = x / torch.where(t > 0, t, torch.ones_like(t))
+        patch(lp_flat, idx, (s - m[pen.rows]) - log_sum[pen.rows])
+        if greedy_too:
+            patch(x_flat, idx, x)
+    if pen.banned is not None:
+        idx = pen.banned[0] * vocab + pen.banned[1]
+        patch(lp_flat, idx, torch.full_like(idx, float("-inf"), dtype=logprobs.dtype))
+        if greedy_too:
+            patch(x_flat, idx, torch.full_like(idx, float("-inf"), dtype=logits.dtype))
+    return penalised
 
 
 def _top_logprobs(logprobs: torch.Tensor, sb: SamplingBatch
@@ -237,7 +307,8 @@ _BLOCK = 256
 
 
 def _sample_plain(dist: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
-                  min_ps: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+                  min_ps: torch.Tensor, uniforms: torch.Tensor,
+                  log_totals: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Rows without top-k / top-p: ``exp(dist)`` (no second softmax), min-p applied."""
     probs = dist.exp()
     if bool((min_ps > 0).any()):
@@ -277,8 +348,10 @@ _SORT_FRACTION = 8        # past vocab / this many candidates, a full sort is ch
 
 
 def _sample_truncated(dist: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
-                      min_ps: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Rows with top-k and / or top-p, from the ``c`` most likely candidates of each row."""
+                      min_ps: torch.Tensor, uniforms: torch.Tensor,
+                      log_totals: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Rows with top-k and / or top-p, from the ``c`` most likely candidates of each row.
+    ``log_totals``: log of each row's total mass where it is not 1 (penalised rows)."""
     n, vocab = dist.shape
     tokens = torch.empty(n, dtype=torch.int64, device=dist.device)
     capped = top_ks < vocab
@@ -295,7 +368,8 @@ def _sample_truncated(dist: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Te
         else:
             vals, ids = rows.topk(c, dim=-1)
         k, p, m_p, u = (t if whole else t[todo] for t in (top_ks, top_ps, min_ps, uniforms))
-        done, picked, mass = _pick(rows, vals, ids, k, p, m_p, u)
+        lt = None if log_totals is None else (log_totals if whole else log_totals[todo])
+        done, picked, mass = _pick(rows, vals, ids, k, p, m_p, u, lt)
         tokens[todo[done]] = picked
         if bool(done.all()):
             break
@@ -307,13 +381,14 @@ def _sample_truncated(dist: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Te
 
 
 def _pick(rows: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, top_ks: torch.Tensor,
-          top_ps: torch.Tensor, min_ps: torch.Tensor, uniforms: torch.Tensor
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          top_ps: torch.Tensor, min_ps: torch.Tensor, uniforms: torch.Tensor,
+          log_totals: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample the rows whose kept set lies inside the candidates ``vals, ids`` ([n, c],
     descending). Returns (done [n] bool, their tokens, every row's candidate mass)."""
     n, c = vals.shape
     vocab = rows.shape[1]
-    probs = vals.to(torch.float64).exp()
+    logp = vals.to(torch.float64)
+    probs = (logp if log_totals is None else logp - log_totals[:, None]).exp()   # normalised
     before = probs.cumsum(dim=-1) - probs
     pos = torch.arange(c, device=vals.device)[None, :]
     # top-p keeps the smallest head whose mass reaches p: a token stays if the mass before it < p

@@ -102,52 +102,40 @@ def uses_counts(req: Req) -> bool:
 
 def _penalties(reqs: list[Req], eos_ids: frozenset[int], device: torch.device,
                counts: PenaltyCounts) -> Optional[Penalties]:
-    """Sparse penalties of the rows that have any, from the incrementally kept counts."""
-    rows: list[int] = []
-    rep: list[tuple[int, int, float]] = []           # (index into rows, counts row, penalty)
-    add: list[tuple[int, int, float, float]] = []    # (index, counts row, frequency, presence)
-    ban_i: list[int] = []
+    """Sparse penalty entries of the rows that have any, from the incrementally kept counts."""
+    rows: list[int] = []          # batch row of each counted request
+    pool_rows: list[int] = []
+    params: list[tuple[float, float, float]] = []   # (repetition, frequency, presence)
+    ban_rows: list[int] = []
     ban_ids: list[int] = []
     for i, r in enumerate(reqs):
         p = r.params
-        banned = (set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
-                  if len(r.output_ids) < p.min_new_tokens else set())
-        counted = uses_counts(r)
-        if not counted and not banned:
-            continue
-        pos = len(rows)
-        rows.append(i)
-        if counted:
+        if uses_counts(r):
             if r.penalty_row is None:
                 r.penalty_row = counts.take(r.input_ids, r.output_ids)
-            if p.repetition_penalty != 1.0:
-                rep.append((pos, r.penalty_row, p.repetition_penalty))
-            if p.frequency_penalty or p.presence_penalty:
-                add.append((pos, r.penalty_row, p.frequency_penalty, p.presence_penalty))
-        ban_i.extend([pos] * len(banned))
-        ban_ids.extend(sorted(banned))
-    if not rows:
+            rows.append(i)
+            pool_rows.append(r.penalty_row)
+            params.append((p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
+        if len(r.output_ids) < p.min_new_tokens:
+            banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids)))
+            ban_rows.extend([i] * len(banned))
+            ban_ids.extend(banned)
+    if not rows and not ban_ids:
         return None
 
     def t(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
 
-    pen = Penalties(rows=t(rows))
-    if rep:
-        j, tok, _ = counts.entries([row for _, row, _ in rep], seen=True)
-        pen.repetition = (t([pos for pos, _, _ in rep])[j], tok,
-                          t([v for _, _, v in rep], torch.float32)[j])
-    parts_i, parts_tok, parts_val = [t(ban_i)], [t(ban_ids)], [
-        torch.full((len(ban_ids),), float("-inf"), device=device)]
-    if add:
-        j, tok, n = counts.entries([row for _, row, _, _ in add], seen=False)
-        assert n is not None
-        f = t([f for _, _, f, _ in add], torch.float32)[j]
-        pr = t([pr for _, _, _, pr in add], torch.float32)[j]
-        parts_i.append(t([pos for pos, _, _, _ in add])[j])
-        parts_tok.append(tok)
-        parts_val.append(-(f * n + pr))
-    if add or ban_ids:
-        # a banned id that also has a count sums to -inf whatever the order
-        pen.additive = (torch.cat(parts_i), torch.cat(parts_tok), torch.cat(parts_val))
+    empty = t([])
+    pen = Penalties(rows=empty, ids=empty)
+    if rows:
+        j, pen.ids, n = counts.entries(pool_rows)
+        pen.rows = t(rows)[j]
+        rep, freq, pres = (t(list(v), torch.float32) for v in zip(*params))
+        if bool((rep != 1).any()):
+            pen.repetition = rep[j]
+        if bool(((freq != 0) | (pres != 0)).any()):
+            pen.bias = -(freq[j] * n + pres[j] * (n > 0))
+    if ban_ids:
+        pen.banned = (t(ban_rows), t(ban_ids))
     return pen

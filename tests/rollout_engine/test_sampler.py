@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+from typing import Optional
 
 import pytest
 import torch
@@ -180,21 +181,28 @@ def _penalised(logits: list[float], penalty: float, seen: set[int]) -> list[floa
             for i, x in enumerate(logits)]
 
 
-def _all_rows(n: int, repetition=None, additive=None) -> Penalties:
-    """The same sparse penalty entries on every one of ``n`` rows."""
-    def spread(entries):
-        if entries is None:
+def _all_rows(n: int, repetition: Optional[dict[int, float]] = None,
+              bias: Optional[dict[int, float]] = None,
+              banned: Optional[list[int]] = None) -> Penalties:
+    """The same penalty entries (token -> value) on every one of ``n`` rows."""
+    entries = sorted(set(repetition or {}) | set(bias or {}))
+
+    def per_entry(values: Optional[dict[int, float]], default: float) -> Optional[torch.Tensor]:
+        if values is None:
             return None
-        tok, val = (torch.tensor(e) for e in zip(*entries))
-        m = len(entries)
-        return (torch.arange(n).repeat_interleave(m), tok.repeat(n), val.float().repeat(n))
-    return Penalties(rows=torch.arange(n), repetition=spread(repetition),
-                     additive=spread(additive))
+        return torch.tensor([values.get(t, default) for t in entries]).repeat(n)
+
+    ban = None if not banned else (torch.arange(n).repeat_interleave(len(banned)),
+                                   torch.tensor(banned).repeat(n))
+    return Penalties(rows=torch.arange(n).repeat_interleave(len(entries)),
+                     ids=torch.tensor(entries, dtype=torch.int64).repeat(n),
+                     repetition=per_entry(repetition, 1.0), bias=per_entry(bias, 0.0),
+                     banned=ban)
 
 
 def test_repetition_penalty_changes_distribution_not_logprobs():
     seen = {7, 0, 5}  # the two most likely tokens and a negative one
-    extra = dict(penalties=_all_rows(N, repetition=[(t, 1.8) for t in sorted(seen)]))
+    extra = dict(penalties=_all_rows(N, repetition={t: 1.8 for t in seen}))
     counts, out = draw(temperature=1.0, **extra)
     assert_fits(counts, expected_probs(_penalised(LOGITS, 1.8, seen), 1.0, 1.0, -1, 0.0))
     assert counts[7] < 0.6 * N * expected_probs(LOGITS, 1.0, 1.0, -1, 0.0)[7]
@@ -210,7 +218,7 @@ def test_frequency_and_presence_penalties_change_distribution_not_logprobs(frequ
     counts_so_far = [0] * VOCAB
     counts_so_far[7], counts_so_far[0], counts_so_far[10] = 3, 1, 2
     bias = [-frequency * c - presence * (c > 0) for c in counts_so_far]
-    extra = dict(penalties=_all_rows(N, additive=[(t, b) for t, b in enumerate(bias) if b]))
+    extra = dict(penalties=_all_rows(N, bias={t: b for t, b in enumerate(bias) if b}))
     counts, out = draw(temperature=0.8, top_k=8, **extra)
     shifted = [x + b for x, b in zip(LOGITS, bias)]
     assert_fits(counts, expected_probs(shifted, 0.8, 1.0, 8, 0.0))
@@ -222,7 +230,7 @@ def test_frequency_and_presence_penalties_change_distribution_not_logprobs(frequ
 def test_penalties_steer_greedy_but_not_its_logprob():
     logits = torch.tensor([LOGITS])
     sb = make_batch(1, temperature=0.0)
-    sb.penalties = _all_rows(1, additive=[(7, float("-inf"))])  # e.g. EOS by min_new_tokens
+    sb.penalties = _all_rows(1, banned=[7])  # e.g. EOS by min_new_tokens
     out = sample(logits, sb)
     assert out.token_ids == [0]  # the runner-up
     assert out.logprobs[0] == pytest.approx(torch.log_softmax(logits, -1)[0, 0].item())
@@ -326,8 +334,9 @@ def test_tokens_and_logprobs_equal_the_reference_on_every_option(penalties):
     for c, case in enumerate(GRID):
         extra = dict(frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.3,
                      min_new_tokens=2) if penalties else {}
-        params = SamplingParams(**case, **extra)
         for r in range(REF_ROWS if not penalties else REF_ROWS // 4):
+            # with penalties, every third row has none: mixed batches
+            params = SamplingParams(**case, **(extra if r % 3 else {}))
             prompt = torch.randint(0, REF_VOCAB, (20,), generator=g).tolist()
             reqs.append(_Req(prompt, params, seed=1000 * c + r))
     total = 0
@@ -335,12 +344,14 @@ def test_tokens_and_logprobs_equal_the_reference_on_every_option(penalties):
         logits = torch.randn(len(reqs), REF_VOCAB, generator=g) * 3
         logits[:, 3] = logits.max() + 1   # EOS the favourite: min_new_tokens must ban it
         sb = build_sampling_batch(reqs, REF_VOCAB, eos, torch.device("cpu"), pool)
+        before = logits.clone()
         out = sample(logits, sb)
+        assert torch.equal(logits, before)   # penalty entries are restored
         for i, req in enumerate(reqs):
             p = req.params
             want = reference_sample(logits[i], p.temperature, p.top_k, p.top_p, p.min_p,
                                     uniform_for(req.seed, len(req.output_ids)),
-                                    _penaliser(req, eos) if penalties else None)
+                                    _penaliser(req, eos))
             assert out.token_ids[i] == want[0], (p, i)
             # float32 log_softmax: 1e-6, relative past |logprob| = 1 (its ulp at 13 is 1e-6)
             tol = 1e-6 * max(1.0, abs(want[1]))
