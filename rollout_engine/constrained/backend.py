@@ -55,10 +55,12 @@ def refuse_structured_output(c: Constraint) -> None:
                      "scheduler, which has not landed)")
 
 
-# A JSON string's characters without escapes: what xgrammar 0.2.8 allows inside a string with
-# minLength / maxLength, minus the raw control characters it lets through there (which no strict
-# JSON parser accepts). Its pattern path escapes correctly, so bounded strings go that way.
-_PLAIN_CHARS = '[^"\\\\\\u0000-\\u001f]'
+# What xgrammar 0.2.8 lets into a string with minLength / maxLength: raw control characters (no
+# strict JSON parser accepts them) and, for negated classes, surrogates and overlong UTF-8 (not
+# UTF-8: each decodes to U+FFFD and breaks the length). Its pattern path with positive ranges
+# split where the UTF-8 length changes is exact; quotes and backslashes stay out, as they did.
+_PLAIN_CHAR = (r"( |!|[#-\[]|[\]-~]|[\u0080-\u07ff]|[\u0800-\ud7ff]|[\ue000-\uffff]"
+               r"|[\u{10000}-\u{10FFFF}])")
 
 
 def xgrammar_json_schema(spec: str) -> str:
@@ -83,7 +85,7 @@ def xgrammar_json_schema(spec: str) -> str:
             lo, hi = out.pop("minLength", 0), out.pop("maxLength", None)
             if not isinstance(lo, int) or not (hi is None or isinstance(hi, int)):
                 raise ValueError("minLength / maxLength: must be integers")
-            out["pattern"] = f"^{_PLAIN_CHARS}{{{lo},{'' if hi is None else hi}}}$"
+            out["pattern"] = f"^{_PLAIN_CHAR}{{{lo},{'' if hi is None else hi}}}$"
             changed[0] = True
         return out
 
@@ -177,15 +179,19 @@ class XGrammarBackend(GrammarBackend):
     """xgrammar over the model's tokenizer.
 
     ``vocab_size``: the model's (logits width), at least the tokenizer's. ``stop_token_ids``:
-    the engine's EOS ids (what ends a grammar); None takes the tokenizer's. ``cache_size``:
-    compiled grammars kept (LRU). ``compile_threads``: xgrammar's threads per compile.
+    the engine's EOS ids (what ends a grammar); None takes the tokenizer's. ``any_whitespace``
+    / ``max_whitespace_cnt``: JSON whitespace between tokens (SGLang's default: any amount; a
+    weak or random model under greedy decoding can emit it forever, which
+    ``any_whitespace=False``, SGLang's ``--constrained-json-disable-any-whitespace``, or a
+    count bound prevents). ``cache_size``: compiled grammars kept (LRU). ``compile_threads``:
+    xgrammar's threads per compile.
     """
 
     name = "xgrammar"
 
     def __init__(self, tokenizer: Any, vocab_size: int, *,
                  stop_token_ids: Optional[list[int]] = None, any_whitespace: bool = True,
-                 cache_size: int = 256, compile_threads: int = 2,
+                 max_whitespace_cnt: Optional[int] = None, cache_size: int = 256, compile_threads: int = 2,
                  max_rollback_tokens: int = 200) -> None:
         import xgrammar as xgr
 
@@ -200,6 +206,7 @@ class XGrammarBackend(GrammarBackend):
         self.vocab_size = vocab_size
         self.stop_token_ids = list(info.stop_token_ids)
         self.any_whitespace = any_whitespace
+        self.max_whitespace_cnt = max_whitespace_cnt
         self.cache_size = cache_size
         self.max_rollback_tokens = max_rollback_tokens
         self._cache: OrderedDict[tuple[str, str], Future[Grammar]] = OrderedDict()
@@ -244,7 +251,8 @@ class XGrammarBackend(GrammarBackend):
             return comp.compile_builtin_json_grammar()
         if c.kind == "json_schema":
             return comp.compile_json_schema(xgrammar_json_schema(c.spec),
-                                            any_whitespace=self.any_whitespace)
+                                            any_whitespace=self.any_whitespace,
+                                            max_whitespace_cnt=self.max_whitespace_cnt)
         if c.kind == "regex":
             return comp.compile_regex(c.spec)
         if c.kind == "ebnf":
