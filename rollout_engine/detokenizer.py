@@ -13,7 +13,10 @@ split (SGLang / vLLM's prefix and read offsets)::
     text  = committed_text[:-len(decode(context))] + decode(context + newest)
 
 so a change anywhere in the window replaces the window's old text, and each step decodes a few
-tokens instead of the whole sequence. Text is shown only once no later token can change it: no
+tokens instead of the whole sequence. The string work is per window too: the committed text is
+an append-only rope, and the U+FFFD, hold-back, stop-string and emitted-prefix checks read only
+its last characters (a stop string cannot start inside text already shown, which was held back
+until it could not grow into one). Text is shown only once no later token can change it: no
 trailing U+FFFD, no unfinished run of byte-fallback tokens, nothing that could still grow into a
 stop string, and, for a tokenizer that rewrites earlier text, not the last
 ``REWRITE_HOLD_CHARS`` characters (``DecodeTraits``).
@@ -58,6 +61,34 @@ class DecodeTraits:
         return cls(REWRITE_HOLD_CHARS if rewrites else 0, byte_ids)
 
 
+class _Rope:
+    """An append-only string: amortised O(1) appends and slices near its end."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.len = 0
+
+    def append(self, piece: str) -> None:
+        if piece:
+            self.parts.append(piece)
+            self.len += len(piece)
+
+    def since(self, start: int) -> str:
+        """``str(self)[start:]``, reading only the parts it needs."""
+        need, out = self.len - max(start, 0), []
+        for part in reversed(self.parts):
+            if need <= 0:
+                break
+            out.append(part[-need:] if len(part) > need else part)
+            need -= len(part)
+        return "".join(reversed(out))
+
+    def __str__(self) -> str:
+        if len(self.parts) > 1:
+            self.parts = ["".join(self.parts)]
+        return self.parts[0] if self.parts else ""
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas (see the module docstring).
 
@@ -76,12 +107,14 @@ class IncrementalDetokenizer:
         self._stop_from: Optional[int] = None   # see stop_from()
         self.traits = traits if traits is not None else DecodeTraits.of(tokenizer)
         self.ids: list[int] = []
-        self.emitted = ""          # text already returned (what the caller has)
+        self._emitted = _Rope()    # text already returned (what the caller has)
+        self._verified = 0         # emitted[:_verified] was checked against committed text
+        self._stop_at: Optional[int] = None   # where the first stop string found starts
         self.finished = False
         self.drop_last = False     # the last id is a matched stop token, kept out of the text
         self.diverged = False      # a rewrite reached text already shown (logged once)
         # the decode window (see the module docstring)
-        self.text = ""             # text of ids[:read_offset]
+        self.head = _Rope()        # text of ids[:prefix_offset], never rewritten
         self.prefix_offset = 0     # window start: a token boundary that splits no character
         self.read_offset = 0
         self.prefix_text = ""      # decode(ids[prefix_offset:read_offset])
@@ -114,6 +147,11 @@ class IncrementalDetokenizer:
         return trim_stop(self._decode(self.ids[:self._end()]), self.stop, self.no_stop_trim,
                          self.stop_from())
 
+    @property
+    def emitted(self) -> str:
+        """The text returned so far."""
+        return str(self._emitted)
+
     def push(self, new_ids: list[int], finished: bool, stop_token: bool = False) -> str:
         """Add tokens; return the new text that is safe to show.
 
@@ -127,52 +165,86 @@ class IncrementalDetokenizer:
             self.finished = True
             self.final_text = None
             self.final_text = self.full_text()
-            return self._emit(self.final_text)
-        text = self._window_text()
-        text = text.rstrip(_REPLACEMENT)
+            return self._emit_final(self.final_text)
+        base, tail = self._window_text()     # the text so far is head + tail, len(head) = base
+        tail = tail.rstrip(_REPLACEMENT)
+        end = base + len(tail)               # show text[:end]
         if self.traits.hold_chars:
-            text = text[:max(len(text) - self.traits.hold_chars, 0)]
-        cut = _first_stop(text, self.stop, self.stop_from())
-        if cut is not None:
-            text = text[:cut] if not self.no_stop_trim else text
-        else:
-            # hold back a tail that could still grow into a stop string
-            hold = max((len(s) - 1 for s in self.stop), default=0)
-            if hold:
-                text = text[:max(len(self.emitted), len(text) - hold)]
-        return self._emit(text)
+            end = max(end - self.traits.hold_chars, 0)
+        if self.stop:
+            longest = max(len(s) for s in self.stop)
+            if self._stop_at is None:
+                lo = max(min(self._emitted.len, end) - longest, 0)
+                cut = _first_stop(self._slice(base, tail, lo, end), self.stop,
+                                  self.stop_from() - lo)
+                self._stop_at = None if cut is None else lo + cut   # the first stays the first
+            if self._stop_at is not None:
+                end = end if self.no_stop_trim else min(end, self._stop_at)
+            else:
+                # hold back a tail that could still grow into a stop string
+                if longest > 1:
+                    end = min(end, max(self._emitted.len, end - (longest - 1)))
+        return self._emit(base, tail, end)
 
-    def _window_text(self) -> str:
-        """The text of every id so far, decoding only the window; commits a clean boundary."""
+    def _slice(self, base: int, tail: str, start: int, end: int) -> str:
+        """``(head + tail)[start:end]`` for ``start`` near the end."""
+        if start >= base:
+            return tail[start - base:end - base]
+        return (self.head.since(start) + tail)[:max(end - start, 0)]
+
+    def _window_text(self) -> tuple[int, str]:
+        """``(len(head), tail)``: the text of every id so far is ``head + tail``; decodes only
+        the window, and commits a clean boundary (moving text from the window to the head)."""
         end = self._end()
         if end and self.ids[end - 1] in self.traits.byte_ids:
-            return self.text   # inside a run of byte tokens: only the text before it is sure
+            # inside a run of byte tokens: only the text before it is sure
+            return self.head.len, self.prefix_text
         window = self._decode(self.ids[self.prefix_offset:end])
-        text = self.text[:len(self.text) - len(self.prefix_text)] + window
         if end > self.read_offset and not window.endswith(_REPLACEMENT):
             # ``end`` splits no character: the next window may start here
-            self.text, self.read_offset, self.prefix_text = text, end, window
+            self.read_offset, self.prefix_text = end, window
             self.boundaries.append(end)
             starts = [b for b in self.boundaries if end - b >= CONTEXT_TOKENS]
             if starts and starts[-1] != self.prefix_offset:
-                # move the window up only where its text is a suffix of the whole text (a
+                # move the window up only where its text is a suffix of the old window (a
                 # rewrite across that boundary, e.g. "a ' b" -> "a'b", would misalign it)
                 prefix_text = self._decode(self.ids[starts[-1]:end])
-                if text.endswith(prefix_text):
+                if len(prefix_text) <= len(window) and window.endswith(prefix_text):
+                    self.head.append(window[:len(window) - len(prefix_text)])
                     self.prefix_offset, self.prefix_text = starts[-1], prefix_text
+                    window = prefix_text
             self.boundaries = [b for b in self.boundaries if b >= self.prefix_offset]
-        return text
+        return self.head.len, window
 
-    def _emit(self, text: str) -> str:
-        n = min(len(text), len(self.emitted))
-        if text[:n] != self.emitted[:n] and not self.diverged:
-            # shown text cannot be taken back; keep streaming from the same character count
-            self.diverged = True
-            logger.warning("detokenizer: a later token rewrote text already streamed "
-                           "(%r is no longer a prefix of %r)", self.emitted[-20:], text[-40:])
-        delta = text[len(self.emitted):]
-        self.emitted += delta
+    def _emit(self, base: int, tail: str, end: int) -> str:
+        """Show ``text[:end]`` (text = head + tail): return what the caller does not have."""
+        shown = self._emitted.len
+        n = min(end, shown)
+        if n > self._verified and not self.diverged:
+            lo = self._verified
+            if self._slice(base, tail, lo, n) != self._emitted.since(lo)[:n - lo]:
+                self._diverge(self._emitted.since(max(shown - 20, 0)),
+                              self._slice(base, tail, max(end - 40, 0), end))
+        delta = self._slice(base, tail, shown, end) if end > shown else ""
+        self._emitted.append(delta)
+        # the head is never rewritten: what was shown of it stays checked
+        self._verified = max(self._verified, min(base, self._emitted.len))
         return delta
+
+    def _emit_final(self, text: str) -> str:
+        emitted = str(self._emitted)
+        n = min(len(text), len(emitted))
+        if text[:n] != emitted[:n] and not self.diverged:
+            self._diverge(emitted[-20:], text[-40:])
+        delta = text[len(emitted):]
+        self._emitted.append(delta)
+        return delta
+
+    def _diverge(self, shown: str, text: str) -> None:
+        # shown text cannot be taken back; keep streaming from the same character count
+        self.diverged = True
+        logger.warning("detokenizer: a later token rewrote text already streamed "
+                       "(%r is no longer a prefix of %r)", shown, text)
 
 
 def _first_stop(text: str, stop: list[str], ends_after: int = 0) -> Optional[int]:
