@@ -141,15 +141,15 @@ class PenaltyCounts:
             self.seen[r, t] = True
 
     def entries(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(i, id, count)`` for every seen id of the rows ``rows`` (``i`` indexes ``rows``),
-        ``count`` its output count."""
+        """``(num, ids, counts)``: the seen ids of the rows ``rows``, row after row (``num[i]``
+        of them for ``rows[i]``), and their output counts."""
         r = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        num = self.num_ids[r]
+        num = self.num_ids.index_select(0, r)
         width = int(num.max()) if rows else 0
         listed = torch.arange(width, device=self.device)[None, :] < num[:, None]
-        i, col = listed.nonzero(as_tuple=True)
-        ids = self.ids.index_select(0, r)[:, :width][i, col]
-        return i, ids, self.counts.view(-1)[r[i] * self.vocab_size + ids]
+        ids = self.ids.index_select(0, r)[:, :width].masked_select(listed)
+        flat = r.repeat_interleave(num) * self.vocab_size + ids
+        return num, ids, self.counts.view(-1).index_select(0, flat)
 
 
 @dataclass
@@ -272,9 +272,9 @@ def _penalise(logits: torch.Tensor, scaled: torch.Tensor, logprobs: torch.Tensor
             x = x + pen.bias
         s = x
         if scaled is not logits:   # as _scaled: a row with T = 1 divides by 1, exactly
-            t = sb.temperatures[pen.rows]
+            t = sb.temperatures.index_select(0, pen.rows)
             s = x / torch.where(t > 0, t, torch.ones_like(t))
-        patch(lp_flat, idx, (s - m[pen.rows]) - log_sum[pen.rows])
+        patch(lp_flat, idx, (s - m.index_select(0, pen.rows)) - log_sum.index_select(0, pen.rows))
         if greedy_too:
             patch(x_flat, idx, x)
     if pen.banned is not None:
@@ -343,7 +343,7 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 
 _TOP_P_CANDIDATES = 256   # first candidate count for rows with top-p but no top-k
-_TOP_P_GROWTH = 8
+_TOP_P_GROWTH = 4
 _SORT_FRACTION = 8        # past vocab / this many candidates, a full sort is cheaper
 
 

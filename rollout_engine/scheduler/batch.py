@@ -129,13 +129,14 @@ def _penalties(reqs: list[Req], eos_ids: frozenset[int], device: torch.device,
     empty = t([])
     pen = Penalties(rows=empty, ids=empty)
     if rows:
-        j, pen.ids, n = counts.entries(pool_rows)
-        pen.rows = t(rows)[j]
-        rep, freq, pres = (t(list(v), torch.float32) for v in zip(*params))
-        if bool((rep != 1).any()):
-            pen.repetition = rep[j]
-        if bool(((freq != 0) | (pres != 0)).any()):
-            pen.bias = -(freq[j] * n + pres[j] * (n > 0))
+        num, pen.ids, n = counts.entries(pool_rows)
+        pen.rows = t(rows).repeat_interleave(num)
+        rep, freq, pres = zip(*params)
+        if any(v != 1.0 for v in rep):
+            pen.repetition = t(list(rep), torch.float32).repeat_interleave(num)
+        if any(freq) or any(pres):
+            f, pr = (t(list(v), torch.float32).repeat_interleave(num) for v in (freq, pres))
+            pen.bias = -(f * n + pr * (n > 0))
     if ban_ids:
         pen.banned = (t(ban_rows), t(ban_ids))
     return pen
