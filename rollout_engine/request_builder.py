@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import random
 import uuid
+from collections.abc import Callable
 from typing import Any, Optional
 
+from rollout_engine.constrained.backend import refuse_structured_output
+from rollout_engine.constrained.spec import Constraint
 from rollout_engine.protocol.messages import GenerateReq
 from rollout_engine.sampler import derive_seed
 from rollout_engine.sampling_params import SamplingParams
@@ -24,15 +27,27 @@ class RequestBuilder:
     whose prompt + max_new_tokens exceeds it is refused: it could outgrow the pool even alone,
     and the scheduler would have to abort it midway (or, with a prompt that never fits, could
     never admit it). Within the pool, the request always fits once it runs alone.
+
+    ``grammar_check`` decides a constrained request (``json_schema``, ``regex``, ``ebnf``,
+    ``structural_tag``) at submission: the grammar backend's ``validate`` (a ValueError naming
+    the field and the problem) once the scheduler applies grammars; until then the default
+    refuses every constraint with "structured output is not enabled yet".
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, context_len: int,
-                 rng: random.Random, pool_tokens: Optional[int] = None) -> None:
+                 rng: random.Random, pool_tokens: Optional[int] = None,
+                 grammar_check: Callable[[Constraint], None] = refuse_structured_output) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_len = context_len
         self.rng = rng
         self.pool_tokens = pool_tokens
+        self.grammar_check = grammar_check
+
+    def check_constraint(self, constraint: Constraint) -> None:
+        """Whether this engine takes ``constraint`` (ValueError naming its field if not); the
+        OpenAI layer asks before translating response_format / tools into sampling_params."""
+        self.grammar_check(constraint)
 
     def build(self, prompt: Any = None, input_ids: Any = None,
               sampling_params: Any = None, return_logprob: Any = False,
@@ -74,6 +89,12 @@ class RequestBuilder:
         nb = len(ids_list)
         params = _per_item(sampling_params, nb, "sampling_params", dict)
         sps = [SamplingParams.from_dict(p) for p in params]
+        checked: set[tuple[str, str]] = set()
+        for sp in sps:
+            c = sp.constraint
+            if c is not None and c.key not in checked:
+                self.check_constraint(c)
+                checked.add(c.key)
         if sum(sp.n for sp in sps) > MAX_REQUESTS_PER_CALL:
             raise ValueError(f"n: the call expands to {sum(sp.n for sp in sps)} requests "
                              f"(prompts x n); at most {MAX_REQUESTS_PER_CALL} per call")

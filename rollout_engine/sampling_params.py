@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from rollout_engine.compat.fields import SAMPLING_PARAMS, Treatment
+from rollout_engine.constrained.spec import Constraint, constraint_from_params
 
 _INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed")
 _FLOAT_FIELDS = (
@@ -15,6 +17,8 @@ _FLOAT_FIELDS = (
 )
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
                 "no_stop_trim")
+_JSON_FIELDS = ("json_schema", "structural_tag")   # a JSON string, or an object (kept as text)
+_TEXT_FIELDS = ("regex", "ebnf")
 
 
 @dataclass
@@ -24,6 +28,11 @@ class SamplingParams:
     Returned logprobs never depend on these filters: each is ``log_softmax(logits / T)`` over the
     full vocabulary (``T = 1`` for greedy), before penalties and top-k / top-p / min-p truncation,
     which is what a trainer recomputes from the same weights.
+
+    ``json_schema`` / ``regex`` / ``ebnf`` / ``structural_tag`` (at most one; ``constraint``
+    says which) constrain the output to a grammar; ``verify`` checks their syntax. Whether the
+    engine applies them is the request builder's ``grammar_check`` (refused until the
+    scheduler integration lands).
     """
 
     max_new_tokens: int = 128
@@ -43,14 +52,18 @@ class SamplingParams:
     no_stop_trim: bool = False
     n: int = 1
     sampling_seed: Optional[int] = None
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+    structural_tag: Optional[str] = None
 
     @classmethod
     def from_dict(cls, d: Optional[Union[dict[str, Any], SamplingParams]]) -> SamplingParams:
         """Parse a JSON-style dict; ``None`` values mean the default.
 
         Every field of SGLang's ``SamplingParams`` is accepted (``compat/fields.py`` says how
-        each is treated): a non-default value of one we lack (``json_schema``, ``regex``,
-        ``logit_bias``, ...) is a ValueError naming it, as is a name SGLang does not know.
+        each is treated): a non-default value of one we lack (``logit_bias``, ``stop_regex``,
+        ...) is a ValueError naming it, as is a name SGLang does not know.
         """
         if d is None:
             d = {}
@@ -108,6 +121,13 @@ class SamplingParams:
             for t in self.stop_token_ids:
                 if not 0 <= t < vocab_size:
                     bad("stop_token_ids", f"token id {t} outside the vocabulary [0, {vocab_size})")
+        _ = self.constraint   # one constraint at most, each well-formed
+
+    @property
+    def constraint(self) -> Optional[Constraint]:
+        """The grammar this request asks for (None: unconstrained); ValueError naming the
+        field(s) when two are given or one is malformed."""
+        return constraint_from_params({k: getattr(self, k) for k in _CONSTRAINT_FIELDS})
 
     @property
     def is_greedy(self) -> bool:
@@ -118,6 +138,7 @@ class SamplingParams:
 
 
 _SUPPORTED = SAMPLING_PARAMS.names(Treatment.SUPPORTED)
+_CONSTRAINT_FIELDS = (*_JSON_FIELDS, *_TEXT_FIELDS)
 
 
 def _coerce(name: str, v: Any) -> Any:
@@ -142,6 +163,17 @@ def _coerce(name: str, v: Any) -> Any:
         if isinstance(v, list) and all(isinstance(s, str) for s in v):
             return list(v)
         raise ValueError(f"sampling_params.stop: must be a string or a list of strings, got {v!r}")
+    if name in _JSON_FIELDS:
+        if isinstance(v, (dict, bool)):
+            return json.dumps(v, ensure_ascii=False)
+        if not isinstance(v, str):
+            raise ValueError(f"sampling_params.{name}: must be a JSON string or an object, "
+                             f"got {v!r}")
+        return v
+    if name in _TEXT_FIELDS:
+        if not isinstance(v, str):
+            raise ValueError(f"sampling_params.{name}: must be a string, got {v!r}")
+        return v
     if name == "stop_token_ids":
         if isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
             return list(v)

@@ -29,17 +29,13 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 __all__ = ["CHAT_REQUEST", "COMPLETION_REQUEST", "GENERATE_REQUEST", "SAMPLING_PARAMS",
-           "STRUCTURED_OUTPUT", "FieldList", "SglangField", "Treatment"]
+           "FieldList", "SglangField", "Treatment"]
 
 
 class Treatment(str, enum.Enum):
     SUPPORTED = "supported"
     DEFAULT_ONLY = "accepted-if-default"
     IGNORED = "ignored"
-
-
-STRUCTURED_OUTPUT = ("structured output is not supported yet (json_schema, regex, ebnf and "
-                     "structural_tag arrive with the structured-output release)")
 
 
 @dataclass(frozen=True)
@@ -156,10 +152,13 @@ _PD = "prefill/decode disaggregation"
 _DP = "one data-parallel rank (0)"
 _NO_LORA = ("lora_path / lora_id is not supported by this engine: no LoRA adapter is loaded "
             "(LoRA serving is not implemented)")
+# carried and validated (one per request, syntax, what xgrammar accepts); a 400 "structured
+# output is not enabled yet" until the scheduler applies grammars
+_GRAMMAR = "structured output, refused until the scheduler applies grammars: "
 _STRUCTURED = [
-    _f("json_schema", None, D, "structured output", refusal=STRUCTURED_OUTPUT),
-    _f("regex", None, D, "structured output", refusal=STRUCTURED_OUTPUT),
-    _f("ebnf", None, D, "structured output", refusal=STRUCTURED_OUTPUT),
+    _f("json_schema", None, S, _GRAMMAR + "a JSON schema (string or object; $$ANY$$: any JSON)"),
+    _f("regex", None, S, _GRAMMAR + "a regular expression the whole output matches"),
+    _f("ebnf", None, S, _GRAMMAR + "an EBNF grammar (xgrammar's dialect, root rule 'root')"),
 ]
 
 # -- GenerateReqInput ---------------------------------------------------------------------------
@@ -264,7 +263,8 @@ SAMPLING_PARAMS = FieldList("SamplingParams", "python/sglang/srt/sampling/sampli
     _f("sampling_seed", None, S, "per-request seed; same seed, same tokens"),
     _f("stop_regex", None, D, "stop regexes", "", []),
     *_STRUCTURED,
-    _f("structural_tag", None, D, "structured output", refusal=STRUCTURED_OUTPUT),
+    _f("structural_tag", None, S, _GRAMMAR + "SGLang's structures + triggers, or xgrammar's "
+       "format"),
     _f("logit_bias", None, D, "logit bias", {}),
     _f("beam_width", None, D, "beam search (read by GenerateReqInput)", 0, 1),
     _f("custom_params", None, X, "arguments of a custom logit processor, which is refused, so "
@@ -303,8 +303,8 @@ _OPENAI_COMMON = [
     _f("routed_experts_start_len", 0, D, "MoE routing replay (no MoE models)"),
     _f("return_cached_tokens_details", False, D, "cache tiers (usage has cached_tokens)"),
     _f("return_token_ids", False, D, "token ids in choices (use /generate)"),
-    _f("regex", None, D, "structured output", refusal=STRUCTURED_OUTPUT),
-    _f("ebnf", None, D, "structured output", refusal=STRUCTURED_OUTPUT),
+    _f("regex", None, S, _GRAMMAR + "sampling_params.regex"),
+    _f("ebnf", None, S, _GRAMMAR + "sampling_params.ebnf"),
     _f("stop_regex", None, D, "stop regexes", "", []),
     _f("lora_path", None, D, "LoRA", "", refusal=_NO_LORA),
     _f("session_id", None, X, "a session identity for routing"),
@@ -335,9 +335,9 @@ COMPLETION_REQUEST = FieldList(
         _f("suffix", None, D, "insertion (fill-in-the-middle)", ""),
         _f("temperature", 1.0, S, "sampling_params.temperature"),
         _f("top_p", 1.0, S, "sampling_params.top_p"),
-        _f("json_schema", None, D, "structured output", refusal=STRUCTURED_OUTPUT),
-        _f("response_format", None, D, "structured output", _TEXT_FORMAT,
-           refusal=STRUCTURED_OUTPUT),
+        _f("json_schema", None, S, _GRAMMAR + "sampling_params.json_schema"),
+        _f("response_format", None, S, _GRAMMAR + "text (none), json_object, json_schema or "
+           "structural_tag", _TEXT_FORMAT),
         *_OPENAI_COMMON,
     ])
 
@@ -355,11 +355,13 @@ CHAT_REQUEST = FieldList(
         _f("input_ids", None, S, "pre-tokenized prompt; the chat template is skipped"),
         _f("reasoning_effort", None, S, "sets chat_template_kwargs thinking / enable_thinking "
            "(false for 'none') unless given, as SGLang does"),
-        _f("response_format", None, D, "structured output", _TEXT_FORMAT,
-           refusal=STRUCTURED_OUTPUT),
-        _f("tools", None, D, "tool calling", []),
-        _f("tool_choice", "auto", D, "tool calling", "none"),
-        _f("parallel_tool_calls", True, X, "tool calling is refused anyway"),
+        _f("response_format", None, S, _GRAMMAR + "text (none), json_object, json_schema or "
+           "structural_tag", _TEXT_FORMAT),
+        _f("tools", None, S, "rendered by the chat template; <tool_call>{...}</tool_call> in the "
+           "output (Qwen / Hermes) becomes message.tool_calls", []),
+        _f("tool_choice", "auto", S, "auto / none; required or a named function force a call "
+           "with a grammar (refused until the scheduler applies grammars)", "none"),
+        _f("parallel_tool_calls", True, S, "false: only the first tool call is returned"),
         _f("return_prompt_token_ids", False, D, "prompt ids in choices (use /generate)"),
         _f("return_meta_info", False, D, "meta_info in choices (use /generate)"),
         _f("task", None, D, "DeepSeek-V4 quick instructions"),

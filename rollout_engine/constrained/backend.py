@@ -67,39 +67,52 @@ def xgrammar_json_schema(spec: str) -> str:
     """``spec`` rewritten around xgrammar 0.2.8's gaps: a string schema's minLength /
     maxLength become the equivalent ``pattern``; pattern and a length bound together (which
     xgrammar would enforce only half of) is a ValueError."""
-    schema = json.loads(spec)
-    changed = [False]
+    schema, changed = _patch_schema(json.loads(spec))
+    return json.dumps(schema, ensure_ascii=False) if changed else spec
 
-    def walk(node: Any) -> Any:
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        if not isinstance(node, dict):
-            return node
-        out = {k: walk(v) for k, v in node.items()}
-        bounds = [k for k in ("minLength", "maxLength") if k in out]
-        if out.get("type") == "string" and bounds:
-            if "pattern" in out or "format" in out:
-                other = "pattern" if "pattern" in out else "format"
-                raise ValueError(f"a string schema combines {other} with {' and '.join(bounds)}, "
-                                 "which xgrammar cannot enforce together")
-            lo, hi = out.pop("minLength", 0), out.pop("maxLength", None)
-            if not isinstance(lo, int) or not (hi is None or isinstance(hi, int)):
-                raise ValueError("minLength / maxLength: must be integers")
-            out["pattern"] = f"^{_PLAIN_CHAR}{{{lo},{'' if hi is None else hi}}}$"
-            changed[0] = True
-        return out
 
-    schema = walk(schema)
-    return json.dumps(schema, ensure_ascii=False) if changed[0] else spec
+def _patch_schema(node: Any) -> tuple[Any, bool]:
+    if isinstance(node, list):
+        items = [_patch_schema(v) for v in node]
+        return [v for v, _ in items], any(c for _, c in items)
+    if not isinstance(node, dict):
+        return node, False
+    parts = {k: _patch_schema(v) for k, v in node.items()}
+    out = {k: v for k, (v, _) in parts.items()}
+    changed = any(c for _, c in parts.values())
+    bounds = [k for k in ("minLength", "maxLength") if k in out]
+    if out.get("type") == "string" and bounds:
+        if "pattern" in out or "format" in out:
+            other = "pattern" if "pattern" in out else "format"
+            raise ValueError(f"a string schema combines {other} with {' and '.join(bounds)}, "
+                             "which xgrammar cannot enforce together")
+        lo, hi = out.pop("minLength", 0), out.pop("maxLength", None)
+        if not isinstance(lo, int) or not (hi is None or isinstance(hi, int)):
+            raise ValueError("minLength / maxLength: must be integers")
+        out["pattern"] = f"^{_PLAIN_CHAR}{{{lo},{'' if hi is None else hi}}}$"
+        changed = True
+    return out, changed
+
+
+def _patch_format(node: Any) -> Any:
+    """The JSON schemas inside an xgrammar structural-tag format, patched (a missing one is
+    the empty schema, as SGLang fills it)."""
+    if isinstance(node, list):
+        return [_patch_format(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _patch_format(v) for k, v in node.items()}
+    if out.get("type") in ("json_schema", "qwen_xml_parameter"):
+        out["json_schema"] = _patch_schema(node.get("json_schema") or {})[0]
+    return out
 
 
 def _legacy_structural_tag(obj: dict[str, Any]) -> Any:
     """SGLang's ``structures`` / ``triggers`` form as xgrammar's ``StructuralTag``."""
     import xgrammar as xgr
 
-    tags = [xgr.StructuralTagItem(begin=s["begin"], end=s["end"],
-                                  schema=json.dumps(s.get("schema", s.get("parameters")) or {}))
-            for s in obj["structures"]]
+    tags = [xgr.StructuralTagItem(begin=s["begin"], end=s["end"], schema=json.dumps(
+        _patch_schema(s.get("schema", s.get("parameters")) or {})[0])) for s in obj["structures"]]
     tag = xgr.StructuralTag.from_legacy_structural_tag(tags, obj["triggers"])
     tag.format.at_least_one = bool(obj.get("at_least_one", False))
     return tag
@@ -109,7 +122,7 @@ def _structural_tag_arg(spec: str) -> Union[str, Any]:
     obj = json.loads(spec)
     if obj.get("structures") is not None:
         return _legacy_structural_tag(obj)
-    return json.dumps({"type": "structural_tag", "format": obj["format"]})
+    return json.dumps({"type": "structural_tag", "format": _patch_format(obj["format"])})
 
 
 def check_grammar(c: Constraint, *, any_whitespace: bool = True) -> None:

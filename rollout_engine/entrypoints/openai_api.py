@@ -2,6 +2,11 @@
 
 They translate OpenAI shapes to a ``GenerationService`` call and back; tokenization, sampling
 and logprobs are the engine's. Choice ``index`` is ``prompt_index * n + sample_index``.
+
+A constraint (``response_format``, ``regex``, ``ebnf``, a forcing ``tool_choice``) is put to the
+engine's request builder first, so its 400 names the OpenAI field. Chat ``tools`` go to the chat
+template; ``<tool_call>`` blocks in the output come back as ``message.tool_calls`` (streamed as
+``delta.tool_calls``) with ``finish_reason`` ``"tool_calls"``.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from fastapi import FastAPI, Request
 from starlette.responses import Response
@@ -25,6 +30,7 @@ from rollout_engine.entrypoints.http_utils import (
 from rollout_engine.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from rollout_engine.entrypoints.serving import GenerationService
 from rollout_engine.entrypoints.token_pieces import TokenPieces
+from rollout_engine.entrypoints.tool_calls import ToolCallStream, parse_tool_calls
 from rollout_engine.tokenizer_manager import RequestState, SchedulerDeadError
 
 
@@ -47,6 +53,10 @@ def _usage(metas: list[Optional[dict[str, Any]]], n: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": sum(m["cached_tokens"] for m in firsts)}}
 
 
+def _tool_finish(reason: Optional[str], has_calls: bool) -> Optional[str]:
+    return "tool_calls" if has_calls and reason == "stop" else reason
+
+
 def _prompt_kwargs(prompt: Any) -> dict[str, Any]:
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)) or prompt == []:
         return {"prompt": prompt}
@@ -60,6 +70,12 @@ class OpenAIServing:
         self.service = service
         self.model_name = model_name
         self.pieces = TokenPieces(service.engine.tokenizer)
+
+    def check_constraint(self, req: Union[CompletionRequest, ChatCompletionRequest]) -> None:
+        """A constrained request is the engine's to take or refuse (a 400 naming the field)."""
+        c = req.constraint()
+        if c is not None:
+            self.service.engine.tm.builder.check_constraint(c)
 
     def _header(self, prefix: str, obj: str) -> dict[str, Any]:
         return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
@@ -104,6 +120,7 @@ class OpenAIServing:
     async def completions(self, request: Request) -> Response:
         req = CompletionRequest.parse(await read_json(request))
         req.check_unsupported()
+        self.check_constraint(req)
         want_lp = req.logprobs is not None
         states, _ = await self.service.submit(
             **_prompt_kwargs(req.prompt), sampling_params=req.sampling_params(req.max_tokens),
@@ -168,11 +185,12 @@ class OpenAIServing:
     # -- /v1/chat/completions ------------------------------------------------------------------
     def render_chat(self, req: ChatCompletionRequest) -> str:
         messages = [m.template_dict() for m in req.messages]
+        tools = [t.model_dump(exclude_none=True) for t in req.active_tools]
         try:
             text = self.service.engine.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message, tokenize=False,
-                **req.template_kwargs)
+                **({"tools": tools} if tools else {}), **req.template_kwargs)
         except Exception as e:  # noqa: BLE001 - a template error is the caller's input
             raise ValueError(f"messages: the chat template could not render them: "
                              f"{type(e).__name__}: {e}") from None
@@ -183,6 +201,7 @@ class OpenAIServing:
     async def chat_completions(self, request: Request) -> Response:
         req = ChatCompletionRequest.parse(await read_json(request))
         req.check_unsupported()
+        self.check_constraint(req)
         prompt: dict[str, Any] = {"input_ids": req.input_ids} if req.input_ids is not None else {
             "prompt": await self.service.offload(self.render_chat, req)}
         states, _ = await self.service.submit(
@@ -192,13 +211,21 @@ class OpenAIServing:
         if req.stream:
             return sse_response(self._stream_chat(req, states))
         results = await self.service.collect(states, request)
+        names = [t.function.name for t in req.active_tools]
         choices = []
         for i, res in enumerate(results):
             meta = res["meta_info"]
+            message: dict[str, Any] = {"role": "assistant", "content": res["text"]}
+            calls = []
+            if names:
+                content, calls = parse_tool_calls(res["text"], names, req.parallel_tool_calls)
+                if calls:
+                    message.update(content=content, tool_calls=[c.to_openai() for c in calls])
             choices.append({
-                "index": i, "message": {"role": "assistant", "content": res["text"]},
+                "index": i, "message": message,
                 "logprobs": self.chat_logprobs(meta) if req.logprobs else None,
-                "finish_reason": _finish_reason(meta["finish_reason"]),
+                "finish_reason": _tool_finish(_finish_reason(meta["finish_reason"]),
+                                              bool(calls)),
                 "matched_stop": _matched_stop(meta["finish_reason"])})
         return json_response({**self._header("chatcmpl", "chat.completion"), "choices": choices,
                               "usage": _usage([r["meta_info"] for r in results], req.n)})
@@ -207,6 +234,9 @@ class OpenAIServing:
                            states: list[RequestState]) -> AsyncIterator[bytes]:
         header = self._header("chatcmpl", "chat.completion.chunk")
         metas: list[Optional[dict[str, Any]]] = [None] * len(states)
+        names = [t.function.name for t in req.active_tools]
+        parsers = [ToolCallStream(names, req.parallel_tool_calls) for _ in states] \
+            if names else None
         try:
             for i in range(len(states)):
                 yield sse({**header, "choices": [{
@@ -218,15 +248,25 @@ class OpenAIServing:
                     reason = meta["finish_reason"]
                     logprobs = (self.chat_logprobs(meta) if req.logprobs and chunk["output_ids"]
                                 else None)
+                    if parsers is None:
+                        deltas = [{"content": chunk["text"]}] if chunk["text"] else []
+                        finish = _finish_reason(reason)
+                    else:
+                        deltas = parsers[i].feed(chunk["text"])
+                        if reason is not None:
+                            deltas += parsers[i].finish()
+                        finish = _tool_finish(_finish_reason(reason), bool(parsers[i].calls))
                     if reason is not None:
                         metas[i] = meta
-                    elif not chunk["text"] and logprobs is None:
+                    elif not deltas and logprobs is None:
                         continue
-                    delta = {"content": chunk["text"]} if chunk["text"] else {}
+                    for delta in deltas[:-1]:
+                        yield sse({**header, "choices": [{
+                            "index": i, "delta": delta, "logprobs": None,
+                            "finish_reason": None}]})
                     yield sse({**header, "choices": [{
-                        "index": i, "delta": delta, "logprobs": logprobs,
-                        "finish_reason": _finish_reason(reason),
-                        "matched_stop": _matched_stop(reason)}]})
+                        "index": i, "delta": deltas[-1] if deltas else {}, "logprobs": logprobs,
+                        "finish_reason": finish, "matched_stop": _matched_stop(reason)}]})
             if req.include_usage:
                 yield sse({**header, "choices": [], "usage": _usage(metas, req.n)})
         except SchedulerDeadError as e:

@@ -6,15 +6,23 @@ the others are checked against that list (null or the default value, else a 400 
 field) and dropped before validation. Types are strict (a string is not a number) and a name
 neither we nor SGLang know is an error, so a typo is a 400 rather than a silently ignored
 option. Beyond SGLang's fields: ``spaces_between_special_tokens`` and ``add_generation_prompt``.
+
+Structured output: ``constraint()`` turns ``response_format``, the top-level ``regex`` / ``ebnf``
+(``extra_body``), completions' ``json_schema`` and chat's forcing ``tool_choice`` into one
+``Constraint`` (a ValueError naming both fields when two are given); ``sampling_params`` carries
+it under SGLang's names (``json_object`` as ``json_schema="$$ANY$$"``, as SGLang sends it).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar, Literal, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout_engine.compat.fields import CHAT_REQUEST, COMPLETION_REQUEST, FieldList
+from rollout_engine.constrained.spec import ANY_JSON, Constraint, make_constraint
+from rollout_engine.entrypoints.tool_calls import tool_call_constraint
 
 M = TypeVar("M", bound="_SamplingFields")
 
@@ -55,6 +63,10 @@ class _SamplingFields(_Strict):
     rid: Optional[Union[str, list[str]]] = None
     extra_key: Optional[Union[str, list[str]]] = None
     cache_salt: Optional[Union[str, list[str]]] = None
+    # structured output (see constraint())
+    response_format: Optional[dict[str, Any]] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
 
     @classmethod
     def parse(cls: type[M], body: Any) -> M:
@@ -74,9 +86,28 @@ class _SamplingFields(_Strict):
             raise ValueError(f"sampling_seed: {self.sampling_seed} differs from seed "
                              f"{self.seed}; give one of them")
 
+    def _constraints(self) -> list[Constraint]:
+        """Every constraint the request names (constraint() allows one)."""
+        found = [response_format_constraint(self.response_format)]
+        for name in ("regex", "ebnf"):
+            value = getattr(self, name)
+            if value is not None:
+                found.append(make_constraint(name, value, name))
+        return [c for c in found if c is not None]
+
+    def constraint(self) -> Optional[Constraint]:
+        """The one grammar this request asks for (None: unconstrained); ValueError naming the
+        fields when there are two, or naming the one that is malformed."""
+        found = self._constraints()
+        if len(found) > 1:
+            raise ValueError(f"{' and '.join(c.name for c in found)}: a request takes one "
+                             "constraint (response_format, regex, ebnf, json_schema or a forced "
+                             "tool call); give only one")
+        return found[0] if found else None
+
     def sampling_params(self, max_new_tokens: Optional[int]) -> dict[str, Any]:
         seed = self.seed if self.seed is not None else self.sampling_seed
-        return {
+        return {**constraint_params(self.constraint()),
             "max_new_tokens": max_new_tokens, "min_new_tokens": self.min_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "presence_penalty": self.presence_penalty,
@@ -104,6 +135,13 @@ class CompletionRequest(_SamplingFields):
     logprobs: Optional[int] = None
     echo: bool = False
     best_of: Optional[int] = None
+    json_schema: Optional[Union[str, dict[str, Any]]] = None
+
+    def _constraints(self) -> list[Constraint]:
+        found = super()._constraints()
+        if self.json_schema is not None:
+            found.append(make_constraint("json_schema", self.json_schema, "json_schema"))
+        return found
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -134,6 +172,31 @@ class ChatMessage(BaseModel):
         return d
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(_Strict):
+    """An OpenAI tool (functions only, as OpenAI and SGLang)."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
+ToolChoice = Union[Literal["auto", "none", "required"], NamedToolChoice]
+
 ReasoningEffort = Union[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"],
                         float]
 
@@ -155,6 +218,24 @@ class ChatCompletionRequest(_SamplingFields):
     input_ids: Optional[list[int]] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[ToolChoice] = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def active_tools(self) -> list[Tool]:
+        """The tools the chat template renders and the output is parsed for (none when
+        tool_choice is "none", as SGLang)."""
+        return [] if self.tool_choice == "none" else list(self.tools or [])
+
+    def _constraints(self) -> list[Constraint]:
+        found = super()._constraints()
+        if self.tool_choice not in (None, "auto", "none"):
+            c = tool_call_constraint(self.tools or [], self.tool_choice,
+                                     self.parallel_tool_calls)
+            if c is not None:
+                found.append(c)
+        return found
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -184,3 +265,40 @@ class ChatCompletionRequest(_SamplingFields):
     def max_new_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
+
+
+def response_format_constraint(rf: Optional[dict[str, Any]]) -> Optional[Constraint]:
+    """OpenAI's ``response_format``: ``text`` (none), ``json_object`` (any JSON),
+    ``json_schema`` (``{"json_schema": {"name", "schema", "strict"}}``), or ``structural_tag``
+    (SGLang's legacy ``structures`` / ``triggers`` or xgrammar's ``format``)."""
+    if rf is None:
+        return None
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return make_constraint("json_object", None, "response_format")
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict):
+            raise ValueError("response_format.json_schema: must be an object with name and "
+                             "schema")
+        if not isinstance(spec.get("name", ""), str):
+            raise ValueError("response_format.json_schema.name: must be a string")
+        schema = spec.get("schema", spec.get("schema_"))
+        if schema is None:
+            return make_constraint("json_object", None, "response_format.json_schema")
+        return make_constraint("json_schema", schema, "response_format.json_schema.schema")
+    if kind == "structural_tag":
+        return make_constraint("structural_tag", rf, "response_format")
+    raise ValueError("response_format.type: must be text, json_object, json_schema or "
+                     f"structural_tag, got {json.dumps(kind)}")
+
+
+def constraint_params(c: Optional[Constraint]) -> dict[str, Any]:
+    """The sampling_params fields that carry ``c`` (SGLang's names)."""
+    if c is None:
+        return {}
+    if c.kind == "json_object":
+        return {"json_schema": ANY_JSON}
+    return {c.kind: c.spec}

@@ -29,7 +29,6 @@ S, D, X = Treatment.SUPPORTED, Treatment.DEFAULT_ONLY, Treatment.IGNORED
 GREEDY = {"max_new_tokens": 2, "temperature": 0.0}
 PROMPT_IDS = [5, 40, 100, 7]
 MESSAGES = [{"role": "user", "content": "hello there"}]
-STRUCTURED = "structured output is not supported yet"
 
 # A real (non-default) value for every accepted-if-default field, as a client would send it.
 GENERATE_REFUSED = {
@@ -60,17 +59,14 @@ GENERATE_IGNORED = {
     "conversation_id": "conv-1", "external_trace_header": {"traceparent": "00-ab-cd-01"},
     "received_time": 1.7e9, "model": "default",
 }
-SAMPLING_REFUSED = {
-    "stop_regex": r"\d+", "json_schema": '{"type": "object"}', "regex": "(yes|no)",
-    "ebnf": 'root ::= "a"', "structural_tag": '{"structures": []}', "logit_bias": {"5": 2.0},
-    "beam_width": 4,
-}
+# json_schema / regex / ebnf / structural_tag are supported fields (checked, then refused
+# until the scheduler applies grammars): tests/rollout_engine/constrained/test_request_fields.py
+SAMPLING_REFUSED = {"stop_regex": r"\d+", "logit_bias": {"5": 2.0}, "beam_width": 4}
 SAMPLING_IGNORED = {"custom_params": {"return_top_p_token_ids": True}, "stream_interval": 4}
 OPENAI_COMMON_REFUSED = {
     "logit_bias": {"5": 2.0}, "return_hidden_states": True, "return_routed_experts": True,
     "routed_experts_start_len": 2, "return_cached_tokens_details": True,
-    "return_token_ids": True, "regex": "(yes|no)", "ebnf": 'root ::= "a"',
-    "stop_regex": [r"\d"], "lora_path": "adapters/math", "session_params": {"id": "s"},
+    "return_token_ids": True, "stop_regex": [r"\d"], "lora_path": "adapters/math", "session_params": {"id": "s"},
     "custom_logit_processor": '{"callable": "gASV..."}', "images_config": {"max_pixels": 9},
     "bootstrap_host": "10.0.0.7", "bootstrap_port": 8998, "bootstrap_room": 5,
     "routed_dp_rank": 2, "disagg_prefill_dp_rank": 1, "data_parallel_rank": 1,
@@ -80,20 +76,17 @@ OPENAI_COMMON_IGNORED = {
     "custom_params": {"return_top_p_token_ids": True}, "ngram_corpus_id": "corpus",
     "priority": 3, "custom_labels": {"team": "rl"},
 }
-COMPLETION_REFUSED = {**OPENAI_COMMON_REFUSED, "suffix": " the end",
-                      "json_schema": '{"type": "object"}', "response_format": {"type": "json_object"}}
+COMPLETION_REFUSED = {**OPENAI_COMMON_REFUSED, "suffix": " the end"}
 COMPLETION_IGNORED = OPENAI_COMMON_IGNORED
 CHAT_REFUSED = {
     **OPENAI_COMMON_REFUSED,
-    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
-    "tools": [{"type": "function", "function": {"name": "lookup"}}], "tool_choice": "required",
     "return_prompt_token_ids": True, "return_meta_info": True, "task": "domain",
     "max_dynamic_patch": 6, "min_dynamic_patch": 1, "use_audio_in_video": True,
     "verbosity": "low", "modalities": ["text", "audio"], "function_call": "auto",
     "functions": [{"name": "lookup"}],
 }
 CHAT_IGNORED = {
-    **OPENAI_COMMON_IGNORED, "parallel_tool_calls": False, "separate_reasoning": False,
+    **OPENAI_COMMON_IGNORED, "separate_reasoning": False,
     "stream_reasoning": False, "metadata": {"run": "7"}, "service_tier": "auto",
     "prompt_cache_key": "k", "safety_identifier": "sid",
 }
@@ -267,8 +260,7 @@ def test_sampling_params_refuse_unsupported_field_with_400(client: TestClient,
     assert r.status_code == 400, r.text
     message = r.json()["error"]["message"]
     assert message.startswith(f"sampling_params.{field.name}: ")
-    structured = field.name in ("json_schema", "regex", "ebnf", "structural_tag")
-    assert (STRUCTURED if structured else "not supported by this engine") in message
+    assert "not supported by this engine" in message
 
 
 @_params(SAMPLING_PARAMS, X)
@@ -426,8 +418,7 @@ def test_openai_refuses_unsupported_field_with_400(client: TestClient, kind: str
     assert r.status_code == 400, r.text
     message = r.json()["error"]["message"]
     assert message.startswith(f"{field.name}: ")
-    structured = field.refusal is not None and STRUCTURED in field.refusal
-    assert (STRUCTURED if structured else "not supported by this engine") in message
+    assert "not supported by this engine" in message
 
 
 @pytest.mark.parametrize("kind, field", _openai_cases(X))
