@@ -9,9 +9,15 @@ Objects::
 
 Integration contract (scheduler phase; nothing here imports the scheduler)::
 
-    submission   RequestBuilder(grammar_check=backend.validate)  (400 before any compute)
+    submission   (frontend process) TokenizerManager builds RequestBuilder(...,
+                 grammar_check=check_grammar) for --grammar-backend xgrammar (tokenizer-free:
+                 the frontend compiles nothing), NoGrammarBackend().validate for none; the
+                 default, refuse_structured_output, stays until this contract is wired.
+                 SamplingParams.constraint is the request's Constraint (None: no grammar).
+    scheduler    backend = create_grammar_backend(config.grammar_backend, tokenizer,
+                 model vocab_size, stop_token_ids=eos_ids); grammars = GrammarBatch(vocab)
     admission    fut = backend.compile(constraint); the request waits in a GrammarQueue
-                 (queue.py) and enters the waiting queue once fut is done: req.grammar =
+                 (pending.py) and enters the waiting queue once fut is done: req.grammar =
                  fut.result().new_state(); a ValueError there ends that request alone with
                  finish_reason {"type": "abort", "message": str(e)}. n > 1 siblings and radix
                  hits need nothing special: each request gets its own new_state() (the compile
@@ -32,6 +38,9 @@ Integration contract (scheduler phase; nothing here imports the scheduler)::
                  finish the request with {"type": "stop", "matched": token} even under
                  ignore_eos / min_new_tokens. A token the grammar refuses cannot be sampled
                  (masked); advance raises RuntimeError if it happens anyway (a bug).
+                 min_new_tokens bans EOS through the penalties (batch.py); on a grammar row
+                 whose mask allows only stop tokens that ban must be lifted, or every logit is
+                 -inf: the grammar wins.
     retract      KV-only retraction keeps output_ids: nothing. A retraction that drops k
                  generated tokens (pause_generation(mode="retract") re-decoding them, or
                  any rollback): grammars.on_retract(req.grammar, k).

@@ -271,3 +271,26 @@ def test_tool_calls_streamed(fixed: Any) -> None:
                                                                     (1, "time_in")]
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
     assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
+
+
+def test_the_openai_client_reads_the_tool_calls(fixed: Any) -> None:
+    """The official client parses our shapes: message.tool_calls and streamed deltas."""
+    import openai
+
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0,
+                           http_client=fixed(OUTPUT))
+    r = client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls is not None
+    assert [(c.type, c.function.name) for c in calls] == [("function", "get_weather"),
+                                                          ("function", "time_in")]
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris", "unit": "c"}
+    names: dict[int, str] = {}
+    args: dict[int, str] = {}
+    for chunk in client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS,
+                                                stream=True):
+        for tc in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            names[tc.index] = names.get(tc.index, "") + (tc.function.name or "")
+            args[tc.index] = args.get(tc.index, "") + (tc.function.arguments or "")
+    assert names == {0: "get_weather", 1: "time_in"}
+    assert json.loads(args[1]) == {"zone": 1}
