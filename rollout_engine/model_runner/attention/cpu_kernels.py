@@ -29,6 +29,7 @@ returns None, and the caller keeps its PyTorch path.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import hashlib
 import logging
@@ -48,7 +49,50 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 DEFAULT_MIN_SHARED_LEN = 16     # shorter shared prefixes are not worth a separate pass
 MAX_CHUNK_ROWS = 16             # group members per prefix task: bounds the task's scratch
 
-PagedDecodeOp = Callable[..., torch.Tensor]
+
+
+class PagedDecodeOp:
+    """The compiled kernel: a C function over raw pointers, called through ctypes (which
+    releases the GIL while it runs). Checks what the C side cannot see (dtypes, shapes,
+    contiguity); the C side checks the plan's values and every slot it reads."""
+
+    def __init__(self, library_path: str) -> None:
+        self._lib = ctypes.CDLL(library_path)
+        fn = self._lib.rollout_engine_paged_decode_f32
+        fn.restype = ctypes.c_int
+        fn.argtypes = ([ctypes.c_void_p] * 10 + [ctypes.c_int64] * 9
+                       + [ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64])
+        self._fn = fn
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
+                 rows: torch.Tensor, seq_lens: torch.Tensor, own_start: torch.Tensor,
+                 members: torch.Tensor, chunk_offsets: torch.Tensor, chunk_lens: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        """Row b of q ``[B, Hq, D]`` over its slots; see ``DecodePlan`` for the index tensors."""
+        for t in (q, k, v):
+            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() \
+                    or t.dim() != 3:
+                raise ValueError("paged_decode: q, k, v must be contiguous 3-D float32 on CPU")
+        if k.shape != v.shape or q.shape[2] != k.shape[2]:
+            raise ValueError(f"paged_decode: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                             f"v {tuple(v.shape)} disagree")
+        batch = q.shape[0]
+        index = (table, rows, seq_lens, own_start, members, chunk_offsets, chunk_lens)
+        for t in index:
+            if t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError("paged_decode: index tensors must be contiguous int64 on CPU")
+        if table.dim() != 2 or any(t.shape != (batch,) for t in (rows, seq_lens, own_start)) \
+                or chunk_offsets.shape != (chunk_lens.numel() + 1,):
+            raise ValueError("paged_decode: index tensor shapes disagree with the batch")
+        out = torch.empty_like(q)
+        err = ctypes.create_string_buffer(256)
+        rc = self._fn(*(t.data_ptr() for t in (q, k, v, *index)), batch, q.shape[1],
+                      k.shape[1], q.shape[2], k.shape[0], table.shape[0], table.shape[1],
+                      members.numel(), chunk_lens.numel(), scale, out.data_ptr(), err,
+                      len(err))
+        if rc:
+            raise RuntimeError(err.value.decode(errors="replace"))
+        return out
 
 
 def _cpu_tag() -> str:
@@ -114,17 +158,21 @@ def _build() -> PagedDecodeOp:
     # -fopenmp: at::parallel_for is OpenMP inline code under torch's OpenMP backend; the
     # library links libgomp.so.1, the soname torch already loaded, so one runtime runs both.
     with _build_lock(build_dir):
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
-                           extra_ldflags=["-fopenmp"], build_directory=build_dir,
-                           is_python_module=False, verbose=False)
-    return torch.ops.rollout_engine_cpu.paged_decode
+        path = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
+                                  extra_ldflags=["-fopenmp"], build_directory=build_dir,
+                                  is_python_module=False, verbose=False)
+    return PagedDecodeOp(str(path))
 
 
 @functools.cache
 def load_paged_decode() -> Optional[PagedDecodeOp]:
     """The compiled kernel, or None (after one warning) when it cannot be built or loaded."""
+    return _load(_build)
+
+
+def _load(build: Callable[[], PagedDecodeOp]) -> Optional[PagedDecodeOp]:
     try:
-        return _build()
+        return build()
     except Exception as e:  # noqa: BLE001 - any build/import failure means "use the torch path"
         logger.warning("CPU paged decode attention kernel unavailable (%s: %s); using the "
                        "PyTorch path", type(e).__name__, str(e).strip().splitlines()[-1:])

@@ -10,23 +10,32 @@
 //
 //   phase 1 (shared):  chunk c = (members, prefix_len): every member row's queries against
 //                      table[row of members[0], 0:prefix_len), one batched pass over the prefix
+//                      (one task per chunk, all KV heads)
 //   phase 2 (own):     row b: its queries against table[rows[b], own_start[b]:seq_lens[b]),
 //                      starting from the softmax state phase 1 left for b (if any)
+//                      (one task per row, all KV heads: each slot's K/V row is read whole)
+//
+// Tasks run on torch's intra-op pool (at::parallel_for), so torch.set_num_threads applies.
 //
 // Both phases run the same online softmax over blocks of keys, keeping per query row
 // m (running max of scores), l (sum of exp(score - m)) and acc (sum of exp(score - m) * v).
 // Continuing phase 1's (m, l, acc) in phase 2 is exactly the log-sum-exp merge of the two
 // partial attentions, so the result equals attention over the whole row.
+//
+// The entry point is a plain C function over raw pointers (called through ctypes, which also
+// releases the GIL); the Python wrapper checks dtypes, shapes and contiguity. Only
+// <ATen/Parallel.h> is included: the build takes ~2 s instead of ~8 s with ATen's Tensor and
+// the op registry (~26 s with <torch/extension.h>).
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty_like.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
+#include <sstream>
+#include <stdexcept>
 #include <vector>
 
 namespace {
@@ -34,6 +43,17 @@ namespace {
 // 8 floats; with -march=native on AVX2 one ymm register, elsewhere the compiler splits it.
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
+
+// Throws std::runtime_error(message) unless cond; caught at the C entry point (also when
+// thrown inside at::parallel_for, which rethrows a task's exception on the caller's thread).
+template <typename... Args>
+inline void check(bool cond, const Args&... args) {
+  if (cond) return;
+  std::ostringstream msg;
+  msg << "paged_decode: ";
+  (msg << ... << args);
+  throw std::runtime_error(msg.str());
+}
 
 constexpr int64_t kBlock = 32;        // keys per online-softmax step (a multiple of 8)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -104,7 +124,7 @@ void attend(const float* Q, int64_t nh, int64_t nq, const int64_t* slots, int64_
     const int64_t bk = std::min(kBlock, n - j0);
     for (int64_t j = 0; j < kBlock; ++j) {  // tail keys alias key 0; their scores are masked
       const int64_t slot = slots[j0 + (j < bk ? j : 0)];
-      TORCH_CHECK(slot >= 0 && slot < num_slots, "paged_decode: slot ", slot, " out of range");
+      check(slot >= 0 && slot < num_slots, "slot ", slot, " out of range");
       kp[j] = kbuf + slot * slot_stride;
       vp[j] = vbuf + slot * slot_stride;
     }
@@ -178,45 +198,43 @@ void attend(const float* Q, int64_t nh, int64_t nq, const int64_t* slots, int64_
   }
 }
 
+// Raw arguments of one call (see paged_decode in cpu_kernels.py for their meaning).
+struct Args {
+  const float *q, *k, *v;
+  const int64_t *table, *rows, *seq_lens, *own_start, *members, *chunk_offsets, *chunk_lens;
+  int64_t B, Hq, Hkv, num_slots, R, C, num_members, num_chunks;
+  float scale;
+  float* out;
+};
+
 template <int NC>
-void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
-         const at::Tensor& rows, const at::Tensor& seq_lens, const at::Tensor& own_start,
-         const at::Tensor& members, const at::Tensor& chunk_offsets,
-         const at::Tensor& chunk_lens, double scale, at::Tensor& out) {
+void run(const Args& a) {
   constexpr int64_t D = NC * 8;
-  const int64_t B = q.size(0), Hq = q.size(1), Hkv = k.size(1), G = Hq / Hkv;
-  const int64_t C = table.size(1), slot_stride = Hkv * D;
-  const float* qd = q.data_ptr<float>();
-  const float* kd = k.data_ptr<float>();
-  const float* vd = v.data_ptr<float>();
-  const int64_t* td = table.data_ptr<int64_t>();
-  const int64_t* rd = rows.data_ptr<int64_t>();
-  const int64_t* ld = seq_lens.data_ptr<int64_t>();
-  const int64_t* od = own_start.data_ptr<int64_t>();
-  const int64_t* md = members.data_ptr<int64_t>();
-  const int64_t* cod = chunk_offsets.data_ptr<int64_t>();
-  const int64_t* cld = chunk_lens.data_ptr<int64_t>();
-  float* outd = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  const int64_t num_chunks = chunk_lens.size(0), S_total = k.size(0), R = table.size(0);
+  const int64_t B = a.B, Hq = a.Hq, Hkv = a.Hkv, G = Hq / Hkv, C = a.C, R = a.R;
+  const int64_t slot_stride = Hkv * D, S_total = a.num_slots, num_chunks = a.num_chunks;
+  const float *qd = a.q, *kd = a.k, *vd = a.v;
+  const int64_t *td = a.table, *rd = a.rows, *ld = a.seq_lens, *od = a.own_start;
+  const int64_t *md = a.members, *cod = a.chunk_offsets, *cld = a.chunk_lens;
+  float* outd = a.out;
+  const float sc = a.scale;
 
   // The plan is checked before any pointer is formed from it (O(B) work): every row has
   // 1..C slots in a real table row, and a row starts its own part past a prefix exactly when
   // it is a member of one chunk of that prefix length.
   std::vector<int64_t> prefix_of(B, 0);
-  TORCH_CHECK(cod[0] == 0 && cod[num_chunks] == members.size(0), "paged_decode: chunk offsets");
+  check(cod[0] == 0 && cod[num_chunks] == a.num_members, "chunk offsets");
   for (int64_t c = 0; c < num_chunks; ++c) {
-    TORCH_CHECK(cod[c] < cod[c + 1], "paged_decode: empty chunk");
+    check(cod[c] < cod[c + 1], "empty chunk ", c);
     for (int64_t i = cod[c]; i < cod[c + 1]; ++i) {
-      TORCH_CHECK(md[i] >= 0 && md[i] < B && prefix_of[md[i]] == 0 && cld[c] > 0,
-                  "paged_decode: bad chunk member");
+      check(md[i] >= 0 && md[i] < B && prefix_of[md[i]] == 0 && cld[c] > 0,
+            "bad chunk member ", md[i]);
       prefix_of[md[i]] = cld[c];
     }
   }
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(rd[b] >= 0 && rd[b] < R && ld[b] >= 1 && ld[b] <= C &&
-                    od[b] == prefix_of[b] && od[b] <= ld[b],
-                "paged_decode: bad row, length or own_start for batch row ", b);
+    check(rd[b] >= 0 && rd[b] < R && ld[b] >= 1 && ld[b] <= C && od[b] == prefix_of[b] &&
+              od[b] <= ld[b],
+          "bad row, length or own_start for batch row ", b);
   }
 
   // Phase 1 leaves each grouped row's (m, l) here and its unnormalised acc in out.
@@ -271,8 +289,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
         std::fill(acc.begin(), acc.end(), 0.0f);
       }
       attend<NC>(Q.data(), Hkv, G, td + rd[b] * C + start, len - start, kd, vd, S_total,
-                 slot_stride,
-                 State{m.data(), l.data(), acc.data()}, S.data());
+                 slot_stride, State{m.data(), l.data(), acc.data()}, S.data());
       for (int64_t r = 0; r < Hq; ++r) {
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
         float* dst = outd + (base + r) * D;
@@ -282,47 +299,33 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   });
 }
 
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        const at::Tensor& table, const at::Tensor& rows,
-                        const at::Tensor& seq_lens, const at::Tensor& own_start,
-                        const at::Tensor& members, const at::Tensor& chunk_offsets,
-                        const at::Tensor& chunk_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "bad q/k/v shapes");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
-                  v.scalar_type() == at::kFloat, "paged_decode supports float32 only");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() &&
-                  table.is_contiguous(), "paged_decode needs contiguous q, k, v, table");
-  TORCH_CHECK(q.size(2) == k.size(2) && q.size(1) % k.size(1) == 0, "head shapes disagree");
-  TORCH_CHECK(chunk_offsets.size(0) == chunk_lens.size(0) + 1, "chunk_offsets size");
-  TORCH_CHECK(rows.size(0) == q.size(0) && seq_lens.size(0) == q.size(0) &&
-                  own_start.size(0) == q.size(0) && table.dim() == 2, "paged_decode: sizes");
-  for (const at::Tensor* t : {&table, &rows, &seq_lens, &own_start, &members, &chunk_offsets,
-                              &chunk_lens}) {
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "index tensors: int64");
-  }
-  at::Tensor out = at::empty_like(q);
-#define PAGED_DECODE_CASE(NC)                                                                  \
-  case NC * 8:                                                                               \
-    run<NC>(q, k, v, table, rows, seq_lens, own_start, members, chunk_offsets, chunk_lens,   \
-            scale, out);                                                                     \
-    break;
-  switch (q.size(2)) {
-    PAGED_DECODE_CASE(2)
-    PAGED_DECODE_CASE(4)
-    PAGED_DECODE_CASE(8)
-    PAGED_DECODE_CASE(16)
-    PAGED_DECODE_CASE(32)
-    default: TORCH_CHECK(false, "paged_decode: head_dim must be 16, 32, 64, 128 or 256");
-  }
-#undef PAGED_DECODE_CASE
-  return out;
-}
-
 }  // namespace
 
-TORCH_LIBRARY(rollout_engine_cpu, m) {
-  m.def("paged_decode(Tensor q, Tensor k, Tensor v, Tensor table, Tensor rows, Tensor seq_lens, "
-        "Tensor own_start, Tensor members, Tensor chunk_offsets, Tensor chunk_lens, "
-        "float scale) -> Tensor");
-  m.impl("paged_decode", c10::DispatchKey::CPU, &paged_decode);
+// out[b] = attention of q[b] over its slots, per the plan; returns 0, or 1 with a message in
+// err (at most err_len bytes, NUL-terminated) when the head_dim or the plan is unsupported.
+extern "C" int rollout_engine_paged_decode_f32(
+    const float* q, const float* k, const float* v, const int64_t* table, const int64_t* rows,
+    const int64_t* seq_lens, const int64_t* own_start, const int64_t* members,
+    const int64_t* chunk_offsets, const int64_t* chunk_lens, int64_t batch, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, int64_t table_rows,
+    int64_t table_cols, int64_t num_members, int64_t num_chunks, float scale, float* out,
+    char* err, int64_t err_len) {
+  const Args a{q, k, v, table, rows, seq_lens, own_start, members, chunk_offsets, chunk_lens,
+               batch, num_heads, num_kv_heads, num_slots, table_rows, table_cols, num_members,
+               num_chunks, scale, out};
+  try {
+    check(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "head counts disagree");
+    switch (head_dim) {
+      case 16: run<2>(a); break;
+      case 32: run<4>(a); break;
+      case 64: run<8>(a); break;
+      case 128: run<16>(a); break;
+      case 256: run<32>(a); break;
+      default: check(false, "head_dim must be 16, 32, 64, 128 or 256");
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::snprintf(err, static_cast<size_t>(err_len), "%s", e.what());
+    return 1;
+  }
 }
