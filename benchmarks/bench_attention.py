@@ -153,7 +153,8 @@ def main() -> None:
               "ref meta ms", "kernel meta ms", "cascade meta ms", "kernel GB/s", "cascade GB/s",
               "max err"]
     print(common.table(rows, header))
-    path = common.save_result("bench_attention", {
+    name = "bench_attention" + ("" if threads == common.DEFAULT_THREADS else f"_t{threads}")
+    path = common.save_result(name + ("_quick" if args.quick else ""), {
         "machine": machine, "threads": threads, "kernel_load_s": load_s, "reps": reps,
         "shape": {"hq": HQ, "hkv": HKV, "head_dim": HEAD_DIM, "group": GROUP, "prompt": PROMPT,
                   "own": [OWN_MIN, OWN_MAX]},

@@ -101,6 +101,13 @@ inline v8f reduce8(const v8f* a) {
          __builtin_shufflevector(u, w, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
+constexpr int64_t kAhead = 2;         // blocks of keys prefetched ahead
+
+inline void prefetch_row(const float* p, int64_t bytes) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
+}
+
 // Online-softmax state of query rows: m[r], l[r], acc[r * D].
 struct State {
   float* m;
@@ -111,7 +118,7 @@ struct State {
 // Attend the query rows Q [nh, nq, D] (already multiplied by the softmax scale; row (h, i)
 // reads KV head h) over the keys at slots[0:n), updating st (rows in the same order).
 // A slot's K (and V) row holds all nh heads, slot_stride = nh * D floats; the whole row is
-// used by one task, so the next block's rows are prefetched in full.
+// used by one task, so whole rows are prefetched (into L2), kAhead blocks ahead.
 template <int NC>
 void attend(const float* Q, int64_t nh, int64_t nq, const int64_t* slots, int64_t n,
             const float* kbuf, const float* vbuf, int64_t num_slots, int64_t slot_stride,
@@ -128,13 +135,12 @@ void attend(const float* Q, int64_t nh, int64_t nq, const int64_t* slots, int64_
       kp[j] = kbuf + slot * slot_stride;
       vp[j] = vbuf + slot * slot_stride;
     }
-    for (int64_t j = j0 + kBlock; j < std::min(n, j0 + 2 * kBlock); ++j) {
-      const char* kn = reinterpret_cast<const char*>(kbuf + slots[j] * slot_stride);
-      const char* vn = reinterpret_cast<const char*>(vbuf + slots[j] * slot_stride);
-      for (int64_t off = 0; off < row_bytes; off += 64) {
-        __builtin_prefetch(kn + off);
-        __builtin_prefetch(vn + off);
-      }
+    // prefetch (into L2) the block kAhead blocks on; on entry, also the blocks before it
+    // (a prefetch never faults: slots are checked above, where they are read)
+    for (int64_t j = j0 == 0 ? 0 : j0 + kAhead * kBlock;
+         j < std::min(n, j0 + (kAhead + 1) * kBlock); ++j) {
+      prefetch_row(kbuf + slots[j] * slot_stride, row_bytes);
+      prefetch_row(vbuf + slots[j] * slot_stride, row_bytes);
     }
     // S[r, j] = q_r . k_j, eight keys at a time
     for (int64_t r = 0; r < rows; ++r) {
