@@ -356,9 +356,28 @@ def _sample_truncated(dist: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Te
     tokens = torch.empty(n, dtype=torch.int64, device=dist.device)
     capped = top_ks < vocab
     want = int(top_ks[capped].max()) if bool(capped.any()) else 0
+    todo = torch.arange(n, device=dist.device)
     if not bool(capped.all()):
         want = max(want, _TOP_P_CANDIDATES)
-    todo = torch.arange(n, device=dist.device)
+        # a top-p head holds at least p / p_max tokens: a flat row goes straight to the sort
+        top = dist.amax(dim=-1).to(torch.float64)
+        if log_totals is not None:
+            top = top - log_totals
+        flat = ~capped & (top_ps / top.exp() * _SORT_FRACTION >= vocab)
+        if bool(flat.any()):
+            _truncate(dist, flat.nonzero().squeeze(1), vocab, tokens, top_ks, top_ps, min_ps,
+                      uniforms, log_totals)
+            todo = (~flat).nonzero().squeeze(1)
+    _truncate(dist, todo, want, tokens, top_ks, top_ps, min_ps, uniforms, log_totals)
+    return tokens
+
+
+def _truncate(dist: torch.Tensor, todo: torch.Tensor, want: int, tokens: torch.Tensor,
+              top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
+              uniforms: torch.Tensor, log_totals: Optional[torch.Tensor]) -> None:
+    """Fill ``tokens[todo]`` from ``want + 1`` candidates per row, more while a top-p head
+    is longer than that."""
+    n, vocab = dist.shape
     while todo.numel():
         c = want + 1   # one past the largest cut: shows whether a tie crosses it
         whole = todo.numel() == n
@@ -371,22 +390,42 @@ def _sample_truncated(dist: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Te
         lt = None if log_totals is None else (log_totals if whole else log_totals[todo])
         done, picked, mass = _pick(rows, vals, ids, k, p, m_p, u, lt)
         tokens[todo[done]] = picked
-        if bool(done.all()):
-            break
+        if mass is None or bool(done.all()):
+            return
         # the head's mass fell short of p: grow at least by the shortfall (the tail is flatter)
         short = (p[~done].to(torch.float64) / mass[~done].clamp(min=1e-30)).max()
         want = max(want * _TOP_P_GROWTH, int(c * float(short)) + 1)
         todo = todo[~done]
-    return tokens
+
+
+def _pick_sorted(vals: torch.Tensor, ids: torch.Tensor, top_ks: torch.Tensor,
+                 top_ps: torch.Tensor, min_ps: torch.Tensor, uniforms: torch.Tensor,
+                 log_totals: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """``_pick`` over a full stable sort (ties already in id order), in float32 as a [B, V]
+    pass must be; scattered back to vocabulary order for the inverse CDF."""
+    n, vocab = vals.shape
+    probs = (vals if log_totals is None else vals - log_totals[:, None].to(vals.dtype)).exp()
+    before = probs.cumsum(dim=-1) - probs
+    keep = (torch.arange(vocab, device=vals.device)[None, :] < top_ks[:, None]) & (
+        before < top_ps[:, None])
+    keep[:, 0] = True
+    keep &= probs >= probs[:, :1] * min_ps[:, None]
+    kept = torch.zeros_like(probs).scatter_(1, ids, probs.masked_fill_(~keep, 0.0))
+    done = torch.ones(n, dtype=torch.bool, device=vals.device)
+    return done, _inverse_cdf(kept, uniforms), None
 
 
 def _pick(rows: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, top_ks: torch.Tensor,
           top_ps: torch.Tensor, min_ps: torch.Tensor, uniforms: torch.Tensor,
-          log_totals: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          log_totals: Optional[torch.Tensor]
+          ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Sample the rows whose kept set lies inside the candidates ``vals, ids`` ([n, c],
-    descending). Returns (done [n] bool, their tokens, every row's candidate mass)."""
+    descending). Returns (done [n] bool, their tokens, every row's candidate mass; None
+    after a full sort, where every row is done)."""
     n, c = vals.shape
     vocab = rows.shape[1]
+    if c == vocab:
+        return _pick_sorted(vals, ids, top_ks, top_ps, min_ps, uniforms, log_totals)
     logp = vals.to(torch.float64)
     probs = (logp if log_totals is None else logp - log_totals[:, None]).exp()   # normalised
     before = probs.cumsum(dim=-1) - probs
@@ -395,20 +434,17 @@ def _pick(rows: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, top_ks: tor
     keep = (pos < top_ks[:, None]) & (before < top_ps.to(torch.float64)[:, None])
     keep[:, 0] = True
     num_kept = keep.sum(dim=-1)
-    done = (num_kept < c) | (c == vocab)
+    done = num_kept < c
     mass = before[:, -1] + probs[:, -1]
     # a tie across the cut: the kept part of the tied group is its lowest ids (a stable sort)
     last = vals.gather(1, (num_kept - 1)[:, None]).squeeze(1)
     after = vals.gather(1, num_kept.clamp(max=c - 1)[:, None]).squeeze(1)
-    tied = done & (num_kept < c) & (last == after)
+    tied = done & (last == after)
     for r in tied.nonzero().squeeze(1).tolist():
         m = int(num_kept[r])
         first = int((vals[r, :m] > last[r]).sum())
         ids[r, first:m] = (rows[r] == last[r]).nonzero().squeeze(1)[:m - first]
     keep &= probs >= probs[:, :1] * min_ps.to(torch.float64)[:, None]
-    if c == vocab:   # a full sort: back to vocabulary order with a scatter, not a second sort
-        kept = torch.zeros_like(rows, dtype=torch.bool).scatter_(1, ids, keep)
-        return done, _inverse_cdf(rows.exp().masked_fill_(~kept, 0.0), uniforms), mass
     keep, vals, ids, probs = keep[done], vals[done], ids[done], probs[done]
     # inverse CDF over the kept tokens in vocabulary order, as over the whole vocabulary
     ids = torch.where(keep, ids, vocab)
