@@ -199,6 +199,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
     of ``logits`` are changed in place while sampling and restored before returning (in
     inference mode: the runner's logits are inference tensors)."""
     b, vocab = logits.shape
+    logits = logits.contiguous()
     scaled = _scaled(logits, sb.temperatures)
     logprobs = torch.log_softmax(scaled, dim=-1)
     greedy = greedy_rows(sb)
@@ -253,9 +254,15 @@ def _penalise(logits: torch.Tensor, scaled: torch.Tensor, logprobs: torch.Tensor
     if pen.banned is not None:
         penalised[pen.banned[0]] = True
     # the row constants: lp at the max of s is -log_sum exactly
-    m, at = scaled.max(dim=-1, keepdim=True)
-    log_sum = -logprobs.gather(1, at).squeeze(1)
-    m = m.squeeze(1)
+    prows = penalised.nonzero().squeeze(1)
+    if prows.numel() * 2 < b:   # few penalised rows: read only theirs
+        top, at = scaled.index_select(0, prows).max(dim=-1, keepdim=True)
+        lp_max = logprobs.index_select(0, prows).gather(1, at).squeeze(1)
+        m = scaled.new_zeros(b).index_copy_(0, prows, top.squeeze(1))
+        log_sum = logprobs.new_zeros(b).index_copy_(0, prows, -lp_max)
+    else:
+        top, at = scaled.max(dim=-1, keepdim=True)
+        m, log_sum = top.squeeze(1), -logprobs.gather(1, at).squeeze(1)
     greedy_too = bool((greedy & penalised).any())
     lp_flat, x_flat = logprobs.view(-1), logits.view(-1)
 
