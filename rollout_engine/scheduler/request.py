@@ -5,6 +5,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any, Optional
 
+from rollout_engine.memory.prefix_cache import MatchResult
 from rollout_engine.protocol.messages import GenerateReq, ReqOutput
 from rollout_engine.sampling_params import SamplingParams
 
@@ -46,8 +47,8 @@ class Req:
         self.penalty_row: Optional[int] = None   # its row of the scheduler's PenaltyCounts
         # the prefix match that ordered the queue, and the (cache version, namespace, cap) it
         # was made under: re-matched only when one of them changes (see policy.order_waiting)
-        self.order_match: Any = None
-        self.order_match_key: Any = None
+        self.order_match: Optional[MatchResult] = None
+        self.order_match_key: Optional[tuple[Any, ...]] = None
         # KV
         self.req_pool_idx: Optional[int] = None
         self.slots: list[int] = []
