@@ -238,6 +238,7 @@ class ApplyRecorder:
 
 
 CAST = torch.bfloat16   # the cast row's trainer dtype (the engine is float32)
+ROUND_ROBIN_BYTES = 1 << 30   # models up to this size run a transport's rows in turns
 
 
 def configs(quick: bool) -> list[tuple[str, Optional[int], torch.dtype]]:
@@ -312,7 +313,8 @@ def total_bytes(path: str) -> int:
 def bench_model(name: str, spec: dict[str, Any], args: argparse.Namespace, threads: int
                 ) -> dict[str, Any]:
     """Rows of one transport at a time, in rounds: each round times every row of that
-    transport once and every roofline once; a figure is its best round."""
+    transport once (a model over ROUND_ROBIN_BYTES: one row at a time) and every roofline
+    once; a figure is its best round."""
     from transformers import AutoModelForCausalLM
 
     t0 = time.perf_counter()
@@ -336,22 +338,28 @@ def bench_model(name: str, spec: dict[str, Any], args: argparse.Namespace, threa
     try:
         for family in ("tensor", "distributed", "disk"):
             specs = [c for c in configs(args.quick) if c[0].startswith(family)]
-            rows = [Row(eng, rec, t, b, d, trainer if d == torch.float32 else half, path, i)
-                    for i, (t, b, d) in enumerate(specs)]
-            try:
-                for i in range(args.repeats):
-                    for key, value in limits.time().items():
-                        limit_times.setdefault(key, []).append(value)
-                    for row in rows:
-                        # tensor rows: their buffers together exceed what the engine keeps
-                        # mapped (twice the model), so each timed sync follows a warm one, as
-                        # every sync of a trainer with one syncer is warm
-                        if i == 0 or family == "tensor":
-                            row.sync(f"{row.label}-warm", record=False)
-                        row.sync(f"{row.label}-{i}")
-            finally:
-                for row in rows:
-                    row.close()
+            # a small model's rows are open together and take turns; a big one's one at a
+            # time (each row's buffers are a model's worth, or a bucket's)
+            groups = [specs] if total <= ROUND_ROBIN_BYTES else [[c] for c in specs]
+            rows = []
+            for group in groups:
+                open_rows = [Row(eng, rec, t, b, d, trainer if d == torch.float32 else half,
+                                 path, len(rows) + i) for i, (t, b, d) in enumerate(group)]
+                rows += open_rows
+                try:
+                    for i in range(args.repeats):
+                        for key, value in limits.time().items():
+                            limit_times.setdefault(key, []).append(value)
+                        for row in open_rows:
+                            # tensor rows together exceed what the engine keeps mapped (twice
+                            # the model): each timed sync follows a warm one, as every sync of
+                            # a trainer with one syncer is warm
+                            if i == 0 or (family == "tensor" and len(open_rows) > 1):
+                                row.sync(f"{row.label}-warm", record=False)
+                            row.sync(f"{row.label}-{i}")
+                finally:
+                    for row in open_rows:
+                        row.close()
             for row in rows:
                 # the cast row really cast every tensor, the others none
                 assert row.num_cast == (0 if row.dtype == torch.float32
