@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -212,7 +213,7 @@ def _empty_plan(rows: torch.Tensor, seq_lens: torch.Tensor) -> DecodePlan:
 
 def plan_decode(table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
                 min_shared_len: Optional[int] = DEFAULT_MIN_SHARED_LEN) -> DecodePlan:
-    """Find groups of decode rows whose slot rows start with the same slots.
+    """Find groups of decode rows whose slot rows start with the same slots (CPU tensors).
 
     Rows are put in lexicographic order of their (masked) slot rows, so rows sharing a prefix
     are neighbours, and ``lcp[i]`` = common prefix length of sorted neighbours i and i + 1. A
@@ -227,41 +228,40 @@ def plan_decode(table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
     num_rows = int(rows.numel())
     if min_shared_len is None or num_rows < 2 or max_len < min_shared_len:
         return _empty_plan(rows, seq_lens)
-    slots = table[rows, :max_len]
-    if int(torch.unique(slots[:, 0]).numel()) == num_rows:             # no two rows share slot 0
+    # numpy: a few hundred rows, where torch's per-op overhead would dominate (~3x slower)
+    lens = seq_lens.numpy()
+    slots = table.numpy()[rows.numpy(), :max_len]                       # [B, L]
+    if np.unique(slots[:, 0]).size == num_rows:                         # no two rows share slot 0
         return _empty_plan(rows, seq_lens)
-    valid = torch.arange(max_len)[None, :] < seq_lens[:, None]          # [B, L]
-    key = torch.where(valid, slots, -1)
-    _, inverse = torch.unique(key, dim=0, return_inverse=True)          # lexicographic rank
-    order = torch.argsort(inverse, stable=True)
-    a, b = order[:-1], order[1:]
-    same = (key[a] == key[b]) & valid[a] & valid[b]
-    lcp = same.to(torch.int32).cumprod(dim=1).sum(dim=1)                # [B - 1]
-    neighbour = torch.zeros_like(lcp)
-    if lcp.numel() > 1:
-        neighbour[1:] = lcp[:-1]
-        neighbour[:-1] = torch.maximum(neighbour[:-1], lcp[1:])
+    # Past its length (and in one extra column) each row holds a value of its own, so two rows
+    # always differ somewhere and their first difference is where their common prefix ends.
+    # Big-endian uint32 rows compare as byte strings in number order: one argsort sorts them.
+    pad = (np.iinfo(np.uint32).max - np.arange(num_rows))[:, None]
+    inside = np.arange(max_len + 1)[None, :] < lens[:, None]
+    key = np.where(inside, np.pad(slots, ((0, 0), (0, 1))), pad).astype(">u4")
+    order = np.argsort(key.view(np.dtype((np.void, key.shape[1] * 4))).ravel(), kind="stable")
+    ordered = key[order]
+    lcp = (ordered[:-1] != ordered[1:]).argmax(axis=1)                  # [B - 1]
+    neighbour = np.zeros_like(lcp)
+    neighbour[1:] = lcp[:-1]
+    neighbour[:-1] = np.maximum(neighbour[:-1], lcp[1:])
     cut = (lcp < min_shared_len) | (2 * lcp < neighbour)
-    gid = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(cut, 0)])  # per sorted pos
-    num_groups = int(gid[-1]) + 1
-    size = torch.bincount(gid, minlength=num_groups)
-    shared = torch.full((num_groups,), max_len, dtype=torch.int64)
-    inner = ~cut
-    shared.scatter_reduce_(0, gid[1:][inner], lcp[inner].to(torch.int64), reduce="amin")
-    grouped = size[gid] >= 2                                            # per sorted position
-    if not bool(grouped.any()):
+    gid = np.concatenate([[0], np.cumsum(cut)])                         # group of sorted position
+    shared = np.full(gid[-1] + 1, max_len, dtype=np.int64)
+    np.minimum.at(shared, gid[1:][~cut], lcp[~cut])
+    grouped = np.bincount(gid)[gid] >= 2                                # per sorted position
+    if not grouped.any():
         return _empty_plan(rows, seq_lens)
-    own_start = torch.zeros_like(seq_lens)
+    own_start = np.zeros(num_rows, dtype=np.int64)
     own_start[order[grouped]] = shared[gid[grouped]]
     # chunks: consecutive grouped positions of one group, MAX_CHUNK_ROWS at a time
-    pos = torch.nonzero(grouped).flatten()
+    pos = np.flatnonzero(grouped)
     g = gid[pos]
-    first = torch.searchsorted(gid, g)                                  # group's first position
-    starts = ((pos - first) % MAX_CHUNK_ROWS) == 0
-    chunk_first = torch.nonzero(starts).flatten()
-    chunk_offsets = torch.cat([chunk_first, torch.tensor([pos.numel()])])
-    return DecodePlan(rows, seq_lens, own_start, order[pos].contiguous(), chunk_offsets,
-                      shared[g[chunk_first]].contiguous())
+    first = np.searchsorted(gid, g)                                     # group's first position
+    chunk_first = np.flatnonzero((pos - first) % MAX_CHUNK_ROWS == 0)
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))  # noqa: E731
+    return DecodePlan(rows, seq_lens, t(own_start), t(order[pos]),
+                      t(np.append(chunk_first, pos.size)), t(shared[g[chunk_first]]))
 
 
 def paged_decode(op: PagedDecodeOp, q: torch.Tensor, k_buffer: torch.Tensor,
