@@ -9,9 +9,9 @@ memory of its own as a trainer's are: transformers leaves them mapped from the f
 pages the kernel may drop and read again mid-sync) is pushed with ``WeightSyncer``. Every row
 and roofline is best-of ``--repeats`` (after a warm-up); medians are saved too. The rooflines:
 
-- tensor handles: a copy of the same bytes between two preallocated tensors, the faster of
-  ``copy_`` and a single-threaded memcpy (the engine's apply is one such copy out of the
-  trainer's shared memory);
+- tensor handles: a copy of the same bytes between two preallocated tensors, the fastest of
+  ``copy_``, one thread's and two threads' memcpy (the engine's apply is one such copy out of
+  the trainer's shared memory);
 - distributed: a raw ``torch.distributed`` (gloo) broadcast of the same bytes, as one flat
   buffer, from this process to a second one, on the same kind of group the transport uses;
 - disk: a raw read of the same files into a preallocated buffer plus a ``copy_`` of the bytes
@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import vllm_peer  # noqa: E402
 from benchmarks.common import RESULTS_DIR, measure_machine, save_result, set_threads, table  # noqa: E402
 from rollout_engine import Engine  # noqa: E402
-from rollout_engine.protocol.bucket import copy_into, plan_buckets  # noqa: E402
+from rollout_engine.protocol.bucket import copy_all, plan_buckets  # noqa: E402
 from rollout_engine.protocol.weight_broadcast import join_update_group  # noqa: E402
 from rollout_engine.testing.tiny_model import PRESET_55M, tiny_model_path  # noqa: E402
 from rollout_engine.weights.loader import safetensors_files  # noqa: E402
@@ -116,8 +116,8 @@ class Rooflines:
     """Each path's physical limit on the same bytes, one timing of each per `time()` call, so
     rounds interleave them with the refits they bound (the machine is shared):
 
-    memcpy: the faster of copy_ (torch's threads) and a single-threaded memcpy (`copy_into`,
-    what the engine's apply uses) between two preallocated fp32 tensors; cast: bf16 -> fp32 copy_; raw
+    memcpy: the fastest of copy_ (torch's threads), one thread's memcpy and two threads'
+    (`copy_all`, what the engine's apply uses) between two preallocated fp32 tensors; cast: bf16 -> fp32 copy_; raw
     broadcast: `RawBroadcast`; read + copy: the checkpoint files read into a preallocated
     buffer, then copy_ of those bytes into preallocated tensors (page cache warm); read alone.
     """
@@ -147,10 +147,12 @@ class Rooflines:
     def time(self) -> dict[str, float]:
         n = self.num_bytes // 4
         torch_copy = timed(lambda: self.dst[:n].copy_(self.src[:n]))
-        one_thread = timed(lambda: copy_into(self.dst[:n], self.src[:n]))
+        one_thread = timed(lambda: copy_all([(self.dst[:n], self.src[:n])], num_threads=1))
+        two_threads = timed(lambda: copy_all([(self.dst[:n], self.src[:n])]))
         return {
-            "memcpy_seconds": min(torch_copy, one_thread),
+            "memcpy_seconds": min(torch_copy, one_thread, two_threads),
             "memcpy_torch_seconds": torch_copy, "memcpy_one_thread_seconds": one_thread,
+            "memcpy_two_threads_seconds": two_threads,
             "cast_copy_seconds": timed(lambda: self.dst[:n].copy_(self.cast_src)),
             "raw_broadcast_seconds": self.bcast.once(),
             "read_copy_seconds": timed(self._read_copy),

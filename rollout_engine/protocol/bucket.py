@@ -14,6 +14,7 @@ Sending a bucket costs one handle instead of one per tensor (SGLang's "flattened
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -27,6 +28,7 @@ __all__ = [
     "BucketPlan",
     "FlattenedBucket",
     "TensorMeta",
+    "copy_all",
     "copy_into",
     "dtype_to_str",
     "pack_buckets",
@@ -77,18 +79,76 @@ def str_to_dtype(name: str) -> torch.dtype:
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``; between contiguous CPU tensors of one dtype, a single-threaded
-    memcpy (numpy's, which releases the GIL) instead. A copy is bound by memory bandwidth, which
-    one core already saturates here, and torch's parallel copy waits at a barrier for every
-    one of its threads: on a busy machine one descheduled thread stalls it (measured 2-10x
-    slower under load, never faster when idle, on 2-core EPYC)."""
-    if (dst.dtype == src.dtype and dst.device.type == "cpu" and src.device.type == "cpu"
-            and dst.is_contiguous() and src.is_contiguous() and dst.shape == src.shape
-            and not src.requires_grad and dst.numel()):
-        np.copyto(dst.reshape(-1).view(torch.uint8).numpy(),
-                  src.reshape(-1).view(torch.uint8).numpy())
+    """``dst.copy_(src)``; between contiguous CPU tensors of one dtype, numpy's memcpy, which
+    runs on the calling thread only and releases the GIL (`copy_all` spreads such copies over
+    threads)."""
+    if _plain_copy(dst, src):
+        np.copyto(_bytes(dst), _bytes(src))
     else:
         dst.copy_(src)
+
+
+PIECE_BYTES = 16 << 20          # copy_all splits plain copies into pieces of at most this
+PARALLEL_MIN_BYTES = 32 << 20   # ... and uses a second thread from this many bytes on
+
+
+def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], num_threads: int = 2) -> None:
+    """`copy_into` for every (dst, src) pair, the plain byte copies split into pieces shared
+    by `num_threads` threads (the caller's and helpers) when there are enough bytes.
+
+    Why not torch's own parallel copy: a copy is bound by memory bandwidth, and torch's
+    OpenMP threads spin at a barrier at the end of every copy_, so on a busy 2-core machine
+    a descheduled thread stalls the copy while its partner burns the other core (measured
+    2-10x slower under load on a 2-core EPYC). Plain Python threads running numpy's memcpy
+    on their own pieces never wait for each other until the end.
+    """
+    plain: list[tuple[np.ndarray, np.ndarray]] = []
+    for dst, src in pairs:
+        if not _plain_copy(dst, src):
+            dst.copy_(src)   # a cast, another device, a strided view: torch copies it
+            continue
+        d, s = _bytes(dst), _bytes(src)
+        plain += [(d[i:i + PIECE_BYTES], s[i:i + PIECE_BYTES])
+                  for i in range(0, d.size, PIECE_BYTES)]
+    total = sum(d.size for d, _ in plain)
+    if num_threads <= 1 or total < PARALLEL_MIN_BYTES:
+        for d, s in plain:
+            np.copyto(d, s)
+        return
+    shares: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(num_threads)]
+    loads = [0] * num_threads
+    for d, s in sorted(plain, key=lambda p: -p[0].size):   # biggest first, to the lightest
+        i = loads.index(min(loads))
+        shares[i].append((d, s))
+        loads[i] += d.size
+    errors: list[BaseException] = []
+
+    def run(share: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        try:
+            for d, s in share:
+                np.copyto(d, s)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the caller
+            errors.append(e)
+
+    helpers = [threading.Thread(target=run, args=(share,), daemon=True)
+               for share in shares[1:]]
+    for t in helpers:
+        t.start()
+    run(shares[0])
+    for t in helpers:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def _plain_copy(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    return (dst.dtype == src.dtype and dst.device.type == "cpu" and src.device.type == "cpu"
+            and dst.is_contiguous() and src.is_contiguous() and dst.shape == src.shape
+            and not src.requires_grad and not dst.requires_grad and dst.numel() > 0)
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 def _is_int(value: object) -> bool:
@@ -213,9 +273,8 @@ class BucketPlan:
         a reused one) and return the bucket over its first `num_bytes`."""
         buffer = buffer[: self.num_bytes]
         with torch.no_grad():  # a requires_grad source must not make the buffer part of a graph
-            for meta, tensor in self.entries:
-                dst = buffer[meta.offset : meta.offset + meta.nbytes].view(tensor.dtype)
-                copy_into(dst.view(meta.shape), tensor)  # copy_ for non-contiguous sources
+            copy_all((buffer[meta.offset : meta.offset + meta.nbytes].view(tensor.dtype)
+                      .view(meta.shape), tensor.detach()) for meta, tensor in self.entries)
         return FlattenedBucket(buffer=buffer, metas=tuple(meta for meta, _ in self.entries))
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from rollout_engine.protocol.bucket import copy_into
+from rollout_engine.protocol.bucket import copy_all
 
 
 def read_hf_config(model_path: str) -> dict[str, Any]:
@@ -87,13 +87,10 @@ def load_weights(
     targets = plan_targets(model, [(n, tuple(t.shape), t.dtype) for n, t in checked],
                            require_all=require_all)
     by_name = dict(checked)   # names are unique once plan_targets accepted them
-    num_bytes = num_cast = 0
     with torch.no_grad():
-        for name, dst in targets:
-            tensor = by_name[name]
-            copy_into(dst, tensor)   # casts while copying when the dtypes differ
-            num_bytes += dst.numel() * dst.element_size()
-            num_cast += tensor.dtype != dst.dtype
+        copy_all((dst, by_name[name].detach()) for name, dst in targets)  # casts if dtypes differ
+    num_bytes = sum(dst.numel() * dst.element_size() for _, dst in targets)
+    num_cast = sum(by_name[name].dtype != dst.dtype for name, dst in targets)
     return LoadReport(num_tensors=len(targets), num_bytes=num_bytes,
                       names=frozenset(n for n, _ in targets), num_cast=num_cast)
 

@@ -36,7 +36,7 @@ from typing import Any, Optional
 
 import torch
 
-from rollout_engine.protocol.bucket import copy_into, dtype_to_str
+from rollout_engine.protocol.bucket import copy_all, dtype_to_str
 from rollout_engine.protocol.weight_broadcast import (
     GroupIncompleteError,
     UpdateGroup,
@@ -277,10 +277,10 @@ def _own_bytes(group: list[tuple[str, torch.Tensor]], bucket_bytes: int
 def _pack(group: list[tuple[str, torch.Tensor]], slot: torch.Tensor) -> torch.Tensor:
     """Copy the tensors' bytes back to back (SGLang's FlattenedTensorBucket layout) into the
     front of `slot`; returns that part."""
-    used = 0
-    with torch.no_grad():
-        for _, tensor in group:
-            nbytes = tensor.numel() * tensor.element_size()
-            copy_into(slot[used:used + nbytes], tensor.reshape(-1).view(torch.uint8))
-            used += nbytes
+    pairs, used = [], 0
+    for _, tensor in group:
+        nbytes = tensor.numel() * tensor.element_size()
+        pairs.append((slot[used:used + nbytes], tensor.detach().reshape(-1).view(torch.uint8)))
+        used += nbytes
+    copy_all(pairs)
     return slot[:used]
