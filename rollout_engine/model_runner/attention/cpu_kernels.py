@@ -51,7 +51,6 @@ DEFAULT_MIN_SHARED_LEN = 16     # shorter shared prefixes are not worth a separa
 MAX_CHUNK_ROWS = 16             # group members per prefix task: bounds the task's scratch
 
 
-
 class PagedDecodeOp:
     """The compiled kernel: a C function over raw pointers, called through ctypes (which
     releases the GIL while it runs). Checks what the C side cannot see (dtypes, shapes,
