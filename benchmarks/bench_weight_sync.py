@@ -51,7 +51,7 @@ from rollout_engine.testing.tiny_model import PRESET_55M, tiny_model_path  # noq
 from rollout_engine.weights.loader import safetensors_files  # noqa: E402
 from trainer_bridge.bucketing import nbytes, state_dict_items  # noqa: E402
 from trainer_bridge.transports.distributed import DistributedTransport, free_port  # noqa: E402
-from trainer_bridge.transports.tensor import BucketBuffers  # noqa: E402
+from trainer_bridge.transports.tensor import BucketBuffers, shared_buffer  # noqa: E402
 from trainer_bridge.weight_syncer import WeightSyncer  # noqa: E402
 
 MB = 1 << 20
@@ -117,7 +117,9 @@ class Rooflines:
     rounds interleave them with the refits they bound (the machine is shared):
 
     memcpy: the fastest of copy_ (torch's threads), one thread's memcpy and two threads'
-    (`copy_all`, what the engine's apply uses) between two preallocated fp32 tensors; cast: bf16 -> fp32 copy_; raw
+    (`copy_all`, what the engine's apply uses) between two preallocated fp32 tensors; shm
+    copy: the same copy out of POSIX shared memory (what the engine's apply reads: tmpfs maps
+    it in 4 KB pages, where anonymous memory gets huge pages, so it costs more); cast: bf16 -> fp32 copy_; raw
     broadcast: `RawBroadcast`; read + copy: the checkpoint files read into a preallocated
     buffer, then copy_ of those bytes into preallocated tensors (page cache warm); read alone.
     """
@@ -128,6 +130,7 @@ class Rooflines:
         self.dst = torch.empty(max(num_bytes, max(self.sizes)) // 4, dtype=torch.float32)
         self.src = torch.ones_like(self.dst)
         self.cast_src = torch.ones(num_bytes // 4, dtype=CAST)
+        self.shm_src = shared_buffer(num_bytes, torch.device("cpu")).fill_(1)
         self.num_bytes = num_bytes
         self.bcast = RawBroadcast(self.src.view(torch.uint8)[:num_bytes])
 
@@ -153,6 +156,8 @@ class Rooflines:
             "memcpy_seconds": min(torch_copy, one_thread, two_threads),
             "memcpy_torch_seconds": torch_copy, "memcpy_one_thread_seconds": one_thread,
             "memcpy_two_threads_seconds": two_threads,
+            "shm_copy_seconds": timed(lambda: copy_all(
+                [(self.dst.view(torch.uint8)[:self.num_bytes], self.shm_src)])),
             "cast_copy_seconds": timed(lambda: self.dst[:n].copy_(self.cast_src)),
             "raw_broadcast_seconds": self.bcast.once(),
             "read_copy_seconds": timed(self._read_copy),
@@ -406,6 +411,7 @@ def bench_model(name: str, spec: dict[str, Any], args: argparse.Namespace, threa
         row["roofline_seconds"] = out[ROOFLINE_KEY[row["roofline"]]]
         row["ratio_to_roofline"] = row["seconds"] / row["roofline_seconds"]
         row["ratio_to_memcpy"] = row["seconds"] / out["memcpy_seconds"]
+        row["ratio_to_shm_copy"] = row["seconds"] / out["shm_copy_seconds"]
     return out
 
 
@@ -491,21 +497,24 @@ def main() -> None:
     for res in results:
         rows = [[r["label"], f"{r['bytes'] / 1e6:.1f}", r["seconds"], r["gbps"],
                  r["engine_apply_seconds"], r["pack_seconds"] or "-", r["roofline"],
-                 r["roofline_seconds"], r["ratio_to_roofline"], r["ratio_to_memcpy"]]
+                 r["roofline_seconds"], r["ratio_to_roofline"], r["ratio_to_memcpy"],
+                 r["ratio_to_shm_copy"] if r["transport"] == "tensor" else "-"]
                 for r in res["rows"]]
         peer = res["vllm_reload"]
         if peer:
             rows.append([f"vLLM {peer['vllm']} reload_weights", "-", peer["best_seconds"],
                          res["bytes"] / peer["best_seconds"] / 1e9, "-", "-", "read + copy",
                          res["read_copy_seconds"], peer["best_seconds"] / res["read_copy_seconds"],
-                         peer["best_seconds"] / res["memcpy_seconds"]])
+                         peer["best_seconds"] / res["memcpy_seconds"], "-"])
         print(f"\n## {res['model']} ({res['params'] / 1e6:.1f}M params, {res['bytes'] / 1e6:.1f}"
-              f" MB). Rooflines: memcpy {res['memcpy_seconds']:.4f}s, bf16 -> fp32 copy_ "
+              f" MB). Rooflines: memcpy {res['memcpy_seconds']:.4f}s (out of shared memory "
+              f"{res['shm_copy_seconds']:.4f}s), bf16 -> fp32 copy_ "
               f"{res['cast_copy_seconds']:.4f}s, raw gloo broadcast "
               f"{res['raw_broadcast_seconds']:.4f}s, read + copy {res['read_copy_seconds']:.4f}s "
               f"(read alone {res['read_seconds']:.4f}s; page cache {res['page_cache']})")
         print(table(rows, ["path", "MB moved", "s/refit", "GB/s", "engine apply s", "pack s",
-                           "roofline", "roofline s", "x roofline", "x memcpy"]))
+                           "roofline", "roofline s", "x roofline", "x memcpy",
+                           "x shm copy"]))
         sw = [[w["tags"], f"{w['bytes_freed'] / 1e6:.1f}", w["release_seconds"],
                w["resume_seconds"], w["release_wall_seconds"], w["resume_wall_seconds"]]
               for w in res["sleep_wake"]]
