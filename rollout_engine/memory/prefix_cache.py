@@ -79,6 +79,9 @@ class BasePrefixCache(ABC):
     """
 
     page_size: int
+    # bumped by every change a match could see: a caller may keep a match while it stays put
+    # (a cache that never changes what it matches, like NoPrefixCache, leaves it at 0)
+    version: int = 0
 
     @abstractmethod
     def match_prefix(self, token_ids: Sequence[int], namespace: CacheNamespace) -> MatchResult:

@@ -8,7 +8,8 @@ from typing import Optional
 import torch
 
 from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
-from rollout_engine.sampler import Penalties, PenaltyCounts, SamplingBatch, uniform_for
+from rollout_engine.penalties import Penalties, PenaltyCounts
+from rollout_engine.sampler import SamplingBatch, uniform_for
 from rollout_engine.scheduler.request import Req
 
 

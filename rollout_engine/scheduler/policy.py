@@ -91,12 +91,12 @@ def order_waiting(waiting: list[Req], kv: KVManager, namespace_of, policy: str,
     through the tree every step."""
     if policy != "lpm" or len(waiting) > fallback_len:
         return sorted((Candidate(r) for r in waiting), key=lambda c: c.req.arrival)
-    version = getattr(kv.tree, "version", None)   # None: a cache without one (match each time)
+    version = kv.tree.version
     cands = []
     for r in waiting:
         namespace, cap = namespace_of(r), match_cap(r, kv.page_size)
         key = (version, namespace, cap)
-        if version is None or r.order_match_key != key:
+        if r.order_match_key != key:
             r.order_match, r.order_match_key = kv.match(r, namespace, cap), key
         cands.append(Candidate(r, r.order_match))
     cands.sort(key=lambda c: (-(c.match.matched_len if c.match else 0), c.req.arrival))

@@ -22,6 +22,7 @@ from rollout_engine.memory.prefix_cache import CacheNamespace, MatchResult, NoPr
 from rollout_engine.memory.radix_cache import RadixCache
 from rollout_engine.model_runner.forward_batch import ForwardMode
 from rollout_engine.model_runner.model_runner import ModelRunner
+from rollout_engine.penalties import PenaltyCounts
 from rollout_engine.protocol.messages import (
     AbortReq,
     BatchOutput,
@@ -30,7 +31,7 @@ from rollout_engine.protocol.messages import (
     GenerateReq,
     ReqOutput,
 )
-from rollout_engine.sampler import PenaltyCounts, compute_logprobs, sample
+from rollout_engine.sampler import compute_logprobs, sample
 from rollout_engine.scheduler import policy
 from rollout_engine.scheduler.batch import ScheduleBatch, build_sampling_batch
 from rollout_engine.scheduler.control import ControlHandlers
