@@ -119,7 +119,8 @@ class Rooflines:
     memcpy: the fastest of copy_ (torch's threads), one thread's memcpy and two threads'
     (`copy_all`, what the engine's apply uses) between two preallocated fp32 tensors; shm
     copy: the same copy out of POSIX shared memory (what the engine's apply reads: tmpfs maps
-    it in 4 KB pages, where anonymous memory gets huge pages, so it costs more); cast: bf16 -> fp32 copy_; raw
+    it in 4 KB pages, where anonymous memory gets huge pages, so it costs more; models up to
+    ROUND_ROBIN_BYTES); cast: bf16 -> fp32 copy_; raw
     broadcast: `RawBroadcast`; read + copy: the checkpoint files read into a preallocated
     buffer, then copy_ of those bytes into preallocated tensors (page cache warm); read alone.
     """
@@ -130,7 +131,9 @@ class Rooflines:
         self.dst = torch.empty(max(num_bytes, max(self.sizes)) // 4, dtype=torch.float32)
         self.src = torch.ones_like(self.dst)
         self.cast_src = torch.ones(num_bytes // 4, dtype=CAST)
-        self.shm_src = shared_buffer(num_bytes, torch.device("cpu")).fill_(1)
+        # a big model has no room for one more model's worth (measured apart, see the report)
+        self.shm_src = (shared_buffer(num_bytes, torch.device("cpu")).fill_(1)
+                        if num_bytes <= ROUND_ROBIN_BYTES else None)
         self.num_bytes = num_bytes
         self.bcast = RawBroadcast(self.src.view(torch.uint8)[:num_bytes])
 
@@ -152,12 +155,14 @@ class Rooflines:
         torch_copy = timed(lambda: self.dst[:n].copy_(self.src[:n]))
         one_thread = timed(lambda: copy_all([(self.dst[:n], self.src[:n])], num_threads=1))
         two_threads = timed(lambda: copy_all([(self.dst[:n], self.src[:n])]))
+        shm_src = self.shm_src
+        shm = {} if shm_src is None else {"shm_copy_seconds": timed(lambda: copy_all(
+            [(self.dst.view(torch.uint8)[:self.num_bytes], shm_src)]))}
         return {
+            **shm,
             "memcpy_seconds": min(torch_copy, one_thread, two_threads),
             "memcpy_torch_seconds": torch_copy, "memcpy_one_thread_seconds": one_thread,
             "memcpy_two_threads_seconds": two_threads,
-            "shm_copy_seconds": timed(lambda: copy_all(
-                [(self.dst.view(torch.uint8)[:self.num_bytes], self.shm_src)])),
             "cast_copy_seconds": timed(lambda: self.dst[:n].copy_(self.cast_src)),
             "raw_broadcast_seconds": self.bcast.once(),
             "read_copy_seconds": timed(self._read_copy),
@@ -411,7 +416,8 @@ def bench_model(name: str, spec: dict[str, Any], args: argparse.Namespace, threa
         row["roofline_seconds"] = out[ROOFLINE_KEY[row["roofline"]]]
         row["ratio_to_roofline"] = row["seconds"] / row["roofline_seconds"]
         row["ratio_to_memcpy"] = row["seconds"] / out["memcpy_seconds"]
-        row["ratio_to_shm_copy"] = row["seconds"] / out["shm_copy_seconds"]
+        row["ratio_to_shm_copy"] = (row["seconds"] / out["shm_copy_seconds"]
+                                    if "shm_copy_seconds" in out else None)
     return out
 
 
@@ -498,7 +504,8 @@ def main() -> None:
         rows = [[r["label"], f"{r['bytes'] / 1e6:.1f}", r["seconds"], r["gbps"],
                  r["engine_apply_seconds"], r["pack_seconds"] or "-", r["roofline"],
                  r["roofline_seconds"], r["ratio_to_roofline"], r["ratio_to_memcpy"],
-                 r["ratio_to_shm_copy"] if r["transport"] == "tensor" else "-"]
+                 r["ratio_to_shm_copy"] if r["transport"] == "tensor"
+                 and r["ratio_to_shm_copy"] is not None else "-"]
                 for r in res["rows"]]
         peer = res["vllm_reload"]
         if peer:
@@ -508,7 +515,7 @@ def main() -> None:
                          peer["best_seconds"] / res["memcpy_seconds"], "-"])
         print(f"\n## {res['model']} ({res['params'] / 1e6:.1f}M params, {res['bytes'] / 1e6:.1f}"
               f" MB). Rooflines: memcpy {res['memcpy_seconds']:.4f}s (out of shared memory "
-              f"{res['shm_copy_seconds']:.4f}s), bf16 -> fp32 copy_ "
+              f"{res.get('shm_copy_seconds', float('nan')):.4f}s), bf16 -> fp32 copy_ "
               f"{res['cast_copy_seconds']:.4f}s, raw gloo broadcast "
               f"{res['raw_broadcast_seconds']:.4f}s, read + copy {res['read_copy_seconds']:.4f}s "
               f"(read alone {res['read_seconds']:.4f}s; page cache {res['page_cache']})")
