@@ -22,6 +22,7 @@ from rollout_engine.compat.server_args import to_engine_kwargs
 _DTYPES = {"auto", "float32", "float16", "bfloat16"}
 _POLICIES = {"lpm", "fcfs"}
 _BACKENDS = {None, "torch_native", "triton", "flashinfer"}
+_GRAMMAR_BACKENDS = {"xgrammar", "none"}
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,12 @@ class EngineConfig:
     schedule_lpm_fallback_queue_len: int = 128
     disable_radix_cache: bool = False
     random_seed: Optional[int] = None   # None: a fresh seed per engine (get_server_info)
+    # structured output (json_schema / regex / ebnf / structural_tag): "xgrammar" | "none"
+    grammar_backend: str = "xgrammar"
+    # JSON whitespace under a schema: SGLang's default allows any amount between tokens (a weak
+    # model can loop on it); these two bound it
+    constrained_json_disable_any_whitespace: bool = False
+    constrained_json_max_whitespace_cnt: Optional[int] = None
     # model runner
     attention_backend: Optional[str] = None
     disable_cuda_graph: bool = False
@@ -111,6 +118,13 @@ class EngineConfig:
             bad("max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
         if self.schedule_policy not in _POLICIES:
             bad("schedule_policy", f"must be one of {sorted(_POLICIES)}, got {self.schedule_policy!r}")
+        if self.grammar_backend not in _GRAMMAR_BACKENDS:
+            bad("grammar_backend", f"must be one of {sorted(_GRAMMAR_BACKENDS)}, got "
+                f"{self.grammar_backend!r} (outlines and llguidance are not built in)")
+        if (self.constrained_json_max_whitespace_cnt is not None
+                and self.constrained_json_max_whitespace_cnt < 0):
+            bad("constrained_json_max_whitespace_cnt",
+                f"must be >= 0, got {self.constrained_json_max_whitespace_cnt}")
         if self.attention_backend not in _BACKENDS:
             bad("attention_backend", f"must be one of {sorted(map(str, _BACKENDS))}")
         if self.scheduler_mode not in ("process", "thread"):

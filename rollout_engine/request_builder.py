@@ -11,13 +11,22 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Optional
 
-from rollout_engine.constrained.backend import refuse_structured_output
+from rollout_engine.constrained.backend import NoGrammarBackend, check_grammar
 from rollout_engine.constrained.spec import Constraint
 from rollout_engine.protocol.messages import GenerateReq
 from rollout_engine.sampler import derive_seed
 from rollout_engine.sampling_params import SamplingParams
 
 MAX_REQUESTS_PER_CALL = 4096   # prompts x n of one generate call; more is a 400, not an OOM
+
+
+def grammar_check_for(config: Any) -> Callable[[Constraint], None]:
+    """The submission check ``--grammar-backend`` implies (``EngineConfig``): xgrammar's
+    tokenizer-free check, or the disabled backend's refusal."""
+    if config.grammar_backend == "none":
+        return NoGrammarBackend().validate
+    any_ws = not config.constrained_json_disable_any_whitespace
+    return lambda c: check_grammar(c, any_whitespace=any_ws)
 
 
 class RequestBuilder:
@@ -29,14 +38,14 @@ class RequestBuilder:
     never admit it). Within the pool, the request always fits once it runs alone.
 
     ``grammar_check`` decides a constrained request (``json_schema``, ``regex``, ``ebnf``,
-    ``structural_tag``) at submission: the grammar backend's ``validate`` (a ValueError naming
-    the field and the problem) once the scheduler applies grammars; until then the default
-    refuses every constraint with "structured output is not enabled yet".
+    ``structural_tag``) at submission: ``grammar_check_for(config)``, a tokenizer-free check
+    of what the grammar backend accepts (a ValueError naming the field and the problem); the
+    scheduler compiles and applies it.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, context_len: int,
                  rng: random.Random, pool_tokens: Optional[int] = None,
-                 grammar_check: Callable[[Constraint], None] = refuse_structured_output) -> None:
+                 grammar_check: Callable[[Constraint], None] = check_grammar) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_len = context_len

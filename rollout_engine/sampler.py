@@ -21,11 +21,12 @@ order, as over the full vocabulary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
 
+from rollout_engine.constrained.matcher import TokenMask, masked_logprobs, masked_top_logprobs
 from rollout_engine.penalties import Penalties, PenaltyCounts
 
 __all__ = ["Penalties", "PenaltyCounts", "SampleOutput", "SamplingBatch", "compute_logprobs",
@@ -62,6 +63,8 @@ class SamplingBatch:
     uniforms: torch.Tensor          # [B] float64
     penalties: Optional[Penalties] = None
     top_logprobs_num: Union[int, list[int]] = 0      # per row, or one number for every row
+    # grammar rows whose returned logprobs are the masked ones (return_masked_logprobs)
+    masked_logprob_rows: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -93,10 +96,15 @@ def greedy_rows(sb: SamplingBatch) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
+def sample(logits: torch.Tensor, sb: SamplingBatch, mask: Optional[TokenMask] = None
+           ) -> SampleOutput:
     """Choose one token per row of ``logits`` ([B, V] float32). With penalties, their entries
     of ``logits`` are changed in place while sampling and restored before returning (in
-    inference mode: the runner's logits are inference tensors)."""
+    inference mode: the runner's logits are inference tensors).
+
+    ``mask`` (grammar rows): those rows sample only allowed tokens; their returned logprobs
+    stay the unmasked ``log_softmax(logits / T)`` unless the row is in
+    ``sb.masked_logprob_rows`` (then ``log_softmax`` over the allowed tokens only)."""
     b, vocab = logits.shape
     logits = logits.contiguous()
     scaled = _scaled(logits, sb.temperatures)
@@ -104,34 +112,56 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
     greedy = greedy_rows(sb)
     truncated = ~greedy & ((sb.top_ks < vocab) | (sb.top_ps < 1))
     plain = ~greedy & ~truncated
+    masked_lp = None if mask is None else masked_logprobs(logprobs, mask, sb.masked_logprob_rows)
     # logprobs is the sampling distribution too, except at penalty entries (patched in place)
+    # and on grammar rows (masked in place); both are undone before returning
     log_totals = None
     restore: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    partial = torch.zeros(b, dtype=torch.bool, device=logits.device)   # row mass no longer 1
     if sb.penalties is not None:
-        penalised = _penalise(logits, scaled, logprobs, sb, greedy, restore)
-        top_p_rows = (truncated & penalised).nonzero().squeeze(1)
-        if top_p_rows.numel():   # top-p needs their (no longer 1) total mass
-            log_totals = torch.zeros(b, dtype=torch.float64, device=logits.device)
-            log_totals[top_p_rows] = torch.logsumexp(
-                logprobs.index_select(0, top_p_rows).to(torch.float64), dim=-1)
+        partial |= _penalise(logits, scaled, logprobs, sb, greedy, restore)
+    saved_rows = None
+    if mask is not None:
+        rows = torch.tensor(mask.rows, device=logits.device)
+        saved_rows = (rows, logprobs.index_select(0, rows))
+        mask.apply(logprobs)
+        partial[rows] = True
+    top_p_rows = (truncated & partial).nonzero().squeeze(1)
+    if top_p_rows.numel():   # top-p needs their (no longer 1) total mass
+        log_totals = torch.zeros(b, dtype=torch.float64, device=logits.device)
+        log_totals[top_p_rows] = torch.logsumexp(
+            logprobs.index_select(0, top_p_rows).to(torch.float64), dim=-1)
     tokens = torch.empty(b, dtype=torch.int64, device=logits.device)
     idx = greedy.nonzero().squeeze(1)
     if idx.numel():
         tokens[idx] = (logits if idx.numel() == b else logits.index_select(0, idx)).argmax(-1)
-    for mask, pick in ((plain, _sample_plain), (truncated, _sample_truncated)):
-        idx = mask.nonzero().squeeze(1)
+        if saved_rows is not None:   # a grammar row's argmax is over its allowed tokens
+            g = (greedy.index_select(0, saved_rows[0])).nonzero().squeeze(1)
+            if g.numel():
+                rows_g = saved_rows[0].index_select(0, g)
+                tokens[rows_g] = logprobs.index_select(0, rows_g).argmax(-1)
+    for sel, pick in ((plain, _sample_plain), (truncated, _sample_truncated)):
+        idx = sel.nonzero().squeeze(1)
         if idx.numel() == 0:
             continue
         whole = idx.numel() == b
-        rows = logprobs if whole else logprobs.index_select(0, idx)
+        rows_lp = logprobs if whole else logprobs.index_select(0, idx)
         k, p, m, u = (t if whole else t[idx] for t in (sb.top_ks, sb.top_ps, sb.min_ps,
                                                         sb.uniforms))
         totals = None if log_totals is None else (log_totals if whole else log_totals[idx])
-        tokens[idx] = pick(rows, k, p, m, u, totals)
+        tokens[idx] = pick(rows_lp, k, p, m, u, totals)
+    if saved_rows is not None:
+        logprobs.index_copy_(0, *saved_rows)
     for flat, idx, saved in reversed(restore):
         flat.index_copy_(0, idx, saved)
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
-    return SampleOutput(tokens.tolist(), chosen.tolist(), _top_logprobs(logprobs, sb))
+    top = _top_logprobs(logprobs, sb)
+    if masked_lp is not None:
+        ids, sub = masked_lp
+        chosen[ids] = sub.gather(1, tokens.index_select(0, ids)[:, None]).squeeze(1)
+        if top is not None:
+            masked_top_logprobs(top, ids.tolist(), sub, sb.top_logprobs_num)
+    return SampleOutput(tokens.tolist(), chosen.tolist(), top)
 
 
 def _penalise(logits: torch.Tensor, scaled: torch.Tensor, logprobs: torch.Tensor,

@@ -16,7 +16,7 @@ _FLOAT_FIELDS = (
     "temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
 )
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
-                "no_stop_trim")
+                "no_stop_trim", "return_masked_logprobs")
 _JSON_FIELDS = ("json_schema", "structural_tag")   # a JSON string, or an object (kept as text)
 _TEXT_FIELDS = ("regex", "ebnf")
 
@@ -30,9 +30,10 @@ class SamplingParams:
     which is what a trainer recomputes from the same weights.
 
     ``json_schema`` / ``regex`` / ``ebnf`` / ``structural_tag`` (at most one; ``constraint``
-    says which) constrain the output to a grammar; ``verify`` checks their syntax. Whether the
-    engine applies them is the request builder's ``grammar_check`` (refused until the
-    scheduler integration lands).
+    says which) constrain the output to a grammar; ``verify`` checks their syntax, the request
+    builder's ``grammar_check`` what the grammar backend accepts. Under a grammar the returned
+    logprobs stay unmasked unless ``return_masked_logprobs`` (log_softmax over the allowed
+    tokens: the distribution actually sampled).
     """
 
     max_new_tokens: int = 128
@@ -56,6 +57,9 @@ class SamplingParams:
     regex: Optional[str] = None
     ebnf: Optional[str] = None
     structural_tag: Optional[str] = None
+    # our extension (SGLang has none): under a grammar, return log_softmax over the allowed
+    # tokens (the sampled distribution) instead of the unmasked log_softmax(logits / T)
+    return_masked_logprobs: bool = False
 
     @classmethod
     def from_dict(cls, d: Optional[Union[dict[str, Any], SamplingParams]]) -> SamplingParams:

@@ -152,9 +152,10 @@ _PD = "prefill/decode disaggregation"
 _DP = "one data-parallel rank (0)"
 _NO_LORA = ("lora_path / lora_id is not supported by this engine: no LoRA adapter is loaded "
             "(LoRA serving is not implemented)")
-# carried and validated (one per request, syntax, what xgrammar accepts); a 400 "structured
-# output is not enabled yet" until the scheduler applies grammars
-_GRAMMAR = "structured output, refused until the scheduler applies grammars: "
+# checked at submission (one per request, syntax, what xgrammar accepts: a 400 naming the
+# problem), compiled off the scheduler loop and applied as a token mask (--grammar-backend)
+_GRAMMAR = "structured output (xgrammar; returned logprobs unmasked unless "\
+    "return_masked_logprobs): "
 _STRUCTURED = [
     _f("json_schema", None, S, _GRAMMAR + "a JSON schema (string or object; $$ANY$$: any JSON)"),
     _f("regex", None, S, _GRAMMAR + "a regular expression the whole output matches"),
@@ -265,6 +266,10 @@ SAMPLING_PARAMS = FieldList("SamplingParams", "python/sglang/srt/sampling/sampli
     *_STRUCTURED,
     _f("structural_tag", None, S, _GRAMMAR + "SGLang's structures + triggers, or xgrammar's "
        "format"),
+    # not an SGLang field: our extension
+    _f("return_masked_logprobs", False, S, "rollout_engine extension (not in SGLang): under a "
+       "grammar, output logprobs are log_softmax over the allowed tokens (the sampled "
+       "distribution) instead of the unmasked log_softmax(logits / T)"),
     _f("logit_bias", None, D, "logit bias", {}),
     _f("beam_width", None, D, "beam search (read by GenerateReqInput)", 0, 1),
     _f("custom_params", None, X, "arguments of a custom logit processor, which is refused, so "
@@ -360,7 +365,7 @@ CHAT_REQUEST = FieldList(
         _f("tools", None, S, "rendered by the chat template; <tool_call>{...}</tool_call> in the "
            "output (Qwen / Hermes) becomes message.tool_calls", []),
         _f("tool_choice", "auto", S, "auto / none; required or a named function force a call "
-           "with a grammar (refused until the scheduler applies grammars)", "none"),
+           "with a grammar (a structural tag over <tool_call> blocks)", "none"),
         _f("parallel_tool_calls", True, S, "false: only the first tool call is returned"),
         _f("return_prompt_token_ids", False, D, "prompt ids in choices (use /generate)"),
         _f("return_meta_info", False, D, "meta_info in choices (use /generate)"),

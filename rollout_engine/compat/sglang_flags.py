@@ -28,8 +28,8 @@ chunked_prefill_size                         int     None                 ours
 collect_tokens_histogram                     switch  False                ignore:log
 completion_template                          str     None                 default
 config                                       str     None                 default
-constrained_json_disable_any_whitespace      switch  False                default
-constrained_json_max_whitespace_cnt          int     None                 default
+constrained_json_disable_any_whitespace      switch  False                ours
+constrained_json_max_whitespace_cnt          int     None                 ours
 constrained_json_whitespace_pattern          str     None                 default
 context_length                               size    None                 ours
 cp_strategy                                  str     None                 default
@@ -281,7 +281,7 @@ gc_threshold                                 int+    None                 ignore
 gc_warning_threshold_secs                    float   0.0                  ignore:log
 generation_tokens_buckets                    str+    None                 ignore:log
 gpu_id_step                                  int     1                    ignore:launch
-grammar_backend                              str     None                 ignore:perf
+grammar_backend                              str     None                 ours
 grpc_mode                                    switch  False                default
 grpc_port                                    int     None                 default
 grpc_response_timeout_secs                   int     300                  default

@@ -11,11 +11,12 @@ Integration contract (scheduler phase; nothing here imports the scheduler)::
 
     submission   (frontend process) TokenizerManager builds RequestBuilder(...,
                  grammar_check=check_grammar) for --grammar-backend xgrammar (tokenizer-free:
-                 the frontend compiles nothing), NoGrammarBackend().validate for none; the
-                 default, refuse_structured_output, stays until this contract is wired.
+                 the frontend compiles nothing), NoGrammarBackend().validate for none
+                 (request_builder.grammar_check_for).
                  SamplingParams.constraint is the request's Constraint (None: no grammar).
     scheduler    backend = create_grammar_backend(config.grammar_backend, tokenizer,
                  model vocab_size, stop_token_ids=eos_ids); grammars = GrammarBatch(vocab)
+                 (both held by scheduling.GrammarScheduling, which the scheduler calls)
     admission    fut = backend.compile(constraint); the request waits in a GrammarQueue
                  (pending.py) and enters the waiting queue once fut is done: req.grammar =
                  fut.result().new_state(); a ValueError there ends that request alone with
@@ -53,14 +54,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
 from rollout_engine.constrained.spec import Constraint
 
 __all__ = ["Grammar", "GrammarBatch", "GrammarState", "TokenMask", "apply_token_bitmask",
-           "apply_token_bitmask_ref", "bitmask_width", "unpack_bitmask"]
+           "apply_token_bitmask_ref", "bitmask_width", "masked_logprobs",
+           "masked_top_logprobs", "unpack_bitmask"]
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -206,6 +208,31 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
             logits[torch.tensor(rows, device=logits.device), width:] = float("-inf")
         return
     apply_token_bitmask_ref(logits, bitmask, rows, vocab_size)
+
+
+def masked_logprobs(logprobs: torch.Tensor, mask: TokenMask, wanted: list[int]
+                     ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(rows, log_softmax(logits / T) over each row's allowed tokens) for the grammar rows
+    in ``wanted``, before penalties (like the unmasked logprobs); None when none asks."""
+    rows = [r for r in wanted if r in mask.rows]
+    if not rows:
+        return None
+    ids = torch.tensor(rows, device=logprobs.device)
+    sub = logprobs.index_select(0, ids)
+    apply_token_bitmask(sub, mask.on(sub.device).index_select(0, ids), list(range(len(rows))),
+                        mask.vocab_size)
+    return ids, sub - torch.logsumexp(sub, dim=-1, keepdim=True)
+
+
+def masked_top_logprobs(top: list[list[tuple[float, int]]], rows: list[int],
+                        sub: torch.Tensor, nums: Union[int, list[int]]) -> None:
+    """Top logprobs of masked-logprob rows from the masked distribution (allowed ids only)."""
+    for j, r in enumerate(rows):
+        k = nums if isinstance(nums, int) else nums[r]
+        if k <= 0:
+            continue
+        vals, ids = sub[j].topk(min(k, sub.shape[1]))
+        top[r] = [(v, i) for v, i in zip(vals.tolist(), ids.tolist()) if v != float("-inf")]
 
 
 class GrammarBatch:

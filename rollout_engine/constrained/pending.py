@@ -38,6 +38,10 @@ class GrammarQueue(Generic[R]):
     def add(self, req: R, future: Future[Grammar]) -> None:
         self._items.append((req, future))
 
+    def futures(self) -> list[Future[Grammar]]:
+        """The compiles still awaited (to wait on them)."""
+        return [f for _, f in self._items]
+
     def remove(self, req: R) -> bool:
         """Drop ``req`` (aborted while compiling). The compile itself runs on: it is cached and
         may serve other requests."""

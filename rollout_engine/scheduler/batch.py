@@ -73,9 +73,12 @@ class ScheduleBatch:
 
 
 def build_sampling_batch(reqs: list[Req], vocab_size: int, eos_ids: frozenset[int],
-                         device: torch.device, counts: PenaltyCounts) -> SamplingBatch:
+                         device: torch.device, counts: PenaltyCounts,
+                         grammar_ended: frozenset[int] = frozenset()) -> SamplingBatch:
     """Per-row tensors of the requests about to sample (in row order). A request that uses
-    penalties takes a row of ``counts`` the first time it gets here."""
+    penalties takes a row of ``counts`` the first time it gets here. ``grammar_ended``: rows
+    whose grammar allows only stop tokens; min_new_tokens does not ban EOS there (the grammar
+    wins, or no token would be left)."""
     temps, top_ps, top_ks, min_ps, uniforms = [], [], [], [], []
     for req in reqs:
         p = req.params
@@ -90,8 +93,10 @@ def build_sampling_batch(reqs: list[Req], vocab_size: int, eos_ids: frozenset[in
         top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
         min_ps=torch.tensor(min_ps, dtype=torch.float32, device=device),
         uniforms=torch.tensor(uniforms, dtype=torch.float64, device=device),
-        penalties=_penalties(reqs, eos_ids, device, counts),
+        penalties=_penalties(reqs, eos_ids, device, counts, grammar_ended),
         top_logprobs_num=[r.top_logprobs_num if r.return_logprob else 0 for r in reqs],
+        masked_logprob_rows=[i for i, r in enumerate(reqs)
+                             if r.params.return_masked_logprobs and r.grammar is not None],
     )
 
 
@@ -102,7 +107,7 @@ def uses_counts(req: Req) -> bool:
 
 
 def _penalties(reqs: list[Req], eos_ids: frozenset[int], device: torch.device,
-               counts: PenaltyCounts) -> Optional[Penalties]:
+               counts: PenaltyCounts, grammar_ended: frozenset[int]) -> Optional[Penalties]:
     """Sparse penalty entries of the rows that have any, from the incrementally kept counts."""
     rows: list[int] = []          # batch row of each counted request
     pool_rows: list[int] = []
@@ -117,7 +122,7 @@ def _penalties(reqs: list[Req], eos_ids: frozenset[int], device: torch.device,
             rows.append(i)
             pool_rows.append(r.penalty_row)
             params.append((p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
-        if len(r.output_ids) < p.min_new_tokens:
+        if len(r.output_ids) < p.min_new_tokens and i not in grammar_ended:
             banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids)))
             ban_rows.extend([i] * len(banned))
             ban_ids.extend(banned)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any, Optional
 
+from rollout_engine.constrained.matcher import GrammarState
+from rollout_engine.constrained.spec import Constraint
 from rollout_engine.memory.prefix_cache import MatchResult
 from rollout_engine.protocol.messages import GenerateReq, ReqOutput
 from rollout_engine.sampling_params import SamplingParams
@@ -45,6 +47,10 @@ class Req:
         self.output_ids: list[int] = []
         self.all_ids: list[int] = list(msg.input_ids)   # kept equal to input_ids + output_ids
         self.penalty_row: Optional[int] = None   # its row of the scheduler's PenaltyCounts
+        # structured output: the constraint asked for, and once compiled this request's own
+        # position in it (advanced by every output token; kept through KV-only retraction)
+        self.constraint: Optional[Constraint] = msg.sampling_params.constraint
+        self.grammar: Optional[GrammarState] = None
         # the prefix match that ordered the queue, and the (cache version, namespace, cap) it
         # was made under: re-matched only when one of them changes (see policy.order_waiting)
         self.order_match: Optional[MatchResult] = None

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoTokenizer
 
 from rollout_engine.config import EngineConfig
+from rollout_engine.constrained.scheduling import GrammarScheduling, only_stop_allowed
 from rollout_engine.memory.kv_pool import PageAllocator
 from rollout_engine.memory.memory_saver import create_memory_saver
 from rollout_engine.memory.prefix_cache import CacheNamespace, MatchResult, NoPrefixCache
@@ -60,6 +61,10 @@ class Scheduler:
         self.stop_checker = StopChecker(tokenizer, self.eos_ids, self.runner.context_len)
         self.vocab_size = self.runner.arch.vocab_size
         self.penalty_counts = PenaltyCounts(self.vocab_size, self.device)
+        self.grammars: GrammarScheduling[Req] = GrammarScheduling(
+            config.grammar_backend, tokenizer, self.vocab_size, sorted(self.eos_ids),
+            any_whitespace=not config.constrained_json_disable_any_whitespace,
+            max_whitespace_cnt=config.constrained_json_max_whitespace_cnt)
         self.weight_version = config.weight_version
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -98,6 +103,14 @@ class Scheduler:
                 req.finished_reason = {"type": "abort", "message": too_big}
                 self.outbox.append(req.make_output(full=True))
                 return None
+            if req.constraint is not None:   # waits for its grammar off the loop
+                error = self.grammars.submit(req, req.constraint)
+                if error is not None:
+                    req.finished_reason = {"type": "abort", "message": error}
+                    self.outbox.append(req.make_output(full=True))
+                    return None
+                self.by_rid[msg.rid] = req
+                return None
             self.by_rid[msg.rid] = req
             self.waiting.append(req)
             return None
@@ -129,7 +142,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.running or self.chunked or len(self.grammars))
 
     def active_reqs(self) -> list[Req]:
         reqs = list(self.running)
@@ -140,9 +153,12 @@ class Scheduler:
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> BatchOutput:
         """Run one batch (prefill if anything can be admitted, else decode)."""
+        self._admit_compiled()
         batch = None if not self.can_run else (self.schedule_prefill() or self.schedule_decode())
         if batch is not None:
             self.run_batch(batch)
+        elif len(self.grammars) and self.can_run:
+            self.grammars.wait(timeout=0.01)   # only compiles to wait for: do not spin
         self.rl.on_idle()  # runs a flush a refit deferred, once no request holds KV
         out, self.outbox = self.outbox, []
         for o in out:   # never computed (refused, aborted while queued): the serving version
@@ -152,6 +168,19 @@ class Scheduler:
             if self.config.debug_integrity:
                 self.check_integrity()
         return BatchOutput(out)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar compiled join the waiting queue, each with its own state; a
+        failed compile ends that request alone, with the compiler's message."""
+        if not len(self.grammars):
+            return
+        polled = self.grammars.poll()
+        for req, grammar in polled.ready:
+            req.grammar = grammar.new_state()
+            self.waiting.append(req)
+        for req, message in polled.failed:
+            req.finished_reason = {"type": "abort", "message": message}
+            self._retire(req)
 
     def schedule_prefill(self) -> Optional[ScheduleBatch]:
         budget = min(self.config.chunked_prefill_size, self.config.max_prefill_tokens)
@@ -282,6 +311,10 @@ class Scheduler:
 
     def run_batch(self, batch: ScheduleBatch) -> None:
         fb = batch.to_forward_batch(self.device)
+        sampling = [(r, row) for r, row in zip(batch.reqs, batch.sample_rows) if row >= 0]
+        to_sample = [(r, row) for r, row in sampling if not self._finish_without_sampling(r)]
+        # the grammar rows' mask is filled on a worker thread while the forward runs
+        pending = self.grammars.prepare_async([r.grammar for r, _ in to_sample])
         logits = self.runner.forward(fb)
         self.stats["forward_passes"] += 1
         if batch.mode == ForwardMode.EXTEND:
@@ -291,16 +324,18 @@ class Scheduler:
         for req, ext in zip(batch.reqs, batch.extend_lens):
             req.kv_len += ext
         self._record_input_logprobs(batch, logits)
-        sampling = [(r, row) for r, row in zip(batch.reqs, batch.sample_rows) if row >= 0]
-        to_sample = [(r, row) for r, row in sampling if not self._finish_without_sampling(r)]
         if to_sample:
             rows = [row for _, row in to_sample]
             reqs = [r for r, _ in to_sample]
+            mask = None if pending is None else pending.result()
+            ended = frozenset() if mask is None else frozenset(
+                i for i in mask.rows if len(reqs[i].output_ids) < reqs[i].params.min_new_tokens
+                and only_stop_allowed(mask, i, self.grammars.stop_token_ids))
             sb = build_sampling_batch(reqs, self.vocab_size, self.eos_ids, self.device,
-                                      self.penalty_counts)
+                                      self.penalty_counts, ended)
             # decode samples every row in order: skip the [B, V] copy of an index
             whole = rows == list(range(logits.shape[0]))
-            out = sample(logits if whole else logits[rows], sb)
+            out = sample(logits if whole else logits[rows], sb, mask)
             counted = [(r.penalty_row, t) for r, t in zip(reqs, out.token_ids)
                        if r.penalty_row is not None]
             if counted:
@@ -345,6 +380,9 @@ class Scheduler:
             if req.top_logprobs_num and top is not None:
                 req.output_top_logprobs.append(top[:req.top_logprobs_num])
         req.finished_reason = self.stop_checker.check(req)
+        # the grammar's end is a stop even under ignore_eos / min_new_tokens
+        if req.grammar is not None and self.grammars.advance(req.grammar, token):
+            req.finished_reason = {"type": "stop", "matched": token}
 
     def _after_forward(self, req: Req, mode: ForwardMode, sampled: bool) -> None:
         if req.finished:
@@ -371,6 +409,7 @@ class Scheduler:
         """The end of every request the scheduler took (finished, aborted, refused): it holds
         no KV any more; forget it and send its last output."""
         req.state = ReqState.FINISHED
+        req.grammar = None   # its own state; the compiled grammar stays cached
         self.by_rid.pop(req.rid, None)
         if req.penalty_row is not None:
             self.penalty_counts.give_back(req.penalty_row)
@@ -384,7 +423,8 @@ class Scheduler:
         for req in targets:
             req.finished_reason = {"type": "abort", "message": msg.message}
             if req.state == ReqState.WAITING:
-                self.waiting.remove(req)
+                if not self.grammars.remove(req):   # else it was waiting for its grammar
+                    self.waiting.remove(req)
                 self._retire(req)
             else:
                 self._finish(req)
@@ -403,3 +443,4 @@ class Scheduler:
     def shutdown(self) -> None:
         """Fail whatever is still queued so no caller waits forever."""
         self.abort(AbortReq(abort_all=True, message="engine shut down"))
+        self.grammars.shutdown()

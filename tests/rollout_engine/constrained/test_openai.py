@@ -1,7 +1,7 @@
 """The request surface of structured output: SGLang's sampling_params and the OpenAI fields
-(response_format, extra_body regex / ebnf, tools + tool_choice) become one checked constraint;
-until the scheduler applies grammars every constrained request is a 400 that names the field,
-before any compute. Tool calls in the output become OpenAI tool_calls (whole and streamed)."""
+(response_format, extra_body regex / ebnf, tools + tool_choice) become one checked constraint:
+a well-formed one runs, a bad one is a 400 that names the field, before any compute. Tool calls
+in the output become OpenAI tool_calls (whole and streamed)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from rollout_engine.entrypoints.openai_protocol import (
 from rollout_engine.sampling_params import SamplingParams
 from tests.rollout_engine.constrained.test_tool_calls import OUTPUT, TOOLS
 
-NOT_ENABLED = "structured output is not enabled yet"
 MESSAGES = [{"role": "user", "content": "hello there"}]
 SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}}
 GREEDY = {"max_new_tokens": 2, "temperature": 0.0}
@@ -107,7 +106,7 @@ def test_tools_are_typed() -> None:
     assert _chat(tools=TOOLS, tool_choice="none").active_tools == []
 
 
-# -- refused at the boundary until the scheduler applies grammars ----------------------------------
+# -- accepted when well-formed, refused at the boundary otherwise ----------------------------------
 @pytest.fixture(scope="module")
 def engine(tiny_dir: str) -> Iterator[Any]:
     from rollout_engine import Engine
@@ -133,18 +132,28 @@ def _prompt_tokens(engine: Any) -> int:
     return engine.get_server_info()["stats"]["prompt_tokens"]
 
 
+ST = json.dumps({"structures": [{"begin": "<f>", "schema": {}, "end": "</f>"}],
+                 "triggers": ["<f>"]})
+
+
+@pytest.mark.parametrize("params", [
+    {"json_schema": json.dumps(SCHEMA)}, {"json_schema": SCHEMA}, {"regex": "(yes|no)"},
+    {"ebnf": 'root ::= "a"'}, {"structural_tag": ST}])
+def test_generate_takes_well_formed_constraints(client: TestClient, params: dict[str, Any]
+                                                ) -> None:
+    r = client.post("/generate", json={"text": "hi", "sampling_params": {**GREEDY, **params}})
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize("params, message", [
-    ({"json_schema": json.dumps(SCHEMA)}, f"sampling_params.json_schema: {NOT_ENABLED}"),
-    ({"json_schema": SCHEMA}, f"sampling_params.json_schema: {NOT_ENABLED}"),
-    ({"regex": "(yes|no)"}, f"sampling_params.regex: {NOT_ENABLED}"),
-    ({"ebnf": 'root ::= "a"'}, f"sampling_params.ebnf: {NOT_ENABLED}"),
-    ({"structural_tag": json.dumps({"structures": [{"begin": "<f>", "schema": {}, "end": "</f>"}],
-                                    "triggers": ["<f>"]})},
-     f"sampling_params.structural_tag: {NOT_ENABLED}"),
     ({"json_schema": '{"type": '}, "sampling_params.json_schema: not valid JSON"),
     ({"json_schema": "{}", "regex": "a"},
      "sampling_params.json_schema and sampling_params.regex: a request takes one constraint"),
     ({"regex": ["a"]}, "sampling_params.regex: must be a string"),
+    ({"regex": "[a"}, "sampling_params.regex: xgrammar cannot use this regex"),
+    ({"ebnf": "root ::= undefined_rule"}, "sampling_params.ebnf: xgrammar cannot use this ebnf"),
+    ({"json_schema": {"type": "object", "properties": {"x": {"$ref": "#/nowhere"}}}},
+     "sampling_params.json_schema: xgrammar cannot use this json_schema"),
 ])
 def test_generate_refuses_before_any_compute(client: TestClient, engine: Any,
                                              params: dict[str, Any], message: str) -> None:
@@ -154,25 +163,38 @@ def test_generate_refuses_before_any_compute(client: TestClient, engine: Any,
     assert r.json()["error"]["message"].startswith(message)
     with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
         engine.generate(prompt="hi", sampling_params={**GREEDY, **params})
-    # a batch with one constrained prompt is refused whole
+    # a batch with one bad prompt is refused whole
     r = client.post("/generate", json={"text": ["a", "b"],
                                        "sampling_params": [GREEDY, {**GREEDY, **params}]})
     assert r.status_code == 400
     assert _prompt_tokens(engine) == before, "a refused request ran"
 
 
-@pytest.mark.parametrize("route, fields, message", [
-    ("chat", {"response_format": {"type": "json_object"}}, f"response_format: {NOT_ENABLED}"),
+@pytest.mark.parametrize("route, fields", [
+    ("chat", {"response_format": {"type": "json_object"}}),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "a", "schema": SCHEMA}}}, f"response_format.json_schema.schema: {NOT_ENABLED}"),
-    ("chat", {"regex": "a+"}, f"regex: {NOT_ENABLED}"),
-    ("chat", {"tools": TOOLS, "tool_choice": "required"}, f"tool_choice: {NOT_ENABLED}"),
+        "name": "a", "schema": SCHEMA}}}),
+    ("chat", {"regex": "a+"}),
+    ("chat", {"tools": TOOLS, "tool_choice": "required"}),
+    ("completion", {"json_schema": SCHEMA}),
+    ("completion", {"response_format": {"type": "json_object"}}),
+    ("completion", {"ebnf": 'root ::= "a"'}),
+])
+def test_openai_takes_well_formed_constraints(client: TestClient, route: str,
+                                              fields: dict[str, Any]) -> None:
+    if route == "chat":
+        r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2,
+                                                      **fields})
+    else:
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **fields})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("route, fields, message", [
     ("chat", {"response_format": {"type": "json_object"}, "ebnf": 'root ::= "a"'},
      "response_format and ebnf: a request takes one constraint"),
-    ("completion", {"json_schema": SCHEMA}, f"json_schema: {NOT_ENABLED}"),
-    ("completion", {"response_format": {"type": "json_object"}},
-     f"response_format: {NOT_ENABLED}"),
-    ("completion", {"ebnf": 'root ::= "a"'}, f"ebnf: {NOT_ENABLED}"),
+    ("chat", {"regex": "(a"}, "regex: xgrammar cannot use this regex"),
+    ("completion", {"ebnf": "root ::= "}, "ebnf: xgrammar cannot use this ebnf"),
 ])
 def test_openai_refuses_before_any_compute(client: TestClient, engine: Any, route: str,
                                            fields: dict[str, Any], message: str) -> None:
