@@ -38,9 +38,31 @@ class _KernelDecodeMeta:
 
 
 @dataclass
+class _FreshRun:
+    """Consecutive requests with no cached prefix and the same extend length: their tokens
+    ``[start, start + num_reqs * ext_len)`` attend causally among themselves, read from this
+    forward's k/v directly (nothing gathered back from the pool), in one SDPA call."""
+
+    start: int
+    num_reqs: int
+    ext_len: int
+
+
+@dataclass
 class _ExtendMeta:
-    slot_rows: list[torch.Tensor]           # per request: slots of positions [0, seq_len)
-    masks: list[Optional[torch.Tensor]]     # per request: [E, L] causal mask, None if E == 1
+    """An EXTEND batch split three ways (token ranges of the flattened q):
+
+    - ``fresh``: runs of requests without a cached prefix (``_FreshRun``);
+    - ``single``: requests extending by one token on top of a cached prefix (GRPO siblings
+      admitted on a radix hit): decode rows for the paged kernel, ``single_tokens`` their q rows;
+    - ``gathered``: the rest (a cached prefix plus several new tokens), each over its slots.
+    """
+
+    fresh: list[_FreshRun]
+    single_tokens: Optional[torch.Tensor]           # [S] token index of each single request
+    single_plan: Optional[cpu_kernels.DecodePlan]
+    gathered: list[tuple[int, int, torch.Tensor, Optional[torch.Tensor]]]
+    # (start, ext, slots of positions [0, seq_len), [E, L] causal mask or None if E == 1)
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -79,17 +101,42 @@ class TorchNativeBackend(AttentionBackend):
                 torch.empty(scratch, dtype=pool.dtype, device=pool.device),
                 torch.empty(scratch, dtype=pool.dtype, device=pool.device))
             return
-        rows, masks = [], []
+        fb.attn_metadata = self._plan_extend(fb)
+
+    def _plan_extend(self, fb: ForwardBatch) -> _ExtendMeta:
+        table = self.req_to_token.table
+        fresh: list[_FreshRun] = []
+        singles: list[int] = []         # batch indices
+        single_tokens: list[int] = []
+        gathered = []
+        start = 0
         for b, row in enumerate(fb.req_pool_indices.tolist()):
             seq_len, prefix = fb.seq_lens_list[b], fb.prefix_lens_list[b]
-            rows.append(table[row, :seq_len])
             ext = seq_len - prefix
-            if ext == 1:
-                masks.append(None)
+            if prefix == 0:
+                last = fresh[-1] if fresh else None
+                if last and last.ext_len == ext and last.start + last.num_reqs * ext == start:
+                    last.num_reqs += 1
+                else:
+                    fresh.append(_FreshRun(start, 1, ext))
+            elif ext == 1 and self.decode_kernel is not None:
+                singles.append(b)
+                single_tokens.append(start)
             else:
-                q_pos = torch.arange(prefix, seq_len)[:, None]
-                masks.append(torch.arange(seq_len)[None, :] <= q_pos)
-        fb.attn_metadata = _ExtendMeta(rows, masks)
+                mask = None
+                if ext > 1:
+                    q_pos = torch.arange(prefix, seq_len)[:, None]
+                    mask = torch.arange(seq_len)[None, :] <= q_pos
+                gathered.append((start, ext, table[row, :seq_len], mask))
+            start += ext
+        plan = tokens = None
+        if singles:
+            idx = torch.tensor(singles, dtype=torch.int64)
+            lens = fb.seq_lens.index_select(0, idx.to(fb.seq_lens.device)).cpu()
+            plan = cpu_kernels.plan_decode(table, fb.req_pool_indices.cpu()[idx], lens,
+                                           int(lens.max()), self.min_shared_len)
+            tokens = torch.tensor(single_tokens, dtype=torch.int64)
+        return _ExtendMeta(fresh, tokens, plan, gathered)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 scaling: float, fb: ForwardBatch) -> torch.Tensor:
@@ -117,15 +164,33 @@ class TorchNativeBackend(AttentionBackend):
                                                  scale=scaling)
             return out.reshape(bsz, q.shape[1], hd)
         assert isinstance(meta, _ExtendMeta)
-        outs = []
-        start = 0
-        for b, slots in enumerate(meta.slot_rows):
-            ext = fb.extend_lens_list[b]
+        return self._extend(q, k, v, kbuf, vbuf, meta, scaling)
+
+    def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kbuf: torch.Tensor,
+                vbuf: torch.Tensor, meta: _ExtendMeta, scaling: float) -> torch.Tensor:
+        hq, hkv, hd = q.shape[1], k.shape[1], q.shape[2]
+        out = torch.empty_like(q)
+        for run in meta.fresh:
+            n, e = run.num_reqs, run.ext_len
+            span = slice(run.start, run.start + n * e)
+            qb, kb, vb = (t[span].view(n, e, -1, hd).transpose(1, 2) for t in (q, k, v))
+            if e == 1:      # one token sees only itself
+                res = vb.repeat_interleave(hq // hkv, dim=1)
+            else:
+                res = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scaling,
+                                                     enable_gqa=True)
+            out[span].view(n, e, hq, hd).copy_(res.transpose(1, 2))
+        if meta.single_tokens is not None:
+            assert self.decode_kernel is not None and meta.single_plan is not None
+            rows = q.index_select(0, meta.single_tokens)
+            res = cpu_kernels.paged_decode(self.decode_kernel, rows, kbuf, vbuf,
+                                           self.req_to_token.table, meta.single_plan, scaling)
+            out.index_copy_(0, meta.single_tokens, res)
+        for start, ext, slots, mask in meta.gathered:
             qb = q[start:start + ext].transpose(0, 1)[None]     # [1, Hq, E, D]
             keys = kbuf.index_select(0, slots).transpose(0, 1)[None]    # [1, Hkv, L, D]
             values = vbuf.index_select(0, slots).transpose(0, 1)[None]
-            out = F.scaled_dot_product_attention(
-                qb, keys, values, attn_mask=meta.masks[b], scale=scaling, enable_gqa=True)
-            outs.append(out[0].transpose(0, 1))
-            start += ext
-        return torch.cat(outs, dim=0)
+            res = F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask,
+                                                 scale=scaling, enable_gqa=True)
+            out[start:start + ext] = res[0].transpose(0, 1)
+        return out
