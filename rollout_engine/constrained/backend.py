@@ -94,20 +94,23 @@ def _patch_schema(node: Any) -> tuple[Any, bool]:
     return out, changed
 
 
-def _patch_format(node: Any) -> Any:
+def _patch_format(node: Any, max_ws: Optional[int] = None) -> Any:
     """The JSON schemas inside an xgrammar structural-tag format, patched (a missing one is
-    the empty schema, as SGLang fills it)."""
+    the empty schema, as SGLang fills it); ``max_ws``: the server's JSON whitespace bound,
+    where the format does not set its own."""
     if isinstance(node, list):
-        return [_patch_format(v) for v in node]
+        return [_patch_format(v, max_ws) for v in node]
     if not isinstance(node, dict):
         return node
-    out = {k: _patch_format(v) for k, v in node.items()}
+    out = {k: _patch_format(v, max_ws) for k, v in node.items()}
     if out.get("type") in ("json_schema", "qwen_xml_parameter"):
         out["json_schema"] = _patch_schema(node.get("json_schema") or {})[0]
+        if out.get("type") == "json_schema" and max_ws is not None:
+            out.setdefault("max_whitespace_cnt", max_ws)
     return out
 
 
-def _legacy_structural_tag(obj: dict[str, Any]) -> Any:
+def _legacy_structural_tag(obj: dict[str, Any], max_ws: Optional[int] = None) -> Any:
     """SGLang's ``structures`` / ``triggers`` form as xgrammar's ``StructuralTag``."""
     import xgrammar as xgr
 
@@ -115,14 +118,18 @@ def _legacy_structural_tag(obj: dict[str, Any]) -> Any:
         _patch_schema(s.get("schema", s.get("parameters")) or {})[0])) for s in obj["structures"]]
     tag = xgr.StructuralTag.from_legacy_structural_tag(tags, obj["triggers"])
     tag.format.at_least_one = bool(obj.get("at_least_one", False))
+    if max_ws is not None:
+        for item in getattr(tag.format, "tags", []):
+            if hasattr(item.content, "max_whitespace_cnt"):
+                item.content.max_whitespace_cnt = max_ws
     return tag
 
 
-def _structural_tag_arg(spec: str) -> Union[str, Any]:
+def _structural_tag_arg(spec: str, max_ws: Optional[int] = None) -> Union[str, Any]:
     obj = json.loads(spec)
     if obj.get("structures") is not None:
-        return _legacy_structural_tag(obj)
-    return json.dumps({"type": "structural_tag", "format": _patch_format(obj["format"])})
+        return _legacy_structural_tag(obj, max_ws)
+    return json.dumps({"type": "structural_tag", "format": _patch_format(obj["format"], max_ws)})
 
 
 def check_grammar(c: Constraint, *, any_whitespace: bool = True) -> None:
@@ -271,7 +278,10 @@ class XGrammarBackend(GrammarBackend):
         if c.kind == "ebnf":
             return comp.compile_grammar(c.spec)
         if c.kind == "structural_tag":
-            return comp.compile_structural_tag(_structural_tag_arg(c.spec))
+            # the server's JSON whitespace rule holds inside tags too (tool-call arguments); a
+            # tag's JSON takes no "compact" switch, only a positive run bound: 1 at most
+            max_ws = 1 if not self.any_whitespace else self.max_whitespace_cnt
+            return comp.compile_structural_tag(_structural_tag_arg(c.spec, max_ws))
         raise ValueError(f"unknown constraint kind {c.kind!r}")
 
     def stats(self) -> dict[str, Any]:

@@ -111,8 +111,9 @@ def test_tools_are_typed() -> None:
 def engine(tiny_dir: str) -> Iterator[Any]:
     from rollout_engine import Engine
 
+    # compact JSON: a random model given any whitespace may emit it forever
     eng = Engine(model_path=tiny_dir, scheduler_mode="thread", dtype="float32", device="cpu",
-                 context_length=512)
+                 context_length=512, constrained_json_disable_any_whitespace=True)
     yield eng
     try:
         eng.check_integrity()
@@ -316,3 +317,78 @@ def test_the_openai_client_reads_the_tool_calls(fixed: Any) -> None:
             args[tc.index] = args.get(tc.index, "") + (tc.function.arguments or "")
     assert names == {0: "get_weather", 1: "time_in"}
     assert json.loads(args[1]) == {"zone": 1}
+
+
+# -- the real engine behind the official client ---------------------------------------------------
+def _tool_schemas() -> dict[str, Any]:
+    return {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_openai_client_tool_choice_forces_a_parseable_call(client: TestClient,
+                                                           stream: bool) -> None:
+    """tool_choice "required" (any tool) and a named function: the random model's output is
+    a valid call of the allowed tools every time, whole and streamed."""
+    import jsonschema
+    import openai
+
+    oc = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0,
+                       http_client=client)
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    schemas = _tool_schemas()
+    for choice, allowed in (("required", set(schemas)),
+                            ({"type": "function", "function": {"name": "time_in"}},
+                             {"time_in"})):
+        for seed in range(3):
+            kw = {"model": model, "messages": MESSAGES, "tools": TOOLS, "tool_choice": choice,
+                  "max_tokens": 200, "temperature": 1.0, "seed": seed,
+                  "parallel_tool_calls": False}   # one call, then the grammar ends
+            if not stream:
+                r = oc.chat.completions.create(**kw)   # type: ignore[call-overload]
+                assert r.choices[0].finish_reason == "tool_calls", r
+                found = [(c.function.name, c.function.arguments)
+                         for c in r.choices[0].message.tool_calls or []]
+            else:
+                names: dict[int, str] = {}
+                args: dict[int, str] = {}
+                finish = None
+                for chunk in oc.chat.completions.create(stream=True, **kw):  # type: ignore
+                    if not chunk.choices:
+                        continue
+                    finish = chunk.choices[0].finish_reason or finish
+                    for tc in chunk.choices[0].delta.tool_calls or []:
+                        names[tc.index] = names.get(tc.index, "") + (tc.function.name or "")
+                        args[tc.index] = args.get(tc.index, "") + (tc.function.arguments or "")
+                assert finish == "tool_calls"
+                found = [(names[i], args[i]) for i in sorted(names)]
+            assert found, "no tool call"
+            for name, arguments in found:
+                assert name in allowed
+                jsonschema.validate(json.loads(arguments), schemas[name])
+
+
+def test_response_format_streamed_and_whole(client: TestClient) -> None:
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0,
+                                                      "maximum": 50},
+                                               "tag": {"enum": ["a", "b"]}},
+              "required": ["x", "tag"]}
+    rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    base = {"messages": MESSAGES, "max_tokens": 100, "temperature": 1.0, "seed": 5,
+            "response_format": rf}
+    whole = client.post("/v1/chat/completions", json=base).json()
+    text = whole["choices"][0]["message"]["content"]
+    jsonschema.validate(json.loads(text), schema)
+    r = client.post("/v1/chat/completions", json={**base, "stream": True})
+    events = [json.loads(e[len("data: "):]) for e in r.text.split("\n\n")
+              if e and e != "data: [DONE]"]
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                       if e.get("choices"))
+    assert streamed == text
+    comp = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 100,
+                                                "response_format": {"type": "json_object"},
+                                                "stream": True})
+    pieces = [json.loads(e[len("data: "):]) for e in comp.text.split("\n\n")
+              if e and e != "data: [DONE]"]
+    json.loads("".join(p["choices"][0]["text"] for p in pieces if p.get("choices")))
