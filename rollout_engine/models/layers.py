@@ -9,6 +9,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout_engine.model_runner.attention.cpu_fused import FusedOps, load_fused_ops
+
+
+def fused_ops_for(x: torch.Tensor) -> Optional[FusedOps]:
+    """The compiled CPU ops (``cpu_fused``) when they apply to ``x`` (float32 on CPU), else
+    None: the PyTorch ops below are then used (and stay the reference for the fused ones)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    return load_fused_ops()
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Llama RMSNorm: normalise in float32, scale by ``weight``, cast back."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
 
 class RMSNorm(nn.Module):
     """HF Llama RMSNorm: normalise in float32, scale by ``weight``, cast back."""
@@ -19,10 +37,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        ops = fused_ops_for(x)
+        if ops is not None and x.dim() == 2 and x.stride(1) == 1:
+            return ops.rmsnorm(x, self.weight, self.eps)
+        return rms_norm_ref(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual + x`` (the new residual stream) and its norm, as vLLM's
+        ``fused_add_rms_norm``: on CPU in one pass, with ``residual`` updated in place."""
+        ops = fused_ops_for(x)
+        if (ops is not None and x.dim() == 2 and x.is_contiguous()
+                and residual.is_contiguous() and residual.dtype == x.dtype):
+            return ops.add_rmsnorm(x, residual, self.weight, self.eps), residual
+        residual = residual + x
+        return rms_norm_ref(residual, self.weight, self.eps), residual
 
 
 def compute_inv_freq(head_dim: int, base: float, rope_scaling: Optional[dict[str, Any]]) -> torch.Tensor:
@@ -70,6 +99,19 @@ class RotaryEmbedding(nn.Module):
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
+    @staticmethod
+    def apply_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both of q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` rotated; on CPU in one pass, in place
+        (q and k may be views into the qkv projection's output)."""
+        ops = fused_ops_for(q)
+        if (ops is not None and k.dtype == q.dtype and cos.dtype == q.dtype
+                and sin.dtype == q.dtype and cos.is_contiguous() and sin.is_contiguous()
+                and q.stride()[1:] == (q.shape[2], 1) and k.stride()[1:] == (k.shape[2], 1)):
+            ops.rope(q, k, cos, sin)
+            return q, k
+        return RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+
 
 def linear_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` with a float32 result, for logits. With 16-bit inputs the product still
@@ -104,3 +146,17 @@ class MergedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``[T, 2I]`` (gate then up) -> ``[T, I]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu_mul_ref``, on CPU in one pass without the temporaries."""
+    ops = fused_ops_for(gate_up)
+    if ops is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
+        return ops.silu_mul(gate_up)
+    return silu_mul_ref(gate_up)

@@ -12,10 +12,15 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from rollout_engine.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, linear_fp32_out
+from rollout_engine.models.layers import (
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    linear_fp32_out,
+    silu_mul,
+)
 
 
 @dataclass(frozen=True)
@@ -97,8 +102,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = RotaryEmbedding.apply(q, cos, sin)
-        k = RotaryEmbedding.apply(k, cos, sin)
+        q, k = RotaryEmbedding.apply_qk(q, k, cos, sin)
         o = fb.attn_backend.forward(q, k, v, self.layer_id, self.scaling, fb)
         return self.o_proj(o.reshape(t, -1))
 
@@ -111,8 +115,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, arch.hidden_size, bias=arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -123,9 +126,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: Any) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, fb)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], cos: torch.Tensor,
+                sin: torch.Tensor, fb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is carried separately (as vLLM does) so that each residual add
+        fuses with the norm after it: ``x`` is the previous sublayer's output (the embedding
+        for the first layer, ``residual`` None), and the layer returns its MLP output and the
+        stream before it; the stream after layer i is ``residual + x``, exactly as HF's
+        ``x = x + sublayer(norm(x))``."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos, sin, fb)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -145,9 +159,10 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states after the final norm, ``[T, hidden]``."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, fb)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, fb)
+        return self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits (computed from 16-bit weights without a 16-bit rounding)."""

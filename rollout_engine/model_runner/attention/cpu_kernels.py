@@ -107,8 +107,8 @@ def _cpu_tag() -> str:
     return hashlib.sha1(key.encode()).hexdigest()[:10]
 
 
-def _kernel_name() -> str:
-    return f"rollout_engine_paged_decode_{_cpu_tag()}"
+def _kernel_name(stem: str = "rollout_engine_paged_decode") -> str:
+    return f"{stem}_{_cpu_tag()}"
 
 
 def _build_directory(name: str) -> str:
@@ -146,22 +146,28 @@ def _build_lock(build_dir: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _build() -> PagedDecodeOp:
-    """Compile (or, when up to date, just load) the kernel; raises on any failure."""
+def build_library(source: Path, stem: str, extra_flags: tuple[str, ...] = ()) -> str:
+    """Compile (or, when up to date, just load) ``source`` into a shared library named
+    ``<stem>_<cpu tag>`` under ``_build_directory``; its path. Raises on any failure."""
     from torch.utils import cpp_extension
 
-    name = _kernel_name()
+    name = _kernel_name(stem)
     build_dir = _build_directory(name)
-    flags = ["-O3", "-fopenmp"]
+    flags = ["-O3", "-fopenmp", *extra_flags]
     if platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64"):
         flags.append("-march=native")
     # -fopenmp: at::parallel_for is OpenMP inline code under torch's OpenMP backend; the
     # library links libgomp.so.1, the soname torch already loaded, so one runtime runs both.
     with _build_lock(build_dir):
-        path = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
+        path = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags,
                                   extra_ldflags=["-fopenmp"], build_directory=build_dir,
                                   is_python_module=False, verbose=False)
-    return PagedDecodeOp(str(path))
+    return str(path)
+
+
+def _build() -> PagedDecodeOp:
+    """Compile (or, when up to date, just load) the kernel; raises on any failure."""
+    return PagedDecodeOp(build_library(SOURCE, "rollout_engine_paged_decode"))
 
 
 @functools.cache

@@ -1,0 +1,118 @@
+"""Fused elementwise ops of the decoder on CPU (``csrc/fused_ops.cpp``): RMSNorm, residual add +
+RMSNorm, rotary embedding in place on q and k, SiLU(gate) * up.
+
+Built and loaded like the paged decode kernel (``cpu_kernels.build_library``: compiled at first
+use, cached, one warning and None when it cannot be built). The PyTorch versions in
+``rollout_engine.models.layers`` stay the reference and the fallback: ``layers`` uses these only
+for contiguous float32 CPU tensors, and ``ROLLOUT_ENGINE_FUSED_OPS=0`` turns them off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from rollout_engine.model_runner.attention import cpu_kernels
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_ops.cpp"
+FUSED_ENV = "ROLLOUT_ENGINE_FUSED_OPS"
+
+_I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class FusedOps:
+    """The compiled library; each method checks what the C side cannot (dtype, device, shapes,
+    strides) and raises ValueError rather than read out of bounds."""
+
+    def __init__(self, library_path: str) -> None:
+        lib = ctypes.CDLL(library_path)
+        sig = {"rmsnorm": [_P, _P, _P, _I64, _I64, _I64, _F32],
+               "add_rmsnorm": [_P, _P, _P, _P, _I64, _I64, _F32],
+               "rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64],
+               "silu_mul": [_P, _P, _I64, _I64]}
+        self._fns = {}
+        for name, args in sig.items():
+            fn = getattr(lib, f"rollout_engine_{name}_f32")
+            fn.restype, fn.argtypes = ctypes.c_int, args
+            self._fns[name] = fn
+
+    @staticmethod
+    def _check(*tensors: torch.Tensor) -> None:
+        for t in tensors:
+            if t.dtype != torch.float32 or t.device.type != "cpu":
+                raise ValueError("fused ops: tensors must be float32 on CPU")
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x ``[T, N]`` (rows may be strided, elements contiguous) -> new ``[T, N]``."""
+        self._check(x, weight)
+        n = x.shape[-1]
+        if x.dim() != 2 or x.stride(1) != 1 or weight.shape != (n,) or not weight.is_contiguous():
+            raise ValueError(f"rmsnorm: x {tuple(x.shape)} / weight {tuple(weight.shape)}")
+        out = torch.empty(x.shape, dtype=x.dtype)
+        self._fns["rmsnorm"](x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], n,
+                             x.stride(0), eps)
+        return out
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> torch.Tensor:
+        """``residual += x`` in place; returns ``rmsnorm(residual)`` (all ``[T, N]``)."""
+        self._check(x, residual, weight)
+        n = x.shape[-1]
+        if (x.dim() != 2 or x.shape != residual.shape or weight.shape != (n,)
+                or not (x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous())):
+            raise ValueError(f"add_rmsnorm: x {tuple(x.shape)} / residual "
+                             f"{tuple(residual.shape)} / weight {tuple(weight.shape)}")
+        out = torch.empty_like(x)
+        self._fns["add_rmsnorm"](x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
+                                 out.data_ptr(), x.shape[0], n, eps)
+        return out
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+             ) -> None:
+        """Rotate q ``[T, Hq, D]`` and k ``[T, Hk, D]`` in place (heads contiguous within a
+        token; tokens may be strided); cos/sin ``[T, 1, D]`` contiguous."""
+        self._check(q, k, cos, sin)
+        t, hq, d = q.shape
+        hk = k.shape[1]
+        ok = (q.dim() == 3 and k.dim() == 3 and k.shape[0] == t and k.shape[2] == d
+              and d % 2 == 0 and cos.shape == (t, 1, d) and sin.shape == (t, 1, d)
+              and cos.is_contiguous() and sin.is_contiguous()
+              and q.stride()[1:] == (d, 1) and k.stride()[1:] == (d, 1))
+        if not ok:
+            raise ValueError(f"rope: q {tuple(q.shape)} {q.stride()}, k {tuple(k.shape)} "
+                             f"{k.stride()}, cos {tuple(cos.shape)}")
+        self._fns["rope"](q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, hq, hk,
+                          d, q.stride(0), k.stride(0))
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``[T, 2I]`` (gate then up) -> ``silu(gate) * up`` ``[T, I]``."""
+        self._check(gate_up)
+        if gate_up.dim() != 2 or gate_up.shape[1] % 2 or not gate_up.is_contiguous():
+            raise ValueError(f"silu_mul: gate_up {tuple(gate_up.shape)}")
+        n = gate_up.shape[1] // 2
+        out = torch.empty(gate_up.shape[0], n, dtype=gate_up.dtype)
+        self._fns["silu_mul"](gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], n)
+        return out
+
+
+@functools.cache
+def load_fused_ops() -> Optional[FusedOps]:
+    """The compiled ops, or None (after one warning) when they cannot be built or are turned
+    off by ``ROLLOUT_ENGINE_FUSED_OPS=0``."""
+    if os.environ.get(FUSED_ENV, "1") == "0":
+        return None
+    try:
+        return FusedOps(cpu_kernels.build_library(SOURCE, "rollout_engine_fused_ops",
+                                                  ("-ffp-contract=off",)))
+    except Exception as e:  # noqa: BLE001 - any build/load failure means "use the torch ops"
+        logger.warning("CPU fused ops unavailable (%s: %s); using the PyTorch ops",
+                       type(e).__name__, str(e).strip().splitlines()[-1:])
+        return None

@@ -1,0 +1,166 @@
+// Fused elementwise ops of the decoder on CPU (float32), each one pass over its rows instead of
+// the 4-8 separate torch ops (and temporaries) of the reference in models/layers.py:
+//
+//   rmsnorm          out[t] = w * x[t] / sqrt(mean(x[t]^2) + eps)
+//   add_rmsnorm      residual[t] += x[t]; out[t] = rmsnorm(residual[t])   (vLLM's fused_add_rms_norm)
+//   rope             q[t, h], k[t, h] rotated in place (neox / HF rotate_half) by cos/sin[t]
+//   silu_mul         out[t] = silu(gu[t, :I]) * gu[t, I:]
+//
+// Rows may be strided (q and k are views into the fused qkv output). Work is split over rows on
+// torch's intra-op pool (at::parallel_for). Plain C entry points over raw pointers, called through
+// ctypes like paged_decode.cpp; only <ATen/Parallel.h> is included, so the build stays short.
+// Built with -ffp-contract=off: a * b + c rounds twice, as torch's separate ops do.
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+inline v8f load8(const float* p) { v8f v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
+inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+
+// exp for x <= 0, Cephes' expf polynomial (~1 ulp; below -87 it gives ~1e-38, not 0).
+inline v8f exp8_nonpos(v8f x) {
+  const v8f lo = splat(-87.0f);
+  x = x < lo ? lo : x;
+  const v8f magic = splat(12582912.0f);
+  v8f n = (x * 1.44269504088896341f + magic) - magic;
+  v8f r = x - n * 0.693359375f - n * -2.12194440e-4f;
+  v8f p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+  v8f scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// Grain: rows per task, so a task holds at least ~16K elements.
+inline int64_t grain(int64_t cols) { return cols >= 16384 ? 1 : 16384 / cols; }
+
+// 1 / sqrt(mean(x^2) + eps): squares summed in 16 float lanes, the lanes added in double.
+inline float inv_rms(const float* x, int64_t n, float eps) {
+  double s = 0.0;
+  int64_t i = 0;
+  v8f acc0 = splat(0.0f), acc1 = splat(0.0f);
+  for (; i + 16 <= n; i += 16) {
+    v8f a = load8(x + i), b = load8(x + i + 8);
+    acc0 += a * a;
+    acc1 += b * b;
+  }
+  v8f acc = acc0 + acc1;
+  for (int j = 0; j < 8; ++j) s += acc[j];
+  for (; i < n; ++i) s += static_cast<double>(x[i]) * x[i];
+  const float mean = static_cast<float>(s / static_cast<double>(n));
+  return 1.0f / std::sqrt(mean + eps);
+}
+
+// out = w * (x * r): the reference rounds x * r to float, then multiplies by w.
+inline void scale_row(const float* x, const float* w, float r, float* out, int64_t n) {
+  int64_t i = 0;
+  const v8f rv = splat(r);
+  for (; i + 8 <= n; i += 8) store8(out + i, load8(w + i) * (load8(x + i) * rv));
+  for (; i < n; ++i) out[i] = w[i] * (x[i] * r);
+}
+
+}  // namespace
+
+extern "C" {
+
+// x [rows, n] (row stride x_stride) -> out [rows, n] contiguous.
+int rollout_engine_rmsnorm_f32(const float* x, const float* w, float* out, int64_t rows,
+                               int64_t n, int64_t x_stride, float eps) {
+  at::parallel_for(0, rows, grain(n), [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const float* xr = x + t * x_stride;
+      scale_row(xr, w, inv_rms(xr, n, eps), out + t * n, n);
+    }
+  });
+  return 0;
+}
+
+// residual [rows, n] += x [rows, n]; out = rmsnorm(residual). All contiguous.
+int rollout_engine_add_rmsnorm_f32(const float* x, float* residual, const float* w, float* out,
+                                   int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, grain(n), [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const float* xr = x + t * n;
+      float* rr = residual + t * n;
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) store8(rr + i, load8(xr + i) + load8(rr + i));
+      for (; i < n; ++i) rr[i] = xr[i] + rr[i];
+      scale_row(rr, w, inv_rms(rr, n, eps), out + t * n, n);
+    }
+  });
+  return 0;
+}
+
+// Rotate heads [t, h, 0:D) of q (hq heads) and k (hk heads) in place; token t of q starts at
+// q + t * q_stride, head h at + h * D (likewise k). cos/sin [T, D] (contiguous; HF's
+// cat(freqs, freqs), so only the first half is read):
+//   x'[i] = x[i] cos[i] - x[i + D/2] sin[i];  x'[i + D/2] = x[i + D/2] cos[i] + x[i] sin[i]
+int rollout_engine_rope_f32(float* q, float* k, const float* cos, const float* sin,
+                            int64_t tokens, int64_t hq, int64_t hk, int64_t d,
+                            int64_t q_stride, int64_t k_stride) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, tokens, grain((hq + hk) * d), [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const float* c = cos + t * d;
+      const float* s = sin + t * d;
+      for (int64_t h = 0; h < hq + hk; ++h) {
+        float* x = h < hq ? q + t * q_stride + h * d : k + t * k_stride + (h - hq) * d;
+        int64_t i = 0;
+        for (; i + 8 <= half; i += 8) {
+          v8f x1 = load8(x + i), x2 = load8(x + half + i), cv = load8(c + i), sv = load8(s + i);
+          store8(x + i, x1 * cv - x2 * sv);
+          store8(x + half + i, x2 * cv + x1 * sv);
+        }
+        for (; i < half; ++i) {
+          const float x1 = x[i], x2 = x[half + i];
+          x[i] = x1 * c[i] - x2 * s[i];
+          x[half + i] = x2 * c[i] + x1 * s[i];
+        }
+      }
+    }
+  });
+  return 0;
+}
+
+// gu [rows, 2 * n] -> out [rows, n] = silu(gu[:, :n]) * gu[:, n:]; silu(g) = g / (1 + e^-g),
+// computed from e = e^-|g| <= 1 so the exponent never overflows.
+int rollout_engine_silu_mul_f32(const float* gu, float* out, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, grain(n), [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const float* g = gu + t * 2 * n;
+      const float* u = g + n;
+      float* o = out + t * n;
+      int64_t i = 0;
+      const v8f one = splat(1.0f), zero = splat(0.0f);
+      for (; i + 8 <= n; i += 8) {
+        v8f x = load8(g + i);
+        v8f neg = x < zero ? x : -x;                      // -|x|
+        v8f e = exp8_nonpos(neg);
+        v8f num = x < zero ? x * e : x;                   // x e^x / (1 + e^x) for x < 0
+        store8(o + i, (num / (one + e)) * load8(u + i));
+      }
+      for (; i < n; ++i) {
+        const float x = g[i];
+        const float e = std::exp(-std::fabs(x));
+        o[i] = ((x < 0.0f ? x * e : x) / (1.0f + e)) * u[i];
+      }
+    }
+  });
+  return 0;
+}
+
+}  // extern "C"
