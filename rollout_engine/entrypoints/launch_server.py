@@ -39,6 +39,13 @@ HELP: dict[str, str] = {
     "schedule_policy": "Admission order: lpm (longest prefix match first) or fcfs.",
     "schedule_lpm_fallback_queue_len": "Above this many waiting requests, lpm falls back to fcfs.",
     "disable_radix_cache": "Do not reuse KV across requests (no prefix cache).",
+    "grammar_backend": "Structured output (json_schema / regex / ebnf / structural_tag): "
+                       "xgrammar, or none to refuse every constraint with a 400.",
+    "constrained_json_disable_any_whitespace": "JSON under a schema is compact: no whitespace "
+                                               "between tokens (a weak model may emit it "
+                                               "forever).",
+    "constrained_json_max_whitespace_cnt": "At most this many whitespace characters in a row "
+                                           "in JSON under a schema.",
     "random_seed": "Seed of the frontend's per-request seeds (reproducible sampling); "
                    "default: a fresh seed per engine, reported by /get_server_info.",
     "attention_backend": "torch_native, triton or flashinfer; default: triton on GPU, "
