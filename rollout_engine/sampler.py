@@ -120,12 +120,15 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, mask: Optional[TokenMask] = 
     partial = torch.zeros(b, dtype=torch.bool, device=logits.device)   # row mass no longer 1
     if sb.penalties is not None:
         partial |= _penalise(logits, scaled, logprobs, sb, greedy, restore)
-    saved_rows = None
+    saved_rows, mask_rows = None, None
     if mask is not None:
-        rows = torch.tensor(mask.rows, device=logits.device)
-        saved_rows = (rows, logprobs.index_select(0, rows))
+        mask_rows = torch.tensor(mask.rows, device=logits.device)
+        # a chosen token is allowed, so its logprob survives the mask: the rows are saved
+        # (a [R, V] copy) only when their top logprobs are read after sampling
+        if _wants_top(sb, mask.rows):
+            saved_rows = (mask_rows, logprobs.index_select(0, mask_rows))
         mask.apply(logprobs)
-        partial[rows] = True
+        partial[mask_rows] = True
     top_p_rows = (truncated & partial).nonzero().squeeze(1)
     if top_p_rows.numel():   # top-p needs their (no longer 1) total mass
         log_totals = torch.zeros(b, dtype=torch.float64, device=logits.device)
@@ -135,10 +138,10 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, mask: Optional[TokenMask] = 
     idx = greedy.nonzero().squeeze(1)
     if idx.numel():
         tokens[idx] = (logits if idx.numel() == b else logits.index_select(0, idx)).argmax(-1)
-        if saved_rows is not None:   # a grammar row's argmax is over its allowed tokens
-            g = (greedy.index_select(0, saved_rows[0])).nonzero().squeeze(1)
+        if mask_rows is not None:   # a grammar row's argmax is over its allowed tokens
+            g = (greedy.index_select(0, mask_rows)).nonzero().squeeze(1)
             if g.numel():
-                rows_g = saved_rows[0].index_select(0, g)
+                rows_g = mask_rows.index_select(0, g)
                 tokens[rows_g] = logprobs.index_select(0, rows_g).argmax(-1)
     for sel, pick in ((plain, _sample_plain), (truncated, _sample_truncated)):
         idx = sel.nonzero().squeeze(1)
@@ -155,13 +158,18 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, mask: Optional[TokenMask] = 
     for flat, idx, saved in reversed(restore):
         flat.index_copy_(0, idx, saved)
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
-    top = _top_logprobs(logprobs, sb)
+    top = _top_logprobs(logprobs, sb)   # grammar rows restored above when they ask for it
     if masked_lp is not None:
         ids, sub = masked_lp
         chosen[ids] = sub.gather(1, tokens.index_select(0, ids)[:, None]).squeeze(1)
         if top is not None:
             masked_top_logprobs(top, ids.tolist(), sub, sb.top_logprobs_num)
     return SampleOutput(tokens.tolist(), chosen.tolist(), top)
+
+
+def _wants_top(sb: SamplingBatch, rows: list[int]) -> bool:
+    nums = sb.top_logprobs_num
+    return nums > 0 if isinstance(nums, int) else any(nums[r] > 0 for r in rows)
 
 
 def _penalise(logits: torch.Tensor, scaled: torch.Tensor, logprobs: torch.Tensor,
