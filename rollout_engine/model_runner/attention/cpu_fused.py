@@ -110,8 +110,7 @@ def load_fused_ops() -> Optional[FusedOps]:
     if os.environ.get(FUSED_ENV, "1") == "0":
         return None
     try:
-        return FusedOps(cpu_kernels.build_library(SOURCE, "rollout_engine_fused_ops",
-                                                  ("-ffp-contract=off",)))
+        return FusedOps(cpu_kernels.build_library(SOURCE, "rollout_engine_fused_ops"))
     except Exception as e:  # noqa: BLE001 - any build/load failure means "use the torch ops"
         logger.warning("CPU fused ops unavailable (%s: %s); using the PyTorch ops",
                        type(e).__name__, str(e).strip().splitlines()[-1:])
