@@ -113,52 +113,43 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, mask: Optional[TokenMask] = 
     truncated = ~greedy & ((sb.top_ks < vocab) | (sb.top_ps < 1))
     plain = ~greedy & ~truncated
     masked_lp = None if mask is None else masked_logprobs(logprobs, mask, sb.masked_logprob_rows)
-    # logprobs is the sampling distribution too, except at penalty entries (patched in place)
-    # and on grammar rows (masked in place); both are undone before returning
-    log_totals = None
+    # [B, V] 0 / 1: what a grammar allows (1 on rows without one); a weight on probabilities,
+    # never -inf in logprobs (exp of -inf takes a slow path), so logprobs stay unmasked
+    keep = None if mask is None else mask.keep(b, vocab, logits.device)
+    # logprobs is the sampling distribution too, except at penalty entries (patched in place,
+    # undone before returning)
     restore: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     partial = torch.zeros(b, dtype=torch.bool, device=logits.device)   # row mass no longer 1
     if sb.penalties is not None:
         partial |= _penalise(logits, scaled, logprobs, sb, greedy, restore)
-    saved_rows, mask_rows = None, None
     if mask is not None:
-        mask_rows = torch.tensor(mask.rows, device=logits.device)
-        # a chosen token is allowed, so its logprob survives the mask: the rows are saved
-        # (a [R, V] copy) only when their top logprobs are read after sampling
-        if _wants_top(sb, mask.rows):
-            saved_rows = (mask_rows, logprobs.index_select(0, mask_rows))
-        mask.apply(logprobs)
-        partial[mask_rows] = True
-    top_p_rows = (truncated & partial).nonzero().squeeze(1)
-    if top_p_rows.numel():   # top-p needs their (no longer 1) total mass
-        log_totals = torch.zeros(b, dtype=torch.float64, device=logits.device)
-        log_totals[top_p_rows] = torch.logsumexp(
-            logprobs.index_select(0, top_p_rows).to(torch.float64), dim=-1)
+        partial[torch.tensor(mask.rows, device=logits.device)] = True
     tokens = torch.empty(b, dtype=torch.int64, device=logits.device)
     idx = greedy.nonzero().squeeze(1)
     if idx.numel():
         tokens[idx] = (logits if idx.numel() == b else logits.index_select(0, idx)).argmax(-1)
-        if mask_rows is not None:   # a grammar row's argmax is over its allowed tokens
-            g = (greedy.index_select(0, mask_rows)).nonzero().squeeze(1)
-            if g.numel():
-                rows_g = mask_rows.index_select(0, g)
-                tokens[rows_g] = logprobs.index_select(0, rows_g).argmax(-1)
-    for sel, pick in ((plain, _sample_plain), (truncated, _sample_truncated)):
-        idx = sel.nonzero().squeeze(1)
-        if idx.numel() == 0:
-            continue
+    idx = plain.nonzero().squeeze(1)
+    if idx.numel():
         whole = idx.numel() == b
         rows_lp = logprobs if whole else logprobs.index_select(0, idx)
+        w = None if keep is None else (keep if whole else keep.index_select(0, idx))
+        m, u = (t if whole else t[idx] for t in (sb.min_ps, sb.uniforms))
+        tokens[idx] = _sample_plain(rows_lp, m, u, w)
+    idx = truncated.nonzero().squeeze(1)
+    if idx.numel():
+        whole = idx.numel() == b
+        rows_lp = logprobs if whole and keep is None else logprobs.index_select(0, idx)
+        if keep is not None:   # top-k / top-p rank only allowed tokens: their own copy
+            rows_lp.masked_fill_(keep.index_select(0, idx) == 0, float("-inf"))
         k, p, m, u = (t if whole else t[idx] for t in (sb.top_ks, sb.top_ps, sb.min_ps,
                                                         sb.uniforms))
-        totals = None if log_totals is None else (log_totals if whole else log_totals[idx])
-        tokens[idx] = pick(rows_lp, k, p, m, u, totals)
-    if saved_rows is not None:
-        logprobs.index_copy_(0, *saved_rows)
+        tokens[idx] = _sample_truncated(rows_lp, k, p, m, u, _log_totals(rows_lp, partial[idx]))
+    if keep is not None:
+        _allowed_only(tokens, logprobs, keep)
     for flat, idx, saved in reversed(restore):
         flat.index_copy_(0, idx, saved)
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
-    top = _top_logprobs(logprobs, sb)   # grammar rows restored above when they ask for it
+    top = _top_logprobs(logprobs, sb)
     if masked_lp is not None:
         ids, sub = masked_lp
         chosen[ids] = sub.gather(1, tokens.index_select(0, ids)[:, None]).squeeze(1)
@@ -167,9 +158,25 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, mask: Optional[TokenMask] = 
     return SampleOutput(tokens.tolist(), chosen.tolist(), top)
 
 
-def _wants_top(sb: SamplingBatch, rows: list[int]) -> bool:
-    nums = sb.top_logprobs_num
-    return nums > 0 if isinstance(nums, int) else any(nums[r] > 0 for r in rows)
+def _log_totals(dist: torch.Tensor, partial: torch.Tensor) -> Optional[torch.Tensor]:
+    """log of each row's total mass where it is not 1 (penalised or grammar rows; top-p needs
+    it), 0 elsewhere; None when every row sums to 1."""
+    rows = partial.nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return None
+    totals = torch.zeros(dist.shape[0], dtype=torch.float64, device=dist.device)
+    totals[rows] = torch.logsumexp(dist.index_select(0, rows).to(torch.float64), dim=-1)
+    return totals
+
+
+def _allowed_only(tokens: torch.Tensor, logprobs: torch.Tensor, keep: torch.Tensor) -> None:
+    """Greedy grammar rows, and any row whose allowed tokens all underflowed to probability 0:
+    the most likely allowed token instead."""
+    bad = (keep.gather(1, tokens[:, None]).squeeze(1) == 0).nonzero().squeeze(1)
+    if bad.numel():
+        lp = logprobs.index_select(0, bad).masked_fill_(keep.index_select(0, bad) == 0,
+                                                        float("-inf"))
+        tokens[bad] = lp.argmax(-1)
 
 
 def _penalise(logits: torch.Tensor, scaled: torch.Tensor, logprobs: torch.Tensor,
@@ -250,11 +257,13 @@ def _top_logprobs(logprobs: torch.Tensor, sb: SamplingBatch
 _BLOCK = 256
 
 
-def _sample_plain(dist: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
-                  min_ps: torch.Tensor, uniforms: torch.Tensor,
-                  log_totals: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Rows without top-k / top-p: ``exp(dist)`` (no second softmax), min-p applied."""
+def _sample_plain(dist: torch.Tensor, min_ps: torch.Tensor, uniforms: torch.Tensor,
+                  weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Rows without top-k / top-p: ``exp(dist)`` (no second softmax) times ``weights`` (a
+    grammar's 0 / 1), min-p applied."""
     probs = dist.exp()
+    if weights is not None:
+        probs.mul_(weights)
     if bool((min_ps > 0).any()):
         threshold = probs.amax(dim=-1, keepdim=True) * min_ps[:, None]
         probs.masked_fill_(probs < threshold, 0.0)

@@ -77,6 +77,16 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
+def _unpack_float(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, W] int32 -> [R, vocab_size] float32 0 / 1, one table lookup per byte (bits in
+    little-endian order: byte k of word j holds tokens 32 j + 8 k ...), ~10x faster on CPU than
+    shifting every bit as ``unpack_bitmask`` does."""
+    table = ((torch.arange(256, device=bitmask.device)[:, None]
+              >> torch.arange(8, device=bitmask.device)) & 1).float()
+    rows = bitmask.contiguous().view(torch.uint8).reshape(-1).long()
+    return table.index_select(0, rows).reshape(bitmask.shape[0], -1)[:, :vocab_size]
+
+
 @dataclass(frozen=True)
 class Grammar:
     """A compiled constraint; immutable and shared by every request that asks for it."""
@@ -166,6 +176,20 @@ class TokenMask:
     def apply(self, logits: torch.Tensor) -> None:
         """Set the disallowed logits of ``rows`` to -inf, in place."""
         apply_token_bitmask(logits, self.on(logits.device), self.rows, self.vocab_size)
+
+    def keep(self, num_rows: int, width: int, device: torch.device) -> torch.Tensor:
+        """[num_rows, width] float32: 1 where a token may be sampled, 0 where not (columns
+        past the grammar's vocabulary too); rows not in ``rows`` are all 1."""
+        w = min(width, self.vocab_size, self.bitmask.shape[1] * 32)
+        bm = self.on(device)
+        if self.rows == list(range(num_rows)):
+            allowed = _unpack_float(bm[:num_rows], w)
+            return allowed if w == width else torch.nn.functional.pad(allowed, (0, width - w))
+        out = torch.ones(num_rows, width, device=device)
+        idx = torch.tensor(self.rows, device=device)
+        out[idx] = 0.0
+        out[idx, :w] = _unpack_float(bm.index_select(0, idx), w)
+        return out
 
     def on(self, device: torch.device) -> torch.Tensor:
         if device.type == "cpu":
