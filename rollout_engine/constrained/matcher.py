@@ -31,8 +31,9 @@ Integration contract (scheduler phase; nothing here imports the scheduler)::
                  sampler does exactly what it does today)
     sampler      sample(logits, sb, mask): logprobs = log_softmax(logits / T) UNMASKED first
                  (returned by default, as for top-k / top-p: what a trainer recomputes);
-                 then mask.apply(masked) on a copy of the grammar rows only and sample /
-                 argmax from that. With the request flag ``return_masked_logprobs`` the
+                 then mask.keep(...) (0 / 1) weighs the probabilities sampled from (top-k /
+                 top-p rows rank a -inf-masked copy; greedy rows take the best allowed
+                 token). With the sampling param ``return_masked_logprobs`` the
                  returned logprob is log_softmax(masked / T) (the sampled distribution).
     postprocess  for each sampled (req, token): grammars.advance(req.grammar, token); it
                  returns True when the grammar has terminated (it accepted a stop token):
