@@ -263,3 +263,42 @@ def test_a_compile_failure_ends_that_request_alone(tiny_dir: str) -> None:
         assert s.check_integrity()["idle"]
     finally:
         s.shutdown()
+
+
+def test_chunked_prefill_and_pause_retract(tiny_dir: str) -> None:
+    """Long prompts prefilled in chunks (only the last chunk samples, under the grammar), then
+    pause_generation(mode="retract") mid-decode and continue: outputs still validate."""
+    import threading
+    import time
+
+    from rollout_engine import Engine
+
+    schema = {"type": "object", "properties": {
+        "xs": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},
+               "minItems": 10, "maxItems": 12}}, "required": ["xs"]}
+    eng = Engine(model_path=tiny_dir, scheduler_mode="thread", dtype="float32", device="cpu",
+                 context_length=512, chunked_prefill_size=16,
+                 constrained_json_disable_any_whitespace=True)
+    try:
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            result["outs"] = eng.generate(prompt=["a b c d e f g h i j k l m n o p q r s t"] * 2,
+                                          sampling_params={
+                                              "max_new_tokens": 200, "n": 4, "temperature": 1.0,
+                                              "sampling_seed": 8, "json_schema": json.dumps(schema)})
+        worker = threading.Thread(target=run)
+        worker.start()
+        deadline = time.time() + 60
+        while eng.get_server_info()["stats"]["decode_tokens"] < 8 and time.time() < deadline:
+            time.sleep(0.005)
+        eng.pause_generation(mode="retract")
+        time.sleep(0.05)
+        eng.continue_generation()
+        worker.join(120)
+        assert eng.get_server_info()["stats"]["num_retractions"] > 0
+        for text in _texts(result["outs"]):
+            jsonschema.validate(json.loads(text), schema)
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
