@@ -83,6 +83,15 @@ class GrammarScheduling(Generic[R]):
     def advance(self, state: Optional[GrammarState], token: int) -> bool:
         return self.batch.advance(state, token)
 
+    def stop_only_rows(self, mask: Optional[TokenMask], banned: Sequence[bool]
+                       ) -> frozenset[int]:
+        """Rows of ``mask`` under a min_new_tokens EOS ban (``banned[i]``) whose grammar
+        allows only stop tokens: the ban must lift there (the grammar wins)."""
+        if mask is None:
+            return frozenset()
+        return frozenset(i for i in mask.rows
+                         if banned[i] and only_stop_allowed(mask, i, self.stop_token_ids))
+
     def stats(self) -> dict[str, Any]:
         return {"backend": self.backend.name, "waiting": len(self.queue),
                 **self.backend.stats()}

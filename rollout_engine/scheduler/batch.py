@@ -9,7 +9,7 @@ import torch
 
 from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
 from rollout_engine.penalties import Penalties, PenaltyCounts
-from rollout_engine.sampler import SamplingBatch, uniform_for
+from rollout_engine.sampler import SamplingBatch, compute_logprobs, uniform_for
 from rollout_engine.scheduler.request import Req
 
 
@@ -70,6 +70,27 @@ class ScheduleBatch:
             seq_lens=t(seq_lens), prefix_lens=t(prefix_lens), extend_lens=t(self.extend_lens),
             logits_indices=t(logits_idx), seq_lens_list=seq_lens, prefix_lens_list=prefix_lens,
             extend_lens_list=list(self.extend_lens))
+
+
+    def record_input_logprobs(self, logits: torch.Tensor) -> None:
+        """Append each request's prompt logprobs computed by this step's forward."""
+        for req, (a, b), targets in zip(self.reqs, self.input_logprob_rows,
+                                        self.input_logprob_targets):
+            if not req.wants_input_logprobs or req.input_logprobs_done():
+                continue
+            if not req.input_logprobs and req.logprob_start_len == 0:
+                req.input_logprobs.append(None)
+                req.input_top_logprobs.append(None)
+            if b == a:
+                continue
+            temps = [req.params.temperature] * (b - a)  # T = 0 -> 1 in the sampler
+            lp = compute_logprobs(logits[a:b], torch.tensor(temps, device=logits.device))
+            tgt = torch.tensor(targets, device=logits.device)
+            req.input_logprobs.extend(lp.gather(1, tgt[:, None]).squeeze(1).tolist())
+            if req.top_logprobs_num:
+                vals, idx = lp.topk(req.top_logprobs_num, dim=-1)
+                req.input_top_logprobs.extend(
+                    list(zip(v, i)) for v, i in zip(vals.tolist(), idx.tolist()))
 
 
 def build_sampling_batch(reqs: list[Req], vocab_size: int, eos_ids: frozenset[int],

@@ -12,11 +12,10 @@ import time
 from collections import deque
 from typing import Any, Optional, Union
 
-import torch
 from transformers import AutoTokenizer
 
 from rollout_engine.config import EngineConfig
-from rollout_engine.constrained.scheduling import GrammarScheduling, only_stop_allowed
+from rollout_engine.constrained.scheduling import GrammarScheduling
 from rollout_engine.memory.kv_pool import PageAllocator
 from rollout_engine.memory.memory_saver import create_memory_saver
 from rollout_engine.memory.prefix_cache import CacheNamespace, MatchResult, NoPrefixCache
@@ -32,7 +31,7 @@ from rollout_engine.protocol.messages import (
     GenerateReq,
     ReqOutput,
 )
-from rollout_engine.sampler import compute_logprobs, sample
+from rollout_engine.sampler import sample
 from rollout_engine.scheduler import policy
 from rollout_engine.scheduler.batch import ScheduleBatch, build_sampling_batch
 from rollout_engine.scheduler.control import ControlHandlers
@@ -323,14 +322,13 @@ class Scheduler:
             self.stats["decode_tokens"] += len(batch.reqs)
         for req, ext in zip(batch.reqs, batch.extend_lens):
             req.kv_len += ext
-        self._record_input_logprobs(batch, logits)
+        batch.record_input_logprobs(logits)
         if to_sample:
             rows = [row for _, row in to_sample]
             reqs = [r for r, _ in to_sample]
             mask = None if pending is None else pending.result()
-            ended = frozenset() if mask is None else frozenset(
-                i for i in mask.rows if len(reqs[i].output_ids) < reqs[i].params.min_new_tokens
-                and only_stop_allowed(mask, i, self.grammars.stop_token_ids))
+            ended = self.grammars.stop_only_rows(mask, [
+                len(r.output_ids) < r.params.min_new_tokens for r in reqs] if mask else [])
             sb = build_sampling_batch(reqs, self.vocab_size, self.eos_ids, self.device,
                                       self.penalty_counts, ended)
             # decode samples every row in order: skip the [B, V] copy of an index
@@ -345,25 +343,6 @@ class Scheduler:
                                    out.top_logprobs[i] if out.top_logprobs else None)
         for req, row in zip(batch.reqs, batch.sample_rows):
             self._after_forward(req, batch.mode, sampled=row >= 0)
-
-    def _record_input_logprobs(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
-        for req, (a, b), targets in zip(batch.reqs, batch.input_logprob_rows,
-                                        batch.input_logprob_targets):
-            if not req.wants_input_logprobs or req.input_logprobs_done():
-                continue
-            if not req.input_logprobs and req.logprob_start_len == 0:
-                req.input_logprobs.append(None)
-                req.input_top_logprobs.append(None)
-            if b == a:
-                continue
-            temps = [req.params.temperature] * (b - a)  # T = 0 -> 1 in the sampler
-            lp = compute_logprobs(logits[a:b], torch.tensor(temps, device=logits.device))
-            tgt = torch.tensor(targets, device=logits.device)
-            req.input_logprobs.extend(lp.gather(1, tgt[:, None]).squeeze(1).tolist())
-            if req.top_logprobs_num:
-                vals, idx = lp.topk(req.top_logprobs_num, dim=-1)
-                req.input_top_logprobs.extend(
-                    list(zip(v, i)) for v, i in zip(vals.tolist(), idx.tolist()))
 
     def _finish_without_sampling(self, req: Req) -> bool:
         if req.params.max_new_tokens == 0:

@@ -275,7 +275,7 @@ def test_chunked_prefill_and_pause_retract(tiny_dir: str) -> None:
 
     schema = {"type": "object", "properties": {
         "xs": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},
-               "minItems": 10, "maxItems": 12}}, "required": ["xs"]}
+               "minItems": 60, "maxItems": 64}}, "required": ["xs"]}   # ~250 tokens
     eng = Engine(model_path=tiny_dir, scheduler_mode="thread", dtype="float32", device="cpu",
                  context_length=512, chunked_prefill_size=16,
                  constrained_json_disable_any_whitespace=True)
@@ -285,12 +285,12 @@ def test_chunked_prefill_and_pause_retract(tiny_dir: str) -> None:
         def run() -> None:
             result["outs"] = eng.generate(prompt=["a b c d e f g h i j k l m n o p q r s t"] * 2,
                                           sampling_params={
-                                              "max_new_tokens": 200, "n": 4, "temperature": 1.0,
+                                              "max_new_tokens": 400, "n": 4, "temperature": 1.0,
                                               "sampling_seed": 8, "json_schema": json.dumps(schema)})
         worker = threading.Thread(target=run)
         worker.start()
         deadline = time.time() + 60
-        while eng.get_server_info()["stats"]["decode_tokens"] < 8 and time.time() < deadline:
+        while eng.get_server_info()["num_running_reqs"] < 8 and time.time() < deadline:
             time.sleep(0.005)
         eng.pause_generation(mode="retract")
         time.sleep(0.05)
