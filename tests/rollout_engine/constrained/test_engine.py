@@ -302,3 +302,47 @@ def test_chunked_prefill_and_pause_retract(tiny_dir: str) -> None:
         eng.check_integrity()
     finally:
         eng.shutdown()
+
+
+def test_refit_mid_grammar_keeps_outputs_valid(tiny_dir: str) -> None:
+    """pause_generation(mode="in_place") mid-decode, a full refit to other weights (a tiny
+    model of another seed, same shapes and tokenizer), continue: each grammar request keeps its
+    own matcher across the weight change, its outputs validate, and its weight versions record
+    both weights."""
+    import threading
+    import time
+
+    from rollout_engine import Engine
+    from rollout_engine.testing.tiny_model import tiny_model_path
+
+    other = str(tiny_model_path("qwen2", seed=7))
+    schema = {"type": "object", "properties": {
+        "xs": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},
+               "minItems": 60, "maxItems": 64}}, "required": ["xs"]}   # ~250 tokens
+    eng = Engine(model_path=tiny_dir, scheduler_mode="thread", dtype="float32", device="cpu",
+                 context_length=512, constrained_json_disable_any_whitespace=True)
+    try:
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            result["outs"] = eng.generate(prompt=["Answer in JSON:"] * 2, sampling_params={
+                "max_new_tokens": 400, "n": 4, "temperature": 1.0, "sampling_seed": 3,
+                "json_schema": json.dumps(schema)})
+        worker = threading.Thread(target=run)
+        worker.start()
+        deadline = time.time() + 60
+        while eng.get_server_info()["num_running_reqs"] < 8 and time.time() < deadline:
+            time.sleep(0.005)
+        eng.pause_generation(mode="in_place")
+        assert eng.get_server_info()["num_running_reqs"] == 8   # paused mid-decode, not done
+        assert eng.update_weights_from_disk(other, weight_version="v2")[0]
+        eng.continue_generation()
+        worker.join(120)
+        outs = result["outs"]
+        for text in _texts(outs):
+            jsonschema.validate(json.loads(text), schema)
+        for o in outs:
+            assert o["meta_info"]["weight_versions"] == ["default", "v2"], o["meta_info"]
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
