@@ -386,9 +386,15 @@ def test_response_format_streamed_and_whole(client: TestClient) -> None:
     streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events
                        if e.get("choices"))
     assert streamed == text
+    # seeded: any JSON allows whitespace without end, and an unseeded random model can emit
+    # "\r" until max_tokens (the engine's own seed differs per run)
     comp = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 100,
+                                                "temperature": 1.0, "seed": 5,
                                                 "response_format": {"type": "json_object"},
                                                 "stream": True})
     pieces = [json.loads(e[len("data: "):]) for e in comp.text.split("\n\n")
               if e and e != "data: [DONE]"]
+    finals = [p["choices"][0]["finish_reason"] for p in pieces
+              if p.get("choices") and p["choices"][0].get("finish_reason")]
+    assert finals == ["stop"], finals
     json.loads("".join(p["choices"][0]["text"] for p in pieces if p.get("choices")))
