@@ -7,15 +7,10 @@ from typing import Any
 
 import pytest
 
+from tests.rollout_engine.engines import thread_engine
+
 
 @pytest.fixture(scope="module")
 def qwen2_engine(qwen2_path: str) -> Iterator[Any]:
     """One thread-scheduler engine on the tiny qwen2 per module; integrity checked at the end."""
-    from rollout_engine import Engine
-
-    eng = Engine(model_path=qwen2_path, scheduler_mode="thread", dtype="float32", device="cpu")
-    yield eng
-    try:
-        eng.check_integrity()
-    finally:
-        eng.shutdown()
+    yield from thread_engine(qwen2_path)

@@ -9,23 +9,14 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from tests.rollout_engine.engines import app_client, thread_engine
+
 
 @pytest.fixture(scope="module")
 def engine(qwen2_path: str) -> Iterator[Any]:
-    from rollout_engine import Engine
-
-    eng = Engine(model_path=qwen2_path, scheduler_mode="thread", dtype="float32", device="cpu",
-                 context_length=512)
-    yield eng
-    try:
-        eng.check_integrity()
-    finally:
-        eng.shutdown()
+    yield from thread_engine(qwen2_path, context_length=512)
 
 
 @pytest.fixture(scope="module")
 def client(engine: Any) -> Iterator[TestClient]:
-    from rollout_engine.entrypoints.http_server import create_app
-
-    with TestClient(create_app(engine)) as c:
-        yield c
+    yield from app_client(engine)

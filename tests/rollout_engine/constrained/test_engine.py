@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tests.rollout_engine.constrained.test_generation import EBNF, REGEXES, _is_expression, _object
+from tests.rollout_engine.engines import thread_engine
 
 N = 8
 MAX_NEW = 400
@@ -29,17 +30,10 @@ PROMPTS = ["Answer in JSON:", "Answer in JSON:"]   # twice: the second hits the 
 
 @pytest.fixture(scope="module")
 def engine(tiny_dir: str) -> Iterator[Any]:
-    from rollout_engine import Engine
-
     # compact JSON (SGLang's --constrained-json-disable-any-whitespace): under greedy decoding
     # the random model given any whitespace emits it forever
-    eng = Engine(model_path=tiny_dir, scheduler_mode="thread", dtype="float32", device="cpu",
-                 context_length=1024, constrained_json_disable_any_whitespace=True)
-    yield eng
-    try:
-        eng.check_integrity()
-    finally:
-        eng.shutdown()
+    yield from thread_engine(tiny_dir, context_length=1024,
+                             constrained_json_disable_any_whitespace=True)
 
 
 def _params(greedy: bool, seed: int, **kw: Any) -> dict[str, Any]:

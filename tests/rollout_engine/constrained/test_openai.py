@@ -22,6 +22,7 @@ from rollout_engine.entrypoints.openai_protocol import (
 )
 from rollout_engine.sampling_params import SamplingParams
 from tests.rollout_engine.constrained.test_tool_calls import OUTPUT, TOOLS
+from tests.rollout_engine.engines import app_client, thread_engine
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
 SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}}
@@ -109,24 +110,14 @@ def test_tools_are_typed() -> None:
 # -- accepted when well-formed, refused at the boundary otherwise ----------------------------------
 @pytest.fixture(scope="module")
 def engine(tiny_dir: str) -> Iterator[Any]:
-    from rollout_engine import Engine
-
     # compact JSON: a random model given any whitespace may emit it forever
-    eng = Engine(model_path=tiny_dir, scheduler_mode="thread", dtype="float32", device="cpu",
-                 context_length=512, constrained_json_disable_any_whitespace=True)
-    yield eng
-    try:
-        eng.check_integrity()
-    finally:
-        eng.shutdown()
+    yield from thread_engine(tiny_dir, context_length=512,
+                             constrained_json_disable_any_whitespace=True)
 
 
 @pytest.fixture(scope="module")
 def client(engine: Any) -> Iterator[TestClient]:
-    from rollout_engine.entrypoints.http_server import create_app
-
-    with TestClient(create_app(engine)) as c:
-        yield c
+    yield from app_client(engine)
 
 
 def _prompt_tokens(engine: Any) -> int:
