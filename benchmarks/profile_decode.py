@@ -40,7 +40,8 @@ sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 import common  # noqa: E402
 
 N_SAMPLES = 8
-MATMUL_OPS = ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul")
+MATMUL_OPS = ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul",
+              "mkldnn::_linear_pointwise")
 ORDER = ["matmul qkv", "matmul o", "matmul gate_up", "matmul down", "lm_head", "attention",
          "norms", "rope", "activation", "residual", "embedding", "other ops",
          "python (model forward)", "sampler", "scheduler python"]
@@ -92,7 +93,7 @@ def _outer_op(e: Any) -> Any:
 def _projection(op: Any, arch: Any) -> str:
     """Which projection a matmul op computes, from its weight's shape."""
     shapes = [s for s in op.input_shapes if s]
-    if op.name == "aten::linear" and len(shapes) >= 2:
+    if op.name in ("aten::linear", "mkldnn::_linear_pointwise") and len(shapes) >= 2:
         out_f, in_f = shapes[1]
     elif op.name == "aten::addmm" and len(shapes) >= 3:
         in_f, out_f = shapes[2]
@@ -166,18 +167,17 @@ class StepRecorder:
             want = want or (rec.profile_extend and bool(sched.waiting))
             info: dict[str, Any] = {"forward": 0.0, "sample": 0.0}
             rec.current = info
-            t0 = time.perf_counter()
+            # the wall excludes starting and stopping the profiler (tens of ms)
+            profiler = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                               record_shapes=True)
+                        if want else contextlib.nullcontext())
             try:
-                if want:
-                    with torch.profiler.profile(
-                            activities=[torch.profiler.ProfilerActivity.CPU],
-                            record_shapes=True) as prof:
-                        out = fn(sched)
-                else:
+                with profiler as prof:
+                    t0 = time.perf_counter()
                     out = fn(sched)
+                    wall = time.perf_counter() - t0
             finally:
                 rec.current = None
-            wall = time.perf_counter() - t0
             if "mode" in info:
                 info.update(wall=wall, seq=seq, profiled=want)
                 rec.steps.append(info)

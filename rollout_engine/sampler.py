@@ -22,15 +22,16 @@ order, as over the full vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
 from rollout_engine.constrained.matcher import TokenMask, masked_logprobs, masked_top_logprobs
+from rollout_engine.model_runner.attention.cpu_fused import load_fused_ops
 from rollout_engine.penalties import Penalties, PenaltyCounts
 
 __all__ = ["Penalties", "PenaltyCounts", "SampleOutput", "SamplingBatch", "compute_logprobs",
-           "derive_seed", "greedy_rows", "sample", "uniform_for"]
+           "derive_seed", "greedy_rows", "sample", "sample_reference", "uniform_for"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -104,7 +105,79 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, mask: Optional[TokenMask] = 
 
     ``mask`` (grammar rows): those rows sample only allowed tokens; their returned logprobs
     stay the unmasked ``log_softmax(logits / T)`` unless the row is in
-    ``sb.masked_logprob_rows`` (then ``log_softmax`` over the allowed tokens only)."""
+    ``sb.masked_logprob_rows`` (then ``log_softmax`` over the allowed tokens only).
+
+    On CPU (float32, the compiled ops loaded) the rows without top-k / top-p, penalties or a
+    grammar are sampled by the one-pass kernel (``FusedOps.sample_rows``: no ``[B, V]``
+    logprobs, probabilities or CDF are built), always, whatever else is in the batch, so a
+    seeded request draws the same token in any batch; ``sample_reference`` samples the rest
+    (and is the oracle the kernel is tested against)."""
+    b, vocab = logits.shape
+    logits = logits.contiguous()
+    greedy = greedy_rows(sb)
+    truncated = ~greedy & ((sb.top_ks < vocab) | (sb.top_ps < 1))
+    fast = _one_pass_rows(logits, sb, mask, truncated)
+    if fast is None:
+        return sample_reference(logits, sb, mask)
+    ops, rows = fast
+    if rows.numel() < b:   # the others need [B, V] passes: the kernel picks its rows' tokens
+        tokens, _ = _sample_one_pass(ops, logits.index_select(0, rows), _rows_of(sb, rows),
+                                     greedy.index_select(0, rows))
+        return sample_reference(logits, sb, mask, one_pass=(rows, tokens))
+    tokens, chosen = _sample_one_pass(ops, logits, sb, greedy)
+    nums = _per_row(sb.top_logprobs_num, b)
+    asking = [i for i, k in enumerate(nums) if k > 0]
+    top = None
+    if asking:   # only these rows pay for a log_softmax; their logprob is read from it too
+        idx = torch.tensor(asking, dtype=torch.int64)
+        lp = compute_logprobs(logits.index_select(0, idx), sb.temperatures.index_select(0, idx))
+        chosen[idx] = lp.gather(1, tokens.index_select(0, idx)[:, None]).squeeze(1)
+        top = _top_rows(lp, asking, nums, b)
+    return SampleOutput(tokens.tolist(), chosen.tolist(), top)
+
+
+def _one_pass_rows(logits: torch.Tensor, sb: SamplingBatch, mask: Optional[TokenMask],
+                   truncated: torch.Tensor) -> Optional[tuple[Any, torch.Tensor]]:
+    """(the compiled ops, the rows they sample) when the one-pass kernel applies to any row,
+    else None."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return None
+    ops = load_fused_ops()
+    if ops is None:
+        return None
+    ok = ~truncated
+    if sb.penalties is not None:
+        ok[sb.penalties.rows] = False
+        if sb.penalties.banned is not None:
+            ok[sb.penalties.banned[0]] = False
+    if mask is not None and mask.rows:
+        ok[torch.tensor(mask.rows, dtype=torch.int64)] = False
+    rows = ok.nonzero().squeeze(1)
+    return (ops, rows) if rows.numel() else None
+
+
+def _rows_of(sb: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
+    """The per-row parameters the one-pass kernel reads, for ``rows`` only."""
+    return SamplingBatch(temperatures=sb.temperatures.index_select(0, rows),
+                         top_ps=sb.top_ps.index_select(0, rows),
+                         top_ks=sb.top_ks.index_select(0, rows),
+                         min_ps=sb.min_ps.index_select(0, rows),
+                         uniforms=sb.uniforms.index_select(0, rows))
+
+
+def _sample_one_pass(ops: Any, logits: torch.Tensor, sb: SamplingBatch, greedy: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    t = sb.temperatures
+    return ops.sample_rows(logits, torch.where(t > 0, t, torch.ones_like(t)).contiguous(),
+                           sb.min_ps.contiguous(), sb.uniforms.to(torch.float64).contiguous(),
+                           greedy.to(torch.uint8).contiguous())
+
+
+def sample_reference(logits: torch.Tensor, sb: SamplingBatch, mask: Optional[TokenMask] = None,
+                     one_pass: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                     ) -> SampleOutput:
+    """``sample`` in PyTorch ops over ``[B, V]`` (any device); see ``sample``. ``one_pass``:
+    (rows, their tokens) already chosen by the one-pass kernel; those rows keep them."""
     b, vocab = logits.shape
     logits = logits.contiguous()
     scaled = _scaled(logits, sb.temperatures)
@@ -144,6 +217,8 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, mask: Optional[TokenMask] = 
         k, p, m, u = (t if whole else t[idx] for t in (sb.top_ks, sb.top_ps, sb.min_ps,
                                                         sb.uniforms))
         tokens[idx] = _sample_truncated(rows_lp, k, p, m, u, _log_totals(rows_lp, partial[idx]))
+    if one_pass is not None:
+        tokens[one_pass[0]] = one_pass[1]
     if keep is not None:
         _allowed_only(tokens, logprobs, keep)
     for flat, idx, saved in reversed(restore):
@@ -236,17 +311,26 @@ def _penalise(logits: torch.Tensor, scaled: torch.Tensor, logprobs: torch.Tensor
     return penalised
 
 
+def _per_row(nums: Union[int, list[int]], b: int) -> list[int]:
+    return [nums] * b if isinstance(nums, int) else nums
+
+
 def _top_logprobs(logprobs: torch.Tensor, sb: SamplingBatch
                   ) -> Optional[list[list[tuple[float, int]]]]:
     """Top logprobs of the rows that ask for them (only those rows pay for topk)."""
-    b, vocab = logprobs.shape
-    nums = sb.top_logprobs_num
-    nums = [nums] * b if isinstance(nums, int) else nums
+    b = logprobs.shape[0]
+    nums = _per_row(sb.top_logprobs_num, b)
     asking = [i for i, k in enumerate(nums) if k > 0]
     if not asking:
         return None
-    k = min(max(nums), vocab)
-    rows = logprobs if len(asking) == b else logprobs[asking]
+    return _top_rows(logprobs if len(asking) == b else logprobs[asking], asking, nums, b)
+
+
+def _top_rows(rows: torch.Tensor, asking: list[int], nums: list[int], b: int
+              ) -> list[list[tuple[float, int]]]:
+    """Per batch row, the top ``nums[i]`` of ``rows`` (the logprobs of the ``asking`` rows, in
+    order); empty for the others."""
+    k = min(max(nums), rows.shape[1])
     vals, idx = rows.topk(k, dim=-1)
     top: list[list[tuple[float, int]]] = [[] for _ in range(b)]
     for i, v, t in zip(asking, vals.tolist(), idx.tolist()):

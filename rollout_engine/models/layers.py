@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from typing import Any, Optional
 
 import torch
@@ -18,6 +20,45 @@ def fused_ops_for(x: torch.Tensor) -> Optional[FusedOps]:
     if x.device.type != "cpu" or x.dtype != torch.float32:
         return None
     return load_fused_ops()
+
+
+ONEDNN_ENV = "ROLLOUT_ENGINE_ONEDNN"
+
+
+@functools.cache
+def _onednn_linear_ok() -> bool:
+    """Whether float32 CPU linears go through oneDNN (``torch.ops.mkldnn._linear_pointwise``
+    on the plain weight: nothing prepacked, so refits and sleep need no hook). On the 2-core
+    development machine it runs the decode shapes at 210-230 GFLOP/s where ``F.linear`` (MKL)
+    reaches 155-195 (``benchmarks/bench_linear.py``). Off by ``ROLLOUT_ENGINE_ONEDNN=0``, or
+    when this torch has no oneDNN, or when it disagrees with ``F.linear`` on a probe."""
+    if os.environ.get(ONEDNN_ENV, "1") == "0" or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x, w, b = (torch.randn(*s, generator=gen) for s in ((3, 40), (24, 40), (24,)))
+        got = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        return bool(torch.allclose(got, F.linear(x, w, b), rtol=1e-4, atol=1e-5))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+           ) -> torch.Tensor:
+    """``F.linear``; float32 on CPU without autograd by oneDNN (see ``_onednn_linear_ok``)."""
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and (bias is None or bias.dtype == torch.float32)
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and _onednn_linear_ok()):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and names) computed by ``linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -118,7 +159,7 @@ def linear_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     accumulates in fp32 but is not rounded back to 16 bits (a bf16 logit near 12 can be off by
     0.03, which would show up in every returned logprob)."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.linear(x, weight)
+        return linear(x, weight)
     if x.is_cuda and x.dim() == 2:
         try:
             return torch.mm(x, weight.t(), out_dtype=torch.float32)  # cuBLAS, fp32 output
@@ -145,7 +186,7 @@ class MergedLinear(nn.Module):
         return sum(self.shard_sizes[:shard])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from rollout_engine.models.layers import (
+    Linear,
     MergedLinear,
     RMSNorm,
     RotaryEmbedding,
@@ -89,7 +90,7 @@ class Attention(nn.Module):
             arch.num_heads, arch.num_kv_heads, arch.head_dim)
         q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
         self.qkv_proj = MergedLinear(arch.hidden_size, [q, kv, kv], bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(q, arch.hidden_size, bias=arch.o_bias)
+        self.o_proj = Linear(q, arch.hidden_size, bias=arch.o_bias)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scaling = arch.head_dim ** -0.5
@@ -112,7 +113,7 @@ class MLP(nn.Module):
         super().__init__()
         i = arch.intermediate_size
         self.gate_up_proj = MergedLinear(arch.hidden_size, [i, i], bias=arch.mlp_bias)
-        self.down_proj = nn.Linear(i, arch.hidden_size, bias=arch.mlp_bias)
+        self.down_proj = Linear(i, arch.hidden_size, bias=arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
@@ -153,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling)
         self.lm_head = (None if arch.tie_word_embeddings
-                        else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
+                        else Linear(arch.hidden_size, arch.vocab_size, bias=False))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: Any) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``."""

@@ -1,5 +1,6 @@
 """Fused elementwise ops of the decoder on CPU (``csrc/fused_ops.cpp``): RMSNorm, residual add +
-RMSNorm, rotary embedding in place on q and k, SiLU(gate) * up.
+RMSNorm, rotary embedding in place on q and k, SiLU(gate) * up; and the sampler's one-pass
+rows (next token and its logprob without a ``[B, V]`` output, ``rollout_engine.sampler``).
 
 Built and loaded like the paged decode kernel (``cpu_kernels.build_library``: compiled at first
 use, cached, one warning and None when it cannot be built). The PyTorch versions in
@@ -37,7 +38,8 @@ class FusedOps:
         sig = {"rmsnorm": [_P, _P, _P, _I64, _I64, _I64, _F32],
                "add_rmsnorm": [_P, _P, _P, _P, _I64, _I64, _F32],
                "rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64],
-               "silu_mul": [_P, _P, _I64, _I64]}
+               "silu_mul": [_P, _P, _I64, _I64],
+               "sample_rows": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P]}
         self._fns = {}
         for name, args in sig.items():
             fn = getattr(lib, f"rollout_engine_{name}_f32")
@@ -101,6 +103,29 @@ class FusedOps:
         out = torch.empty(gate_up.shape[0], n, dtype=gate_up.dtype)
         self._fns["silu_mul"](gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], n)
         return out
+
+    def sample_rows(self, logits: torch.Tensor, temperatures: torch.Tensor,
+                    min_ps: torch.Tensor, uniforms: torch.Tensor, greedy: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row of ``logits`` ``[B, V]`` (rows may be strided): the token (argmax where
+        ``greedy``, else inverse CDF of ``softmax(x / T)`` after min-p at ``uniforms``) and its
+        ``log_softmax(x / T)``. ``temperatures`` ``[B]`` > 0 (1 for greedy)."""
+        self._check(logits, temperatures, min_ps)
+        b, v = logits.shape if logits.dim() == 2 else (0, 0)
+        ok = (logits.dim() == 2 and logits.stride(1) == 1 and v > 0
+              and all(t.shape == (b,) and t.is_contiguous()
+                      for t in (temperatures, min_ps, uniforms, greedy))
+              and uniforms.dtype == torch.float64 and greedy.dtype == torch.uint8
+              and bool((temperatures > 0).all()))
+        if not ok:
+            raise ValueError(f"sample_rows: logits {tuple(logits.shape)} {logits.stride()}, "
+                             f"temperatures {tuple(temperatures.shape)}")
+        tokens = torch.empty(b, dtype=torch.int64)
+        logprobs = torch.empty(b, dtype=torch.float32)
+        self._fns["sample_rows"](logits.data_ptr(), b, v, logits.stride(0),
+                                 temperatures.data_ptr(), min_ps.data_ptr(), uniforms.data_ptr(),
+                                 greedy.data_ptr(), tokens.data_ptr(), logprobs.data_ptr())
+        return tokens, logprobs
 
 
 @functools.cache

@@ -5,6 +5,9 @@
 //   add_rmsnorm      residual[t] += x[t]; out[t] = rmsnorm(residual[t])   (vLLM's fused_add_rms_norm)
 //   rope             q[t, h], k[t, h] rotated in place (neox / HF rotate_half) by cos/sin[t]
 //   silu_mul         out[t] = silu(gu[t, :I]) * gu[t, I:]
+//   sample_rows      per row of logits: the next token (inverse CDF of softmax(x / T) with
+//                    min-p, or the argmax) and its logprob log_softmax(x / T)[token], in one
+//                    pass over the row and no [B, V] output (rollout_engine/sampler.py)
 //
 // Rows may be strided (q and k are views into the fused qkv output). Work is split over rows on
 // torch's intra-op pool (at::parallel_for). Plain C entry points over raw pointers, called through
@@ -14,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -170,6 +174,135 @@ int rollout_engine_silu_mul_f32(const float* gu, float* out, int64_t rows, int64
         const float e = std::exp(-std::fabs(x));
         o[i] = ((x < 0.0f ? x * e : x) / (1.0f + e)) * u[i];
       }
+    }
+  });
+  return 0;
+}
+
+}  // extern "C"
+
+namespace {
+
+// One row of sample_rows. x: the row's logits (vocab v); t > 0 its temperature (1 for greedy
+// rows: their logprob is then log_softmax(x)); u in [0, 1) its uniform; e: scratch of v floats,
+// blocks: of v / kBlock + 1. The logprob is computed as torch's log_softmax does,
+// (x/t - max) - log(sum exp(x/t - max)). Sampling is by inverse CDF over e_i = exp(x_i/t - max)
+// (the unnormalised softmax; min-p drops e_i < min_p, the max being e = 1) in vocabulary order:
+// float sums of kBlock entries, added in double, so the target u * total lands on a kept token.
+constexpr int64_t kBlock = 256;   // entries per float partial sum of the inverse CDF
+
+inline double hsum16(v16f a) {
+  double s = 0.0;
+  for (int j = 0; j < 16; ++j) s += a[j];
+  return s;
+}
+
+void sample_row(const float* x, int64_t v, float t, float min_p, double u, bool greedy,
+                float* e, float* blocks, int64_t* token, float* logprob) {
+  const bool scale = t != 1.0f;
+  const int64_t full = v / 16 * 16;
+  // the raw max, then its first index (ties: the lowest id, as torch.argmax)
+  v16f mx16 = splat16(-INFINITY);
+  for (int64_t i = 0; i < full; i += 16) {
+    v16f xi;
+    std::memcpy(&xi, x + i, sizeof xi);
+    mx16 = xi > mx16 ? xi : mx16;
+  }
+  float mx = -INFINITY;
+  for (int j = 0; j < 16; ++j) mx = mx16[j] > mx ? mx16[j] : mx;
+  for (int64_t i = full; i < v; ++i) mx = x[i] > mx ? x[i] : mx;
+  int64_t arg = 0;
+  const v16f mxv = splat16(mx);
+  while (arg + 16 <= full) {   // the first block of 16 holding the max, then its entry
+    v16f xi;
+    std::memcpy(&xi, x + arg, sizeof xi);
+    v16i eq = xi == mxv;
+    bool any = false;
+    for (int j = 0; j < 16; ++j) any |= eq[j] != 0;
+    if (any) break;
+    arg += 16;
+  }
+  while (arg < v - 1 && !(x[arg] == mx)) ++arg;
+  const float m = scale ? mx / t : mx;   // x / t is monotonic: max(x / t) == max(x) / t
+  const float cut = min_p > 0.0f ? min_p : 0.0f;
+  const v16f mv = splat16(m), tv = splat16(t), cutv = splat16(cut), zero = splat16(0.0f);
+  v16f acc = zero, kept = zero;
+  double sum = 0.0;   // of every e_i: float within a block of kBlock, double across blocks
+  int64_t nb = 0;
+  for (int64_t i = 0; i < full; i += 16) {
+    v16f xi;
+    std::memcpy(&xi, x + i, sizeof xi);
+    if (scale) xi = xi / tv;
+    v16f ei = exp16_nonpos(xi - mv);
+    acc += ei;
+    if (!greedy) {
+      ei = ei < cutv ? zero : ei;
+      std::memcpy(e + i, &ei, sizeof ei);
+      kept += ei;
+    }
+    if ((i + 16) % kBlock == 0) {
+      sum += hsum16(acc);
+      acc = zero;
+      if (!greedy) {
+        blocks[nb++] = static_cast<float>(hsum16(kept));
+        kept = zero;
+      }
+    }
+  }
+  sum += hsum16(acc);
+  float tail = static_cast<float>(hsum16(kept));
+  for (int64_t i = full; i < v; ++i) {
+    const float ei = std::exp((scale ? x[i] / t : x[i]) - m);
+    sum += ei;
+    e[i] = ei < cut ? 0.0f : ei;
+    tail += e[i];
+  }
+  if (nb * kBlock < v) blocks[nb++] = tail;
+  int64_t tok = arg;
+  if (!greedy) {
+    double total = 0.0;
+    for (int64_t b = 0; b < nb; ++b) total += blocks[b];
+    const double target = u * total;
+    double run = 0.0;
+    for (int64_t b = 0; b < nb; ++b) {
+      if (run + blocks[b] > target) {
+        const int64_t lo = b * kBlock, hi = lo + kBlock < v ? lo + kBlock : v;
+        double inner = run;
+        int64_t last = -1;
+        tok = -1;
+        for (int64_t j = lo; j < hi && tok < 0; ++j) {
+          if (e[j] > 0.0f) last = j;
+          inner += e[j];
+          if (e[j] > 0.0f && inner > target) tok = j;
+        }
+        if (tok < 0) tok = last;   // float rounding inside the block: its last kept token
+        break;
+      }
+      run += blocks[b];
+    }
+    if (tok < 0) tok = arg;   // u * total past every block (rounding): the most likely token
+  }
+  const float xt = scale ? x[tok] / t : x[tok];
+  *token = tok;
+  *logprob = (xt - m) - static_cast<float>(std::log(sum));
+}
+
+}  // namespace
+
+extern "C" {
+
+// logits [rows, v] (row stride ld) -> tokens [rows] int64, logprobs [rows] float32; per row its
+// temperature t (> 0), min-p, uniform u (double) and greedy flag (uint8).
+int rollout_engine_sample_rows_f32(const float* logits, int64_t rows, int64_t v, int64_t ld,
+                                   const float* temps, const float* min_ps,
+                                   const double* uniforms, const uint8_t* greedy,
+                                   int64_t* tokens, float* logprobs) {
+  at::parallel_for(0, rows, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> scratch(static_cast<size_t>(v));
+    std::vector<float> blocks(static_cast<size_t>(v / kBlock + 1));
+    for (int64_t r = lo; r < hi; ++r) {
+      sample_row(logits + r * ld, v, temps[r], min_ps[r], uniforms[r], greedy[r] != 0,
+                 scratch.data(), blocks.data(), tokens + r, logprobs + r);
     }
   });
   return 0;

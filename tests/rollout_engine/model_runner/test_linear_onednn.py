@@ -1,0 +1,62 @@
+"""The CPU linear (``models.layers.linear``: oneDNN on the plain weight) against ``F.linear``,
+its autograd fallback, and the switch that turns it off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rollout_engine.models import layers
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 256])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_equals_f_linear(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g)
+    w = torch.randn(200, 96, generator=g)
+    b = torch.randn(200, generator=g) if bias else None
+    with torch.inference_mode():
+        got = layers.linear(x, w, b)
+    assert got.shape == (rows, 200)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_weights_changed_in_place_are_seen():
+    """Nothing is prepacked: a refit that copies into the weight changes the next product."""
+    x, w = torch.randn(4, 32), torch.randn(8, 32)
+    with torch.inference_mode():
+        before = layers.linear(x, w)
+        w.mul_(-2)
+        after = layers.linear(x, w)
+    torch.testing.assert_close(after, -2 * before, rtol=1e-5, atol=1e-5)
+
+
+def test_autograd_falls_back_to_f_linear():
+    x = torch.randn(3, 16, requires_grad=True)
+    lin = layers.Linear(16, 4)
+    y = lin(x)
+    assert y.grad_fn is not None
+    y.sum().backward()
+    assert x.grad is not None and lin.weight.grad is not None
+
+
+def test_the_switch_turns_onednn_off(monkeypatch):
+    calls = []
+    monkeypatch.setenv(layers.ONEDNN_ENV, "0")
+    layers._onednn_linear_ok.cache_clear()
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda *a: calls.append(1) or real(*a), raising=False)
+    try:
+        with torch.inference_mode():
+            layers.linear(torch.randn(2, 8), torch.randn(3, 8))
+        assert calls == []
+        monkeypatch.setenv(layers.ONEDNN_ENV, "1")
+        layers._onednn_linear_ok.cache_clear()
+        with torch.inference_mode():
+            layers.linear(torch.randn(2, 8), torch.randn(3, 8))
+        assert len(calls) == (2 if torch.backends.mkldnn.is_available() else 0)   # probe + call
+    finally:
+        layers._onednn_linear_ok.cache_clear()

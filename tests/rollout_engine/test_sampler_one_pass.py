@@ -1,0 +1,120 @@
+"""The one-pass CPU sampling kernel (``FusedOps.sample_rows``) against the PyTorch sampler
+(``sample_reference``), and its place inside ``sample``: which rows it takes, that a row's
+token does not depend on which path its neighbours take, and that top logprobs stay
+consistent with the returned logprob."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout_engine.model_runner.attention.cpu_fused import load_fused_ops
+from rollout_engine.penalties import Penalties
+from rollout_engine.sampler import SamplingBatch, sample, sample_reference, uniform_for
+
+OPS = load_fused_ops()
+pytestmark = pytest.mark.skipif(OPS is None, reason="the CPU fused ops did not build here")
+
+
+def batch(n: int, vocab: int, temperature, min_p=0.0, top_k=None, top_p=1.0, seed=0,
+          **extra) -> SamplingBatch:
+    def per_row(v, dtype):
+        return (torch.tensor(v, dtype=dtype) if isinstance(v, list)
+                else torch.full((n,), v, dtype=dtype))
+
+    return SamplingBatch(
+        temperatures=per_row(temperature, torch.float32),
+        top_ps=per_row(top_p, torch.float32),
+        top_ks=per_row(vocab if top_k is None else top_k, torch.int64),
+        min_ps=per_row(min_p, torch.float32),
+        uniforms=torch.tensor([uniform_for(seed + i, 3) for i in range(n)], dtype=torch.float64),
+        **extra)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 16, 255, 256, 257, 4099, 32000])
+@pytest.mark.parametrize("temperature,min_p", [(1.0, 0.0), (0.6, 0.0), (1.7, 0.1), (0.0, 0.0)])
+def test_kernel_equals_the_reference(vocab, temperature, min_p):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(24, vocab, generator=g) * 4
+    sb = batch(24, vocab, temperature, min_p)
+    ref = sample_reference(logits, sb)
+    t = torch.where(sb.temperatures > 0, sb.temperatures, torch.ones(24))
+    tokens, logprobs = OPS.sample_rows(logits, t, sb.min_ps, sb.uniforms,
+                                       (sb.temperatures == 0).to(torch.uint8))
+    assert tokens.tolist() == ref.token_ids
+    want = torch.log_softmax(logits.double() / t.double()[:, None], -1).gather(
+        1, tokens[:, None]).squeeze(1)
+    assert (logprobs.double() - want).abs().max() < 2e-6
+    assert logprobs.tolist() == pytest.approx(ref.logprobs, abs=1e-5)
+
+
+def test_kernel_frequencies_match_softmax():
+    """Many uniforms through one row: the kernel's draws follow softmax(x / T) after min-p."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5, 0.2])
+    n, t, min_p = 20000, 0.8, 0.05
+    rows = logits.expand(n, -1).contiguous()
+    u = torch.tensor([uniform_for(11, k) for k in range(n)], dtype=torch.float64)
+    tokens, _ = OPS.sample_rows(rows, torch.full((n,), t), torch.full((n,), min_p), u,
+                                torch.zeros(n, dtype=torch.uint8))
+    p = torch.softmax(logits.double() / t, -1)
+    p = torch.where(p >= p.max() * min_p, p, 0.0)
+    p = p / p.sum()
+    counts = torch.bincount(tokens, minlength=8).double()
+    assert counts[p == 0].sum() == 0
+    kept = p > 0
+    stat = float(((counts[kept] - n * p[kept]) ** 2 / (n * p[kept])).sum())
+    assert stat < 22.458   # chi-square, 6 dof, p = 0.001
+
+
+def test_kernel_handles_strided_rows_and_refuses_bad_input():
+    wide = torch.randn(4, 300)
+    logits = wide[:, :200]          # row stride 300
+    sb = batch(4, 200, 1.0)
+    one = torch.ones(4)
+    tokens, _ = OPS.sample_rows(logits, one, sb.min_ps, sb.uniforms,
+                                torch.zeros(4, dtype=torch.uint8))
+    assert tokens.tolist() == sample_reference(logits.contiguous(), sb).token_ids
+    with pytest.raises(ValueError, match="sample_rows"):
+        OPS.sample_rows(logits, torch.zeros(4), sb.min_ps, sb.uniforms,
+                        torch.zeros(4, dtype=torch.uint8))      # T = 0 reaches the kernel
+    with pytest.raises(ValueError, match="sample_rows"):
+        OPS.sample_rows(logits, one[:3], sb.min_ps, sb.uniforms,
+                        torch.zeros(4, dtype=torch.uint8))
+
+
+def test_a_row_draws_the_same_token_whichever_path_its_neighbours_take():
+    """Rows 0-3 are kernel rows; the rest need the reference (top-k, top-p, penalties). The
+    kernel rows' tokens equal those drawn with only kernel rows in the batch."""
+    vocab = 500
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, vocab, generator=g) * 3
+    sb = batch(8, vocab, [1.0, 0.7, 0.0, 1.3, 1.0, 1.0, 0.9, 1.0],
+               min_p=[0.0, 0.1, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+               top_k=[vocab, vocab, vocab, vocab, 20, vocab, vocab, vocab],
+               top_p=[1.0, 1.0, 1.0, 1.0, 1.0, 0.8, 1.0, 1.0],
+               penalties=Penalties(rows=torch.tensor([6, 7]), ids=torch.tensor([4, 9]),
+                                   bias=torch.tensor([-2.0, -1.5])))
+    mixed = sample(logits.clone(), sb)
+    alone = sample(logits[:4].clone(), batch(4, vocab, [1.0, 0.7, 0.0, 1.3],
+                                            min_p=[0.0, 0.1, 0.0, 0.0]))
+    assert mixed.token_ids[:4] == alone.token_ids
+    assert mixed.logprobs[:4] == pytest.approx(alone.logprobs, abs=1e-5)
+    ref = sample_reference(logits.clone(), sb)
+    assert mixed.token_ids[4:] == ref.token_ids[4:]
+
+
+def test_top_logprobs_agree_with_the_returned_logprob():
+    vocab = 1000
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(5)) * 2
+    sb = batch(6, vocab, 0.9, top_logprobs_num=[0, 5, 0, 3, 0, 1])
+    out = sample(logits, sb)
+    assert out.top_logprobs is not None
+    for i, (tok, lp, top) in enumerate(zip(out.token_ids, out.logprobs, out.top_logprobs)):
+        assert len(top) == sb.top_logprobs_num[i]
+        for v, t in top:
+            if t == tok:
+                assert v == lp
+    ref = sample_reference(logits, sb)
+    assert out.token_ids == ref.token_ids
+    for got, want in zip(out.top_logprobs, ref.top_logprobs or []):
+        assert [t for _, t in got] == [t for _, t in want]
