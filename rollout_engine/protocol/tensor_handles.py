@@ -95,6 +95,8 @@ class ReadContext:
         self.tp_rank = tp_rank
         self.depth = depth
         self._read_nested = read_nested
+        self.shm_storages: list[ShmStorage] = []   # every shm storage the payload names
+        self.managers_checked: set[bytes] = set()
 
     def read_nested(self, data: Any) -> Any:
         """Read a payload embedded in this one, with the same restrictions and byte budget."""
@@ -265,6 +267,22 @@ class ShmStorage(Lazy):
     def __init__(self, manager: bytes, handle: bytes, num_bytes: int) -> None:
         self.manager, self.handle, self.num_bytes = manager, handle, num_bytes
 
+    def check(self, ctx: ReadContext) -> None:
+        """What must hold each time the storage is opened: within the payload's byte budget,
+        the sender's manager socket there, the shm file at least this long (mapping past its
+        end would grow it, or fault on access)."""
+        what = "rebuild_storage_filename"
+        ctx.budget.charge(("shm", self.handle), self.num_bytes, f"shared memory {self.handle!r}")
+        if self.manager not in ctx.managers_checked:   # one sender: one socket for all
+            _check_manager_socket(self.manager)
+            ctx.managers_checked.add(self.manager)
+        available = shm_file_bytes(self.handle, what)
+        if self.num_bytes > available:
+            raise UnsafePayloadError(
+                f"{what}: storage claims {self.num_bytes} bytes but shared memory "
+                f"{self.handle.decode()!r} holds {available}; opening it would grow it"
+            )
+
     def materialize(self, ctx, convert):
         raise UnsafePayloadError("tensor payload holds a bare storage; send tensors")
 
@@ -344,16 +362,9 @@ def _rebuild_storage_filename(ctx: ReadContext, cls: Any, manager: Any, handle: 
     itemsize = 1 if dtype is None else check_dtype(dtype, what).itemsize
     if not is_int(size) or size < 0:
         raise UnsafePayloadError(f"{what}: size must be a non-negative int, got {size!r}")
-    num_bytes = size * itemsize
-    ctx.budget.charge(("shm", handle), num_bytes, f"shared memory {handle!r}")
-    _check_manager_socket(manager)
-    available = shm_file_bytes(handle, what)
-    if num_bytes > available:
-        raise UnsafePayloadError(
-            f"{what}: storage claims {num_bytes} bytes but shared memory {handle.decode()!r} "
-            f"holds {available}; opening it would grow it"
-        )
-    storage = ShmStorage(manager, handle, num_bytes)
+    storage = ShmStorage(manager, handle, size * itemsize)
+    storage.check(ctx)
+    ctx.shm_storages.append(storage)
     return storage if dtype is None else TypedStorage(storage, dtype)  # type: ignore[return-value]
 
 

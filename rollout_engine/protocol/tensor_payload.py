@@ -30,6 +30,7 @@ import binascii
 import io
 import pickle
 import pickletools
+import threading
 from collections import OrderedDict
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -48,6 +49,7 @@ from rollout_engine.protocol.tensor_handles import (
     ReadContext,
     Reconstructor,
     Record,
+    ShmStorage,
     UnsafePayloadError,
 )
 
@@ -340,16 +342,57 @@ def _decode(data: Any) -> bytes:
         raise ValueError(f"tensor payload is not valid base64: {exc}") from exc
 
 
+class _ParsedPayloads:
+    """The descriptor trees of the last few payloads read, by their exact bytes (and the
+    reader's cap, rank and depth). A trainer whose weights live in shared memory sends the same
+    string every refit; parsing it (pickle's Python unpickler, opcode by opcode) costs ~50 us a
+    tensor, so a repeat skips it. Only what parsing is (a pure function of the bytes) is kept:
+    each storage's checks (byte budget, manager socket, shm file size) run again on every read,
+    and the tree is materialized afresh."""
+
+    SIZE = 8
+
+    def __init__(self) -> None:
+        self._trees: OrderedDict[tuple[Any, ...], tuple[Any, list[ShmStorage]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[Any, ...]) -> Any:
+        with self._lock:
+            hit = self._trees.get(key)
+            if hit is not None:
+                self._trees.move_to_end(key)
+            return hit
+
+    def put(self, key: tuple[Any, ...], tree: Any, storages: list[ShmStorage]) -> None:
+        with self._lock:
+            self._trees[key] = (tree, storages)
+            while len(self._trees) > self.SIZE:
+                self._trees.popitem(last=False)
+
+
+_PARSED = _ParsedPayloads()
+
+
 def _read(data: Any, ctx: ReadContext) -> Any:
     raw = _decode(data)
-    _check_opcodes(raw)
+    key = (raw, ctx.budget.max_bytes, ctx.tp_rank, ctx.depth)
+    hit = _PARSED.get(key)
     try:
-        tree = _RestrictedUnpickler(io.BytesIO(raw), ctx).load()
-        return _materialize(tree, ctx)
+        if hit is None:
+            _check_opcodes(raw)
+            tree = _RestrictedUnpickler(io.BytesIO(raw), ctx).load()
+        else:
+            tree, storages = hit
+            for storage in storages:
+                storage.check(ctx)
+        out = _materialize(tree, ctx)
     except ValueError:  # UnsafePayloadError included
         raise
     except Exception as exc:
         raise ValueError(f"could not rebuild tensor payload: {type(exc).__name__}: {exc}") from exc
+    if hit is None:
+        _PARSED.put(key, tree, list(ctx.shm_storages))
+    return out
 
 
 def deserialize_named_tensors(data: str | bytes, *, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
