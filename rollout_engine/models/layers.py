@@ -43,10 +43,18 @@ def _onednn_linear_ok() -> bool:
         return False
 
 
+# oneDNN builds (and caches, by shape) a primitive per distinct row count, ~0.5-2 ms each: up
+# to this many rows (decode batches, short extends: a bounded set of shapes that repeat) it
+# pays; longer extends have arbitrary row counts, where MKL is as fast and builds nothing.
+ONEDNN_MAX_ROWS = 1024
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
            ) -> torch.Tensor:
-    """``F.linear``; float32 on CPU without autograd by oneDNN (see ``_onednn_linear_ok``)."""
+    """``F.linear``; float32 on CPU without autograd by oneDNN (see ``_onednn_linear_ok``)
+    for up to ``ONEDNN_MAX_ROWS`` rows."""
     if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.numel() <= ONEDNN_MAX_ROWS * x.shape[-1]
             and (bias is None or bias.dtype == torch.float32)
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and _onednn_linear_ok()):

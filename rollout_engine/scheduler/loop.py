@@ -79,10 +79,10 @@ class PipeChannel(Channel):
 
 def run_loop(config: EngineConfig, chan: Channel) -> None:
     """Build the scheduler, announce it, then receive -> step -> send until Shutdown."""
-    from rollout_engine.scheduler.scheduler import Scheduler
+    from rollout_engine.speculative.scheduler import create_scheduler
 
     try:
-        scheduler = Scheduler(config)
+        scheduler = create_scheduler(config)
     except Exception as e:  # noqa: BLE001 - reported to the frontend, which raises it
         chan.send(SchedulerDied(f"scheduler failed to start: {type(e).__name__}: {e}\n"
                                 f"{traceback.format_exc()}"))
@@ -170,6 +170,9 @@ class ProcessHost(SchedulerHost):
         # OpenMP workers that spin while waiting make small decode matmuls ~5x slower when the
         # cores are shared (the frontend, a colocated trainer); the child reads this at import.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # oneDNN's primitive cache (by shape; models/layers.linear) holds 1024 by default:
+        # ~31 distinct batch sizes of a 32-linear model, fewer than a server sees
+        env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", _CHILD_BOOT, _PACKAGE_ROOT, str(theirs.fileno()),

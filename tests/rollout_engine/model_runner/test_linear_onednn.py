@@ -60,3 +60,19 @@ def test_the_switch_turns_onednn_off(monkeypatch):
         assert len(calls) == (2 if torch.backends.mkldnn.is_available() else 0)   # probe + call
     finally:
         layers._onednn_linear_ok.cache_clear()
+
+
+def test_long_extends_use_mkl(monkeypatch):
+    """Past ONEDNN_MAX_ROWS rows (arbitrary prefill lengths) no oneDNN primitive is built."""
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda *a: calls.append(a[0].shape[0]) or real(*a), raising=False)
+    layers._onednn_linear_ok()   # probe first: it calls oneDNN itself
+    calls.clear()
+    w = torch.randn(8, 16)
+    with torch.inference_mode():
+        for rows in (layers.ONEDNN_MAX_ROWS, layers.ONEDNN_MAX_ROWS + 1):
+            torch.testing.assert_close(layers.linear(torch.ones(rows, 16), w),
+                                       F.linear(torch.ones(rows, 16), w))
+    assert calls == ([layers.ONEDNN_MAX_ROWS] if layers._onednn_linear_ok() else [])
