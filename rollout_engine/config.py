@@ -45,6 +45,19 @@ class EngineConfig:
     schedule_policy: str = "lpm"
     schedule_lpm_fallback_queue_len: int = 128
     disable_radix_cache: bool = False
+    # hierarchical KV cache (SGLang's HiCache): host tier L2 under the radix tree, optional
+    # storage tier L3 (see rollout_engine/memory/hicache/)
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0          # host pool = ratio x device pool (unless hicache_size)
+    hicache_size: int = 0               # host pool in GB; 0: use hicache_ratio
+    hicache_write_policy: str = "write_through"
+    hicache_storage_backend: Optional[str] = None   # "file" or None (no L3)
+    hicache_storage_prefetch_policy: str = "timeout"
+    # ours: the file backend's directory (SGLang reads SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR),
+    # its size bound, and the storage block length in tokens (a multiple of page_size)
+    hicache_storage_dir: Optional[str] = None
+    hicache_storage_max_gb: float = 16.0
+    hicache_storage_block_tokens: int = 64
     random_seed: Optional[int] = None   # None: a fresh seed per engine (get_server_info)
     # structured output (json_schema / regex / ebnf / structural_tag): "xgrammar" | "none"
     grammar_backend: str = "xgrammar"
@@ -125,6 +138,7 @@ class EngineConfig:
                 and self.constrained_json_max_whitespace_cnt < 0):
             bad("constrained_json_max_whitespace_cnt",
                 f"must be >= 0, got {self.constrained_json_max_whitespace_cnt}")
+        _check_hicache(self, bad)
         if self.attention_backend not in _BACKENDS:
             bad("attention_backend", f"must be one of {sorted(map(str, _BACKENDS))}")
         if self.scheduler_mode not in ("process", "thread"):
@@ -190,6 +204,36 @@ class EngineConfig:
         for secret in ("api_key", "admin_api_key"):
             d[secret] = None if d[secret] is None else "***"
         return d
+
+
+_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+def _check_hicache(c: EngineConfig, bad: Any) -> None:
+    """The hierarchical-cache flags (only checked for what they would change)."""
+    if c.hicache_write_policy not in _WRITE_POLICIES:
+        bad("hicache_write_policy", f"must be one of {list(_WRITE_POLICIES)}, "
+            f"got {c.hicache_write_policy!r}")
+    if c.hicache_storage_prefetch_policy not in _PREFETCH_POLICIES:
+        bad("hicache_storage_prefetch_policy", f"must be one of {list(_PREFETCH_POLICIES)}, "
+            f"got {c.hicache_storage_prefetch_policy!r}")
+    if not c.hicache_ratio > 0:
+        bad("hicache_ratio", f"must be > 0, got {c.hicache_ratio}")
+    if c.hicache_size < 0:
+        bad("hicache_size", f"must be >= 0 GB, got {c.hicache_size}")
+    if c.hicache_storage_backend not in (None, "file"):
+        bad("hicache_storage_backend", f"{c.hicache_storage_backend!r} is not built in (only "
+            "'file'; mooncake, hf3fs and nixl are not implemented)")
+    if not c.hicache_storage_max_gb > 0:
+        bad("hicache_storage_max_gb", f"must be > 0, got {c.hicache_storage_max_gb}")
+    if c.hicache_storage_block_tokens < 1 or c.hicache_storage_block_tokens % c.page_size:
+        bad("hicache_storage_block_tokens", f"must be a positive multiple of page_size "
+            f"({c.page_size}), got {c.hicache_storage_block_tokens}")
+    if c.enable_hierarchical_cache and c.disable_radix_cache:
+        bad("enable_hierarchical_cache", "needs the radix cache (drop disable_radix_cache)")
+    if c.hicache_storage_backend is not None and not c.enable_hierarchical_cache:
+        bad("hicache_storage_backend", "needs enable_hierarchical_cache")
 
 
 def _importable(module: str) -> bool:

@@ -39,6 +39,20 @@ HELP: dict[str, str] = {
     "schedule_policy": "Admission order: lpm (longest prefix match first) or fcfs.",
     "schedule_lpm_fallback_queue_len": "Above this many waiting requests, lpm falls back to fcfs.",
     "disable_radix_cache": "Do not reuse KV across requests (no prefix cache).",
+    "enable_hierarchical_cache": "HiCache: KV the device pool evicts is kept in a host tier (and "
+                                 "with --hicache-storage-backend in storage) and loaded back.",
+    "hicache_ratio": "Host tier size as a multiple of the device KV pool.",
+    "hicache_size": "Host tier size in GB (overrides --hicache-ratio when > 0).",
+    "hicache_write_policy": "write_through (copy to the host at insert), "
+                            "write_through_selective (at the second hit) or write_back (at "
+                            "eviction).",
+    "hicache_storage_backend": "Storage tier (L3): file (a directory engines may share).",
+    "hicache_storage_prefetch_policy": "Storage reads at admission: best_effort, wait_complete "
+                                       "or timeout (synchronous on CPU).",
+    "hicache_storage_dir": "Directory of the file storage tier (default: "
+                           "$SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR or /tmp/hicache).",
+    "hicache_storage_max_gb": "Size bound of the file storage tier; LRU blocks are deleted.",
+    "hicache_storage_block_tokens": "Tokens per storage block (a multiple of --page-size).",
     "grammar_backend": "Structured output (json_schema / regex / ebnf / structural_tag): "
                        "xgrammar, or none to refuse every constraint with a 400.",
     "constrained_json_disable_any_whitespace": "JSON under a schema is compact: no whitespace "

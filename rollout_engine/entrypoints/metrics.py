@@ -26,6 +26,32 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
+_HICACHE_COUNTERS = (
+    ("device_hit_tokens", "Prompt tokens of admitted requests found on the device (L1)."),
+    ("host_hit_tokens", "Prompt tokens loaded back from the host tier (L2)."),
+    ("storage_hit_tokens", "Prompt tokens fetched from the storage tier (L3)."),
+    ("bytes_to_host", "KV bytes copied from the device pool to the host tier."),
+    ("bytes_to_device", "KV bytes copied from the host tier to the device pool."),
+    ("storage_bytes_read", "KV bytes read from the storage tier."),
+    ("storage_bytes_written", "KV bytes written to the storage tier."),
+    ("load_seconds", "Seconds spent loading host pages back into the device pool."),
+    ("storage_fetch_seconds", "Seconds spent fetching blocks from the storage tier."),
+)
+
+
+def _hicache_metrics(metric: Any, tiers: Optional[dict[str, Any]]) -> None:
+    """Hierarchical cache counters (present only with enable_hierarchical_cache)."""
+    if not tiers:
+        return
+    for name, help_text in _HICACHE_COUNTERS:
+        if name in tiers:
+            metric(f"hicache_{name}_total", "counter", help_text, tiers[name])
+    metric("hicache_host_cached_tokens", "gauge", "KV tokens held by the host tier.",
+           tiers.get("host_cached_tokens", 0))
+    metric("hicache_host_total_tokens", "gauge", "Host tier capacity in tokens.",
+           tiers.get("host_total_tokens", 0))
+
+
 class Histogram:
     """Cumulative-bucket histogram (``_bucket{le=...}``, ``_sum``, ``_count``)."""
 
@@ -108,6 +134,7 @@ class Metrics:
                    stats.get("num_retractions", 0))
             metric("forward_passes_total", "counter", "Model forward passes.",
                    stats.get("forward_passes", 0))
+            _hicache_metrics(metric, info.get("hicache"))
             metric("weight_version_info", "gauge", "The serving weight version (as a label).", 1,
                    f'{{version="{_label(str(info.get("weight_version")))}"}}')
         metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",

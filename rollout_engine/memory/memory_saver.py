@@ -16,6 +16,7 @@ import ctypes
 import ctypes.util
 import gc
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Optional, Protocol
 
 import torch
@@ -34,6 +35,16 @@ class GraphMemory(Protocol):
     def suspend(self) -> None: ...
 
     def resume(self) -> None: ...
+
+
+class KVBuffers(Protocol):
+    """KV memory besides the pool that ``kv_cache`` covers (``HostKVPool``)."""
+
+    def nbytes(self) -> int: ...
+
+    def release(self) -> None: ...
+
+    def allocate(self) -> None: ...
 
 
 class _NoGraphs:
@@ -68,9 +79,11 @@ class MemorySaver(ABC):
     """
 
     def __init__(self, model: nn.Module, kv_pool: KVPool, weights_cpu_backup: bool,
-                 graphs: Optional[GraphMemory] = None) -> None:
+                 graphs: Optional[GraphMemory] = None,
+                 extra_kv: Sequence[KVBuffers] = ()) -> None:
         self.model = model
         self.kv_pool = kv_pool
+        self.extra_kv = list(extra_kv)   # released with kv_cache too (the HiCache host tier)
         self.graphs: GraphMemory = graphs if graphs is not None else _NoGraphs()
         self.weights_cpu_backup = weights_cpu_backup
         self.released: set[str] = set()
@@ -92,6 +105,9 @@ class MemorySaver(ABC):
             elif tag == "kv_cache":
                 freed += self.kv_pool.nbytes()
                 self.kv_pool.release()
+                for buffers in self.extra_kv:
+                    freed += buffers.nbytes()
+                    buffers.release()
             self.released.add(tag)
         self._after_release()
         return freed
@@ -109,6 +125,8 @@ class MemorySaver(ABC):
                 stale = self._resume_weights()
             elif tag == "kv_cache":
                 self.kv_pool.allocate()
+                for buffers in self.extra_kv:
+                    buffers.allocate()
             self.released.discard(tag)
         return stale
 
@@ -166,7 +184,7 @@ class CudaMemorySaver(MemorySaver):
 
 
 def create_memory_saver(model: nn.Module, kv_pool: KVPool, weights_cpu_backup: bool,
-                        device: torch.device, graphs: Optional[GraphMemory] = None
-                        ) -> MemorySaver:
+                        device: torch.device, graphs: Optional[GraphMemory] = None,
+                        extra_kv: Sequence[KVBuffers] = ()) -> MemorySaver:
     cls = CudaMemorySaver if device.type == "cuda" else CpuMemorySaver
-    return cls(model, kv_pool, weights_cpu_backup, graphs)
+    return cls(model, kv_pool, weights_cpu_backup, graphs, extra_kv)

@@ -61,6 +61,8 @@ class MatchResult:
 
     slots: torch.Tensor
     node: object
+    host_hit_len: int = 0      # of matched_len: loaded back from the host tier (HiCache)
+    storage_hit_len: int = 0   # of matched_len: fetched from the storage tier (HiCache)
 
     @property
     def matched_len(self) -> int:
@@ -163,6 +165,30 @@ class BasePrefixCache(ABC):
     def check_integrity(self) -> None:
         """Raise `CacheIntegrityError` (an AssertionError) naming the broken invariant: sizes,
         lock counts, duplicate slots, malformed nodes or page alignment."""
+
+    # ---- lower tiers (HiCache); a single-tier cache keeps these defaults ----------------------
+
+    def load_back(self, token_ids: Sequence[int], namespace: CacheNamespace) -> MatchResult:
+        """`match_prefix`, extended by what lower tiers hold and copied into device slots (called
+        once per admission attempt, never by ordering). Single tier: just `match_prefix`."""
+        return self.match_prefix(token_ids, namespace)
+
+    def on_admit(self, match: MatchResult) -> None:
+        """A request was admitted with `match` (per-tier hit counters)."""
+        return None
+
+    def tier_stats(self) -> Optional[dict[str, float]]:
+        """Counters of the lower tiers, or None without any."""
+        return None
+
+    def kv_buffers(self) -> list:
+        """Memory besides the device pool that sleeping with `kv_cache` must free: objects with
+        `release()`, `allocate()` and `nbytes()`."""
+        return []
+
+    def close(self) -> None:
+        """Finish background work (storage writes) before the engine exits."""
+        return None
 
 
 class NoPrefixCache(BasePrefixCache):

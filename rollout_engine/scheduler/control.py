@@ -130,6 +130,7 @@ class ControlHandlers:
             "kv_pool_bytes": s.runner.kv_pool.nbytes(),
             "weight_bytes": s.runner.weight_nbytes(),
             "stats": dict(s.stats),
+            "hicache": s.kv.tree.tier_stats(),   # None without lower cache tiers
         }
 
     def rpc_get_load(self) -> LoadReport:

@@ -45,6 +45,12 @@ class KVManager:
         result = self.tree.match_prefix(req.all_ids[:max_len], namespace)
         return result
 
+    def match_for_admission(self, req: Req, namespace: CacheNamespace,
+                            max_len: int) -> MatchResult:
+        """``match`` over every cache tier: what lower tiers hold is loaded into device slots
+        (evicting if needed) so the whole hit counts as cached. Only admission calls this."""
+        return self.tree.load_back(req.all_ids[:max_len], namespace)
+
     def admit(self, req: Req, match: MatchResult, namespace: CacheNamespace) -> bool:
         """Give ``req`` a table row and the matched prefix (locked). False if no row is free."""
         row = self.req_to_token.allocate()
@@ -53,6 +59,7 @@ class KVManager:
         req.req_pool_idx = row
         req.namespace = namespace
         self.tree.inc_lock_ref(match.node)
+        self.tree.on_admit(match)
         req.last_node = match.node
         req.slots = match.slots.tolist()
         req.cached_len = req.kv_len = len(req.slots)

@@ -16,10 +16,10 @@ from transformers import AutoTokenizer
 
 from rollout_engine.config import EngineConfig
 from rollout_engine.constrained.scheduling import GrammarScheduling
+from rollout_engine.memory.hicache import create_prefix_cache
 from rollout_engine.memory.kv_pool import PageAllocator
 from rollout_engine.memory.memory_saver import create_memory_saver
-from rollout_engine.memory.prefix_cache import CacheNamespace, MatchResult, NoPrefixCache
-from rollout_engine.memory.radix_cache import RadixCache
+from rollout_engine.memory.prefix_cache import CacheNamespace, MatchResult
 from rollout_engine.model_runner.forward_batch import ForwardMode
 from rollout_engine.model_runner.model_runner import ModelRunner
 from rollout_engine.penalties import PenaltyCounts
@@ -52,8 +52,8 @@ class Scheduler:
         self.runner = ModelRunner(config)
         self.device = self.runner.device
         self.allocator = PageAllocator(self.runner.max_total_num_tokens, config.page_size)
-        tree = (NoPrefixCache(page_size=config.page_size) if config.disable_radix_cache
-                else RadixCache(self.allocator, page_size=config.page_size))
+        tree = create_prefix_cache(config, self.allocator, self.runner.kv_pool,
+                                   self.runner.model)
         self.kv = KVManager(self.allocator, self.runner.req_to_token, tree)
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path)
         self.eos_ids = eos_token_ids(config.model_path, tokenizer)
@@ -76,7 +76,8 @@ class Scheduler:
                       "prompt_tokens": 0, "num_retractions": 0, "forward_passes": 0}
         self.memory_saver = create_memory_saver(self.runner.model, self.runner.kv_pool,
                                                 config.enable_weights_cpu_backup, self.device,
-                                                graphs=self.runner.graphs)
+                                                graphs=self.runner.graphs,
+                                                extra_kv=tree.kv_buffers())
         self.weights_stale = False
         self.update_groups = WeightUpdateGroups(self.device)
         self.rl = RLControl(self)
@@ -216,8 +217,9 @@ class Scheduler:
                 self._refuse_waiting(req, too_big, admitted)
                 continue
             # match again: reserving KV for an earlier candidate may have evicted the node the
-            # ordering match points to; between here and admit() nothing evicts
-            match = self.kv.match(req, self.namespace_of(req), policy.match_cap(
+            # ordering match points to; between here and admit() nothing evicts (lower cache
+            # tiers load their part of the match into device slots here)
+            match = self.kv.match_for_admission(req, self.namespace_of(req), policy.match_cap(
                 req, self.kv.page_size))
             matched = match.matched_len
             if policy.shares_uncached_prefix(req, matched, keys):
@@ -423,3 +425,4 @@ class Scheduler:
         """Fail whatever is still queued so no caller waits forever."""
         self.abort(AbortReq(abort_all=True, message="engine shut down"))
         self.grammars.shutdown()
+        self.kv.tree.close()   # storage writes still queued reach the disk

@@ -1,0 +1,81 @@
+"""Hierarchical KV cache (SGLang's HiCache): host tier L2 and storage tier L3 under the radix
+tree. ``create_prefix_cache`` picks the cache the flags ask for."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from rollout_engine.memory.hicache.hiradix_cache import HiRadixCache
+from rollout_engine.memory.hicache.host_pool import HostKVPool, host_pool_slots
+from rollout_engine.memory.hicache.storage import create_storage
+from rollout_engine.memory.hicache.tiers import StorageTier
+from rollout_engine.memory.kv_pool import KVPool, PageAllocator
+from rollout_engine.memory.prefix_cache import BasePrefixCache, NoPrefixCache
+from rollout_engine.memory.radix_cache import RadixCache
+
+__all__ = ["HiRadixCache", "HostKVPool", "create_prefix_cache", "model_identity",
+           "weights_fingerprint"]
+
+# SGLang's file backend reads its directory from this variable; so do we when no flag names one
+_SGLANG_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
+
+
+def create_prefix_cache(config: Any, allocator: PageAllocator, kv_pool: KVPool,
+                        model: nn.Module) -> BasePrefixCache:
+    """NoPrefixCache (disable_radix_cache), RadixCache, or HiRadixCache
+    (enable_hierarchical_cache) with a host pool and, by hicache_storage_backend, storage."""
+    ps = config.page_size
+    if config.disable_radix_cache:
+        return NoPrefixCache(page_size=ps)
+    if not config.enable_hierarchical_cache:
+        return RadixCache(allocator, page_size=ps)
+    _, heads, dim = kv_pool.shape
+    per_token = 2 * kv_pool.num_layers * heads * dim * torch.empty(
+        (), dtype=kv_pool.dtype).element_size()
+    slots = host_pool_slots(allocator.num_slots, ps, config.hicache_ratio, config.hicache_size,
+                            per_token)
+    host = HostKVPool(kv_pool, slots, ps)
+    storage = None
+    backend = create_storage(
+        config.hicache_storage_backend,
+        config.hicache_storage_dir or os.environ.get(_SGLANG_DIR_ENV) or "/tmp/hicache",
+        int(config.hicache_storage_max_gb * 2**30))
+    if backend is not None:
+        prefix = model_identity(config, kv_pool)
+        storage = StorageTier(backend, host, lambda: prefix + weights_fingerprint(model),
+                              config.hicache_storage_block_tokens,
+                              config.hicache_storage_prefetch_policy)
+    return HiRadixCache(allocator, host, config.hicache_write_policy, storage, page_size=ps)
+
+
+def model_identity(config: Any, kv_pool: KVPool) -> bytes:
+    """What besides the weights decides a block's bytes: the model's config.json, the KV
+    dtype and shape, and the block length."""
+    with open(os.path.join(config.model_path, "config.json"), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    return (f"model={digest}|dtype={kv_pool.dtype}|layers={kv_pool.num_layers}|"
+            f"kv={kv_pool.shape[1:]}|block={config.hicache_storage_block_tokens}|").encode()
+
+
+@torch.no_grad()
+def weights_fingerprint(model: nn.Module) -> bytes:
+    """A content hash of the weights now loaded: per parameter its name, shape, dtype, the
+    float64 sum and 64 strided elements. Two engines on the same checkpoint
+    agree (a restart finds its blocks); a refit to other weights changes it. Computed once per
+    weight generation, when storage is first used under it."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        flat = p.detach().reshape(-1)
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+        if flat.numel() == 0:
+            continue
+        stride = max(1, flat.numel() // 64)
+        summary = torch.cat([flat.sum(dtype=torch.float64).view(1),   # no float64 copy
+                             flat[::stride][:64].to(torch.float64)])
+        h.update(summary.cpu().numpy().tobytes())
+    return b"weights=" + h.hexdigest().encode()

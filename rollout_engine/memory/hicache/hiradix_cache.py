@@ -1,0 +1,454 @@
+"""HiRadixCache: the radix tree over three tiers, device pool (L1), host memory (L2), storage (L3).
+
+Each node knows where its KV is: ``value`` (device slots, or None once evicted from the device)
+and ``host_value`` (host slots, or None). Two closures keep every path loadable::
+
+    ns root
+     +- A  value, host          device nodes are closed under ancestors: the device part of a
+         +- B  value, host        path is its prefix, so a match is "device prefix + host rest"
+             +- C  -, host      host-held nodes are closed under ancestors too: a backup copies
+                 +- D  -, host    unbacked ancestors first, host eviction takes host-only leaves
+
+Device eviction takes unlocked device leaves (no child on the device): a node with a host copy
+keeps its place in the tree (value None), one without is removed (``write_back`` copies it to
+the host first). ``load_back`` (at admission) copies a match's host-only nodes into fresh device
+slots, after fetching the blocks that follow from storage (``tiers.StorageTier``), so the
+prefill starts from the whole hit. Write policies, as SGLang's: ``write_through`` backs a node up
+when it is inserted, ``write_through_selective`` once an admitted request matches it a second
+time (its hit count reaches 2), ``write_back`` only when the device evicts it.
+
+Namespaces (weight generation + extra key) partition every tier: a retired generation's nodes
+are dropped with their host copies, and storage keys hash the weights' fingerprint.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+
+from rollout_engine.memory.hicache.host_pool import HostKVPool
+from rollout_engine.memory.hicache.stats import HiCacheStats
+from rollout_engine.memory.hicache.tiers import StorageTier
+from rollout_engine.memory.prefix_cache import CacheNamespace, MatchResult, empty_slots
+from rollout_engine.memory.radix_cache import RadixCache, TreeNode
+
+__all__ = ["HiRadixCache", "HiTreeNode", "WRITE_POLICIES"]
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+
+class HiTreeNode(TreeNode):
+    """A tree node with a host copy and a hit count (``value`` None: not on the device)."""
+
+    __slots__ = ("host_value", "hit_count")
+
+    def __init__(self, key: tuple[int, ...], value: Optional[torch.Tensor],
+                 parent: Optional[TreeNode]) -> None:
+        super().__init__(key, value, parent)  # type: ignore[arg-type]
+        self.host_value: Optional[torch.Tensor] = None
+        self.hit_count = 0
+
+
+class HiRadixCache(RadixCache):
+    """Radix cache whose evicted pages live on in host memory (and storage, if given)."""
+
+    def __init__(self, allocator: object, host: HostKVPool, write_policy: str = "write_through",
+                 storage: Optional[StorageTier] = None, page_size: int = 1) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"hicache_write_policy must be one of {WRITE_POLICIES}, "
+                             f"got {write_policy!r}")
+        super().__init__(allocator, page_size)
+        self.root = HiTreeNode((), empty_slots(), None)
+        self.host = host
+        self.write_policy = write_policy
+        self.storage = storage
+        self.stats = HiCacheStats()
+        self._pinned: set[int] = set()     # host-only nodes a load in progress must keep
+
+    # ---- matching ---------------------------------------------------------------------------
+
+    def match_prefix(self, token_ids: Sequence[int], namespace: CacheNamespace) -> MatchResult:
+        """The device-resident part of the longest match (host hits are loaded by
+        ``load_back``, which only admission calls)."""
+        key = self._page_aligned(token_ids)
+        ns_root = self.root.children.get(namespace)
+        if ns_root is None or not key:
+            return MatchResult(empty_slots(), ns_root if ns_root is not None else self.root)
+        path, _ = self._walk_path(ns_root, key)
+        device = _device_prefix(path)
+        node = device[-1] if device else ns_root
+        if device and self._is_evictable_leaf(node):
+            self._push_leaf(node)
+        return MatchResult(_cat([n.value for n in device]), node)
+
+    def load_back(self, token_ids: Sequence[int], namespace: CacheNamespace) -> MatchResult:
+        """The longest match over every tier, made device-resident: host-only nodes (and the
+        blocks storage holds after them) are copied into fresh device slots, as far as the
+        device pool has room. Counts a hit on every device node (selective write-through)."""
+        key = self._page_aligned(token_ids)
+        if not key:
+            return self.match_prefix(token_ids, namespace)
+        ns_root = self.root.children.get(namespace)
+        if ns_root is None:
+            if self.storage is None:
+                return MatchResult(empty_slots(), self.root)
+            ns_root = HiTreeNode((), empty_slots(), self.root)
+            self.root.children[namespace] = ns_root
+        path, pos = self._walk_path(ns_root, key)
+        device = _device_prefix(path)
+        hosts = path[len(device):]
+        for hit in device:
+            self._count_hit(hit)
+        fetched, fetched_len = None, 0
+        if self.storage is not None and pos < len(key):
+            fetched = self._fetch_from_storage(namespace, ns_root, path, key, pos)
+            if fetched is not None:
+                hosts.append(fetched)
+                fetched_len = len(fetched.key)
+        loaded = self._load(device, hosts) if hosts else []
+        self._drop_namespace_if_empty(ns_root)
+        nodes = device + loaded
+        node: TreeNode = nodes[-1] if nodes else (
+            ns_root if ns_root.parent is not None else self.root)
+        if nodes and self._is_evictable_leaf(node):
+            self._push_leaf(node)
+        from_storage = fetched_len if loaded and loaded[-1] is fetched else 0
+        return MatchResult(_cat([n.value for n in nodes]), node,
+                           host_hit_len=sum(len(n.key) for n in loaded) - from_storage,
+                           storage_hit_len=from_storage)
+
+    def on_admit(self, match: MatchResult) -> None:
+        self.stats.device_hit_tokens += (match.matched_len - match.host_hit_len
+                                         - match.storage_hit_len)
+        self.stats.host_hit_tokens += match.host_hit_len
+        self.stats.storage_hit_tokens += match.storage_hit_len
+
+    # ---- insertion ----------------------------------------------------------------------------
+
+    def insert(self, token_ids: Sequence[int], slots: torch.Tensor,
+               namespace: CacheNamespace) -> int:
+        """As RadixCache.insert; host-only nodes on the path take the caller's fresh slots
+        (their KV was just recomputed), so P is the device prefix before them."""
+        if slots.dim() != 1 or slots.numel() != len(token_ids):
+            raise ValueError(f"insert needs one slot per token: got {len(token_ids)} tokens and "
+                             f"slots of shape {tuple(slots.shape)}")
+        key = self._page_aligned(token_ids)
+        if not key:
+            return 0
+        ns_root = self.root.children.get(namespace)
+        if ns_root is None:
+            ns_root = HiTreeNode((), empty_slots(), self.root)
+            self.root.children[namespace] = ns_root
+        path, pos = self._walk_path(ns_root, key)
+        device = _device_prefix(path)
+        present = sum(len(n.key) for n in device)
+        start = present
+        for node in path[len(device):]:
+            node.value = slots[start:start + len(node.key)].to(torch.int64).clone()
+            self._evictable_size += len(node.key)
+            start += len(node.key)
+            self.version += 1
+        last = path[-1] if path else ns_root
+        if pos < len(key):
+            leaf = HiTreeNode(key[pos:], slots[pos:len(key)].to(torch.int64).clone(), last)
+            leaf.last_access = next(self._clock)
+            leaf.hit_count = 1
+            last.children[self._child_key(leaf.key)] = leaf
+            self._num_nodes += 1
+            self._evictable_size += len(leaf.key)
+            self.version += 1
+            if self.write_policy == "write_through":
+                self._backup(leaf)
+            last = leaf
+        if self._is_evictable_leaf(last):
+            self._push_leaf(last)
+        return present
+
+    # ---- eviction -----------------------------------------------------------------------------
+
+    def evict(self, num_tokens: int) -> int:
+        """Free device slots of LRU device leaves; backed-up nodes stay in the tree host-only."""
+        freed: list[torch.Tensor] = []
+        num_freed = 0
+        while num_freed < num_tokens and self._leaf_heap:
+            access, _, node = heapq.heappop(self._leaf_heap)
+            if not self._is_evictable_leaf(node) or access != node.last_access:
+                continue
+            assert isinstance(node, HiTreeNode) and node.parent is not None
+            parent = node.parent
+            if node.host_value is None and self.write_policy == "write_back":
+                self._backup(node)
+            if node.host_value is not None:
+                freed.append(node.value)
+                node.value = None  # type: ignore[assignment]
+                self._evictable_size -= len(node.key)
+                num_freed += len(node.key)
+            else:   # unbacked: no host-only child can hang below it (host closure)
+                num_freed += self._detach(node, freed)
+            if parent.key:
+                if self._is_evictable_leaf(parent):
+                    self._push_leaf(parent)
+            else:
+                self._drop_namespace_if_empty(parent)
+        self._free(freed)
+        return num_freed
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Drop LRU host-only leaves (and parents that become such) until ``num_tokens`` host
+        slots are free; returns host tokens freed."""
+        heap = [(n.last_access, id(n), n) for n in self._iter_nodes() if self._is_host_leaf(n)]
+        heapq.heapify(heap)
+        num_freed = 0
+        while num_freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            if not self._is_host_leaf(node):
+                continue
+            parent = node.parent
+            assert parent is not None
+            num_freed += len(node.key)
+            self._detach(node, [])
+            if self._is_host_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+            elif not parent.key:
+                self._drop_namespace_if_empty(parent)
+        self.stats.host_evicted_tokens += num_freed
+        if num_freed:
+            self.version += 1
+        return num_freed
+
+    def dec_lock_ref(self, node: object) -> None:
+        path = self._path_to_root(node)
+        super().dec_lock_ref(node)
+        for n in path:   # a device leaf may have host-only children: RadixCache skips it
+            if n.parent is not None and self._is_evictable_leaf(n):
+                self._push_leaf(n)
+
+    def retire_generations_before(self, generation: int) -> int:
+        freed = super().retire_generations_before(generation)
+        if self.storage is not None:
+            self.storage.forget_before(generation)
+        return freed
+
+    def reset(self) -> None:
+        super().reset()
+        self.host.allocator.reset()
+        if self.storage is not None:
+            self.storage.forget_before(None)
+
+    # ---- sizes, memory, integrity -------------------------------------------------------------
+
+    def cached_slots(self) -> torch.Tensor:
+        return _cat([n.value for n in self._iter_nodes() if n.key and n.value is not None])
+
+    def host_slots(self) -> torch.Tensor:
+        return _cat([getattr(n, "host_value", None) for n in self._iter_nodes() if n.key])
+
+    def host_size(self) -> int:
+        return self.host.num_slots - self.host.allocator.available_size()
+
+    def kv_buffers(self) -> list[HostKVPool]:
+        return [self.host]
+
+    def tier_stats(self) -> dict[str, float]:
+        report = self.stats.as_dict()
+        report.update(host_cached_tokens=self.host_size(), host_total_tokens=self.host.num_slots,
+                      host_pool_bytes=self.host.nbytes())
+        if self.storage is not None:
+            report.update(self.storage.stats())
+        return report
+
+    def flush_storage(self) -> None:
+        if self.storage is not None:
+            self.storage.flush()
+
+    def close(self) -> None:
+        if self.storage is not None:
+            self.storage.close()
+
+    def check_integrity(self) -> None:
+        from rollout_engine.memory.hicache.integrity import check_hiradix
+
+        check_hiradix(self)
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _walk_path(self, ns_root: TreeNode, key: tuple[int, ...]
+                   ) -> tuple[list[HiTreeNode], int]:
+        """Matched nodes from ``ns_root`` along ``key`` (the last split so it ends at the match),
+        each touched; returns (path, matched length)."""
+        now = next(self._clock)
+        node, pos = ns_root, 0
+        path: list[HiTreeNode] = []
+        while pos < len(key):
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            common = self._common_len(child.key, key, pos)
+            ends_inside = common < len(child.key)
+            if ends_inside:
+                child = self._split(child, common)
+            child.last_access = now
+            path.append(child)  # type: ignore[arg-type]
+            pos += common
+            node = child
+            if ends_inside:
+                break
+        return path, pos
+
+    def _split(self, node: TreeNode, split_len: int) -> TreeNode:
+        assert isinstance(node, HiTreeNode) and node.parent is not None
+        parent = node.parent
+        upper = HiTreeNode(node.key[:split_len],
+                           None if node.value is None else node.value[:split_len], parent)
+        if node.host_value is not None:
+            upper.host_value = node.host_value[:split_len]
+            node.host_value = node.host_value[split_len:]
+        upper.hit_count = node.hit_count
+        upper.lock_ref = node.lock_ref
+        upper.last_access = node.last_access
+        parent.children[self._child_key(upper.key)] = upper
+        node.key = node.key[split_len:]
+        node.value = None if node.value is None else node.value[split_len:]
+        node.parent = upper
+        upper.children[self._child_key(node.key)] = node
+        self._num_nodes += 1
+        self.version += 1
+        return upper
+
+    def _count_hit(self, node: HiTreeNode) -> None:
+        node.hit_count += 1
+        if (self.write_policy == "write_through_selective" and node.hit_count >= 2
+                and node.host_value is None):
+            self._backup(node)
+
+    def _backup(self, node: HiTreeNode) -> bool:
+        """Copy ``node`` (and its unbacked ancestors first) to the host, then queue its whole
+        storage blocks. False if the host tier has no room."""
+        chain = []
+        n: TreeNode = node
+        while n.key and n.host_value is None:  # type: ignore[attr-defined]
+            chain.append(n)
+            assert n.parent is not None
+            n = n.parent
+        for n in reversed(chain):
+            host_slots = self._alloc_host(len(n.key))
+            if host_slots is None:
+                return False
+            self.stats.bytes_to_host += self.host.backup(n.value, host_slots)
+            self.stats.host_written_tokens += len(n.key)
+            n.host_value = host_slots  # type: ignore[attr-defined]
+            if self.storage is not None:
+                self.storage.write_node(self, n)
+        return True
+
+    def _alloc_host(self, num_tokens: int) -> Optional[torch.Tensor]:
+        pages = num_tokens // self.page_size
+        allocator = self.host.allocator
+        if not allocator.can_allocate(pages):
+            self.evict_host(pages * self.page_size - allocator.available_size())
+        slots = allocator.allocate(pages)
+        return None if slots is None else torch.tensor(slots, dtype=torch.int64)
+
+    def _load(self, device: list[HiTreeNode], hosts: list[HiTreeNode]) -> list[HiTreeNode]:
+        """Copy ``hosts`` (host-only, in path order) into fresh device slots, as many whole
+        nodes as the pool has room for; the device prefix is locked meanwhile."""
+        t0 = time.perf_counter()
+        anchor = device[-1] if device else None
+        if anchor is not None:
+            self.inc_lock_ref(anchor)
+        self._pinned = {id(n) for n in hosts}
+        need = sum(len(n.key) for n in hosts)
+        short = need - self.allocator.available_size()  # type: ignore[attr-defined]
+        if short > 0:
+            self.evict(short)
+        loaded = []
+        for node in hosts:
+            pages = self.allocator.allocate(len(node.key) // self.page_size)  # type: ignore
+            if pages is None:
+                break
+            slots = torch.tensor(pages, dtype=torch.int64)
+            assert node.host_value is not None
+            self.stats.bytes_to_device += self.host.load(node.host_value, slots)
+            node.value = slots
+            self._evictable_size += len(node.key)
+            loaded.append(node)
+        self._pinned = set()
+        if anchor is not None:
+            self.dec_lock_ref(anchor)
+        if loaded:
+            self.version += 1
+            self.stats.num_loads += 1
+            self.stats.load_seconds += time.perf_counter() - t0
+        return loaded
+
+    def _fetch_from_storage(self, namespace: CacheNamespace, ns_root: TreeNode,
+                            path: list[HiTreeNode], key: tuple[int, ...],
+                            pos: int) -> Optional[HiTreeNode]:
+        """Append the storage blocks after ``key[:pos]`` as one host-only node (its parent is
+        backed up first, keeping host-held nodes closed under ancestors)."""
+        assert self.storage is not None
+        parent: TreeNode = path[-1] if path else ns_root
+        if parent.key and parent.host_value is None:  # type: ignore[attr-defined]
+            if not self._backup(parent):  # type: ignore[arg-type]
+                return None
+        self._pinned = {id(n) for n in path}
+        try:
+            return self.storage.fetch(self, namespace, parent, key, pos)
+        finally:
+            self._pinned = set()
+
+    def attach_host_node(self, parent: TreeNode, key: tuple[int, ...],
+                         host_slots: torch.Tensor) -> HiTreeNode:
+        """A new host-only child of ``parent`` (what a storage fetch produces)."""
+        node = HiTreeNode(key, None, parent)
+        node.host_value = host_slots
+        node.last_access = next(self._clock)
+        parent.children[self._child_key(key)] = node
+        self._num_nodes += 1
+        self.version += 1
+        return node
+
+    def _is_evictable_leaf(self, node: TreeNode) -> bool:
+        return (bool(node.key) and node.parent is not None and node.value is not None
+                and node.lock_ref == 0
+                and all(c.value is None for c in node.children.values()))
+
+    def _is_host_leaf(self, node: TreeNode) -> bool:
+        return (bool(node.key) and node.parent is not None and node.value is None
+                and not node.children and id(node) not in self._pinned)
+
+    def _detach(self, node: TreeNode, freed: list[torch.Tensor]) -> int:
+        """Unlink an unlocked childless node; its host slots are freed now, its device slots
+        go to ``freed``. Returns device tokens freed."""
+        parent = node.parent
+        assert parent is not None and not node.children and node.lock_ref == 0
+        del parent.children[self._child_key(node.key)]
+        node.parent = None
+        self._num_nodes -= 1
+        host_value = getattr(node, "host_value", None)
+        if host_value is not None:
+            self.host.allocator.free(host_value)
+            node.host_value = None  # type: ignore[attr-defined]
+        if node.value is None:
+            return 0
+        freed.append(node.value)
+        self._evictable_size -= len(node.key)
+        return len(node.key)
+
+
+def _device_prefix(path: list[HiTreeNode]) -> list[HiTreeNode]:
+    out = []
+    for node in path:
+        if node.value is None:
+            break
+        out.append(node)
+    return out
+
+
+def _cat(values: list) -> torch.Tensor:
+    values = [v for v in values if v is not None and v.numel()]
+    return torch.cat(values) if values else empty_slots()

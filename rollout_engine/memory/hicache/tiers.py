@@ -1,0 +1,171 @@
+"""The storage tier as the tree sees it: block keys per namespace, writes of backed-up nodes,
+fetches into the host tier on admission, under SGLang's prefetch policies.
+
+Blocks are ``block_tokens`` long and aligned to the start of the sequence; a node's backup
+writes the blocks that end inside it (its ancestors wrote the ones before), gathering rows from
+every host copy on its path::
+
+    tokens   |<-- A -->|<------- B ------->|         backup(B) writes blocks 1 and 2
+    blocks   |   0   |   1   |   2   |  3 ...        block 3 is not whole yet: not written
+
+A fetch reads the consecutive blocks after a match (the first one may start before the match:
+its leading rows are skipped) into fresh host slots as one host-only node.
+
+Prefetch policies (SGLang's names): on CPU every read is synchronous at admission.
+``wait_complete`` and ``best_effort`` read every consecutive block storage holds; ``timeout``
+stops once SGLang's deadline (``base + per_ki_token * tokens / 1024`` seconds) has passed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from rollout_engine.memory.hicache.host_pool import HostKVPool
+from rollout_engine.memory.hicache.storage import HiCacheStorage, StorageWriter, block_keys
+from rollout_engine.memory.prefix_cache import CacheNamespace
+from rollout_engine.memory.radix_cache import TreeNode
+
+if TYPE_CHECKING:
+    from rollout_engine.memory.hicache.hiradix_cache import HiRadixCache, HiTreeNode
+
+__all__ = ["PREFETCH_POLICIES", "StorageTier"]
+
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+class StorageTier:
+    """L3 for one engine: ``identity()`` fingerprints the weights now serving (called only
+    while the namespace's generation is live, so it sees that generation's weights)."""
+
+    def __init__(self, storage: HiCacheStorage, host: HostKVPool,
+                 identity: Callable[[], bytes], block_tokens: int,
+                 prefetch_policy: str = "best_effort", timeout_base: float = 1.0,
+                 timeout_per_ki_token: float = 0.25) -> None:
+        if prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(f"hicache_storage_prefetch_policy must be one of "
+                             f"{PREFETCH_POLICIES}, got {prefetch_policy!r}")
+        if block_tokens < 1 or block_tokens % host.page_size:
+            raise ValueError(f"storage block of {block_tokens} tokens is not whole pages of "
+                             f"{host.page_size}")
+        self.storage = storage
+        self.host = host
+        self.block_tokens = block_tokens
+        self.prefetch_policy = prefetch_policy
+        self.timeout = (timeout_base, timeout_per_ki_token)
+        self.writer = StorageWriter(storage)
+        self._weights_identity = identity
+        self._identities: dict[CacheNamespace, bytes] = {}
+        self._live: Optional[int] = None
+        self.bytes_read = 0
+        self.num_fetches = 0
+        self.fetch_seconds = 0.0
+        self.blocks_submitted = 0
+
+    # -- keys -------------------------------------------------------------------------------------
+    def identity(self, namespace: CacheNamespace) -> Optional[bytes]:
+        """The key prefix of ``namespace``'s blocks; None once its generation is retired."""
+        if self._live is not None and namespace.generation < self._live:
+            return None
+        ident = self._identities.get(namespace)
+        if ident is None:
+            extra = (namespace.extra_key or "").encode()
+            ident = self._weights_identity() + b"|extra=" + extra
+            self._identities[namespace] = ident
+        return ident
+
+    def forget_before(self, generation: Optional[int]) -> None:
+        """A weight change (generation) or a flush (None): identities are fingerprinted again."""
+        if generation is not None and (self._live is None or generation > self._live):
+            self._live = generation
+        self._identities.clear()
+
+    # -- writes -----------------------------------------------------------------------------------
+    def write_node(self, cache: HiRadixCache, node: TreeNode) -> None:
+        """Queue the whole blocks that end inside ``node`` (just backed up)."""
+        chain = []
+        n = node
+        while n.key:
+            chain.append(n)
+            assert n.parent is not None
+            n = n.parent
+        chain.reverse()
+        namespace = _namespace_of(cache, n)
+        B = self.block_tokens
+        end = sum(len(c.key) for c in chain)
+        first, last = (end - len(node.key)) // B, end // B
+        if namespace is None or first >= last:
+            return
+        ident = self.identity(namespace)
+        if ident is None:
+            return
+        tokens = [t for c in chain for t in c.key]
+        host_slots = torch.cat([c.host_value for c in chain])  # type: ignore[attr-defined]
+        for b, key in enumerate(block_keys(ident, tokens, B, last)):
+            if b >= first and not self.storage.exists(key):
+                self.writer.submit(key, self.host.read_rows(host_slots[b * B:(b + 1) * B]))
+                self.blocks_submitted += 1
+
+    # -- reads ------------------------------------------------------------------------------------
+    def fetch(self, cache: HiRadixCache, namespace: CacheNamespace, parent: TreeNode,
+              key: tuple[int, ...], pos: int) -> Optional[HiTreeNode]:
+        """Read the blocks storage holds after ``key[:pos]`` into a new host-only child of
+        ``parent``; None if there is none (or no host room)."""
+        t0 = time.perf_counter()
+        ident = self.identity(namespace)
+        B = self.block_tokens
+        first, total = pos // B, len(key) // B
+        if ident is None or first >= total:
+            return None
+        base, per_ki = self.timeout
+        deadline = t0 + base + per_ki * (len(key) - pos) / 1024
+        blocks: list[bytes] = []
+        for block_key in block_keys(ident, key, B, total)[first:]:
+            if self.prefetch_policy == "timeout" and time.perf_counter() > deadline:
+                break
+            data = self.storage.get(block_key) if self.storage.exists(block_key) else None
+            if data is None:
+                break
+            blocks.append(data)
+        if not blocks:
+            return None
+        end = (first + len(blocks)) * B
+        host_slots = cache._alloc_host(end - pos)
+        if host_slots is None:
+            return None
+        offset = 0
+        for i, data in enumerate(blocks):
+            skip = pos - first * B if i == 0 else 0
+            rows = B - skip
+            self.host.write_rows(host_slots[offset:offset + rows], data, skip)
+            offset += rows
+            self.bytes_read += len(data)
+        self.num_fetches += 1
+        self.fetch_seconds += time.perf_counter() - t0
+        return cache.attach_host_node(parent, key[pos:end], host_slots)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return {"storage_bytes_read": self.bytes_read,
+                "storage_bytes_written": self.writer.bytes_written,
+                "storage_blocks_submitted": self.blocks_submitted,
+                "storage_blocks_dropped": self.writer.num_dropped,
+                "storage_fetches": self.num_fetches,
+                "storage_fetch_seconds": self.fetch_seconds}
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.flush()
+        self.writer.close()
+
+
+def _namespace_of(cache: HiRadixCache, ns_root: TreeNode) -> Optional[CacheNamespace]:
+    for namespace, candidate in cache.root.children.items():
+        if candidate is ns_root:
+            return namespace  # type: ignore[return-value]
+    return None

@@ -1,0 +1,165 @@
+"""HiCache through the engine: parity on / off under a small device pool, refits and other
+weights never reuse KV from L2 / L3, a restart serves from L3, sleep frees the host tier."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+
+GREEDY = {"temperature": 0, "max_new_tokens": 6}
+POOL = 192          # device KV tokens: far below the working set of the conversations below
+HICACHE = {"enable_hierarchical_cache": True, "hicache_ratio": 8.0}
+
+
+@pytest.fixture(scope="module")
+def paths():
+    from rollout_engine.testing.tiny_model import tiny_model_path
+
+    return str(tiny_model_path("qwen2")), str(tiny_model_path("qwen2", seed=1))
+
+
+def _conversations(num: int, turns: int, engine) -> list[list[tuple[list[int], list[float], int]]]:
+    """``num`` conversations, round-robin, each turn resending its whole history plus its
+    reply and a new user message; per turn: output ids, logprobs, cached tokens."""
+    histories = [[(7 * c + i) % 200 + 3 for i in range(48)] for c in range(num)]
+    results: list[list[tuple[list[int], list[float], int]]] = [[] for _ in range(num)]
+    for turn in range(turns):
+        for c in range(num):
+            out = engine.generate(input_ids=histories[c], sampling_params=GREEDY,
+                                  return_logprob=True)
+            meta = out["meta_info"]
+            results[c].append((out["output_ids"],
+                               [lp for lp, _, _ in meta["output_token_logprobs"]],
+                               meta["cached_tokens"]))
+            histories[c] = histories[c] + out["output_ids"] + [
+                (11 * turn + 5 * c + i) % 200 + 3 for i in range(10)]
+    return results
+
+
+def _logprobs(out: dict) -> list[float]:
+    return [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+
+
+def _tiers(engine) -> dict:
+    return engine.get_server_info()["hicache"]
+
+
+def test_outputs_identical_with_hicache_on_and_off(paths, make_engine):
+    off = make_engine(paths[0], max_total_tokens=POOL, debug_integrity=True)
+    on = make_engine(paths[0], max_total_tokens=POOL, debug_integrity=True, **HICACHE)
+    ref, got = _conversations(4, 4, off), _conversations(4, 4, on)
+    for conv_ref, conv_got in zip(ref, got):
+        for (ids_r, lps_r, _), (ids_g, lps_g, _) in zip(conv_ref, conv_got):
+            assert ids_r == ids_g
+            assert max(abs(a - b) for a, b in zip(lps_r, lps_g)) <= 1e-5
+    tiers = _tiers(on)
+    assert tiers["host_hit_tokens"] > 0, tiers          # the host tier was really used
+    cached_on = sum(t[2] for conv in got for t in conv)
+    cached_off = sum(t[2] for conv in ref for t in conv)
+    assert cached_on > cached_off                       # ... and saved prefill
+
+
+def test_flush_cache_empties_device_and_host_tiers(paths, make_engine):
+    engine = make_engine(paths[0], max_total_tokens=POOL, **HICACHE)
+    _conversations(3, 2, engine)
+    assert _tiers(engine)["host_cached_tokens"] > 0
+    assert engine.flush_cache()
+    info = engine.get_server_info()
+    assert info["kv_cached_tokens"] == 0 and info["hicache"]["host_cached_tokens"] == 0
+    prompt = [(7 * 0 + i) % 200 + 3 for i in range(48)]
+    out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert out["meta_info"]["cached_tokens"] == 0
+
+
+def _long_prompt(seed: int, n: int = 160) -> list[int]:
+    return [(13 * i + seed) % 250 + 2 for i in range(n)]
+
+
+def test_refit_never_reloads_older_kv_from_l2_or_l3(paths, make_engine, tmp_path):
+    w1, w2 = paths
+    flags = dict(max_total_tokens=POOL, debug_integrity=True,
+                 hicache_storage_backend="file", hicache_storage_dir=str(tmp_path), **HICACHE)
+    engine = make_engine(w1, **flags)
+    prompt = _long_prompt(1)
+    engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    again = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert again["meta_info"]["cached_tokens"] >= 128          # it is cached under w1
+    ok, msg = engine.update_weights_from_disk(w2, weight_version="w2")
+    assert ok, msg
+    before = _tiers(engine)
+    out = engine.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True)
+    assert out["meta_info"]["cached_tokens"] == 0
+    after = _tiers(engine)
+    assert after["storage_hit_tokens"] == before["storage_hit_tokens"]
+    assert after["host_hit_tokens"] == before["host_hit_tokens"]
+    fresh = make_engine(w2).generate(input_ids=prompt, sampling_params=GREEDY,
+                                     return_logprob=True)
+    assert out["output_ids"] == fresh["output_ids"]
+    assert _logprobs(out) == pytest.approx(_logprobs(fresh), abs=1e-5)
+
+
+def test_restart_serves_long_prefix_from_l3_and_other_weights_never_load_it(
+        paths, make_engine, tmp_path):
+    w1, w2 = paths
+    flags = dict(max_total_tokens=POOL, debug_integrity=True,
+                 hicache_storage_backend="file", hicache_storage_dir=str(tmp_path), **HICACHE)
+    prompt = _long_prompt(2)
+    first = make_engine(w1, **flags)
+    ref = first.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True)
+    first.shutdown()           # queued block writes reach the directory before it exits
+    assert any(tmp_path.rglob("*.kv"))
+
+    other = make_engine(w2, **flags)   # same directory, other weights
+    out_other = other.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert out_other["meta_info"]["cached_tokens"] == 0
+    assert _tiers(other)["storage_hit_tokens"] == 0
+    fresh_w2 = make_engine(w2).generate(input_ids=prompt, sampling_params=GREEDY)
+    assert out_other["output_ids"] == fresh_w2["output_ids"]
+
+    restarted = make_engine(w1, **flags)
+    out = restarted.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True)
+    block = 64
+    assert out["meta_info"]["cached_tokens"] == (len(prompt) - 1) // block * block
+    assert _tiers(restarted)["storage_hit_tokens"] == out["meta_info"]["cached_tokens"]
+    assert out["output_ids"] == ref["output_ids"]
+    assert _logprobs(out) == pytest.approx(_logprobs(ref), abs=1e-5)
+
+
+def test_sleep_frees_the_host_tier(paths, make_engine):
+    engine = make_engine(paths[0], scheduler_mode="process", max_total_tokens=16384,
+                         enable_hierarchical_cache=True, hicache_ratio=16.0)
+    engine.generate(input_ids=_long_prompt(3), sampling_params=GREEDY)
+    info = engine.get_server_info()
+    host_bytes = info["hicache"]["host_pool_bytes"]
+    assert host_bytes >= 16 * info["kv_pool_bytes"] * 0.99
+    proc = psutil.Process(engine.tm.host.pid)
+    rss_before = proc.memory_info().rss
+    res = engine.release_memory_occupation(["kv_cache"])
+    rss_after = proc.memory_info().rss
+    assert res["bytes_freed"] == info["kv_pool_bytes"] + host_bytes
+    assert rss_before - rss_after >= 0.9 * host_bytes, (rss_before, rss_after, host_bytes)
+    engine.resume_memory_occupation(["kv_cache"])
+    out = engine.generate(input_ids=_long_prompt(3), sampling_params=GREEDY)
+    assert out["meta_info"]["cached_tokens"] == 0      # the tiers came back empty
+
+
+def test_flags_as_sglang_names_them(paths):
+    from rollout_engine.compat.server_args import SGLANG_FLAGS
+    from rollout_engine.config import EngineConfig
+
+    config = EngineConfig.from_kwargs(
+        model_path=paths[0], enable_hierarchical_cache=True, hicache_ratio=3.0,
+        hicache_write_policy="write_back", hicache_storage_backend="file",
+        hicache_storage_prefetch_policy="wait_complete", hicache_size=0)
+    assert (config.hicache_ratio, config.hicache_write_policy) == (3.0, "write_back")
+    assert SGLANG_FLAGS["enable_hierarchical_cache"].option_strings == (
+        "--enable-hierarchical-cache", "--enable-hicache")
+    for field, value in (("hicache_write_policy", "write_around"),
+                         ("hicache_storage_prefetch_policy", "eager"),
+                         ("hicache_storage_backend", "mooncake"),
+                         ("hicache_ratio", 0.0)):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig.from_kwargs(model_path=paths[0], enable_hierarchical_cache=True,
+                                     **{field: value})
+    with pytest.raises(ValueError, match="hicache_storage_backend"):
+        EngineConfig.from_kwargs(model_path=paths[0], hicache_storage_backend="file")
