@@ -10,7 +10,8 @@
 //
 //   phase 1 (shared):  chunk c = (members, prefix_len): every member row's queries against
 //                      table[row of members[0], 0:prefix_len), one batched pass over the prefix
-//                      (one task per chunk, all KV heads)
+//                      (one task per chunk, all KV heads; shaped as small matrix products,
+//                      attend_rows, since every member's query heads share each key)
 //   phase 2 (own):     row b: its queries against table[rows[b], own_start[b]:seq_lens[b]),
 //                      starting from the softmax state phase 1 left for b (if any)
 //                      (one task per row, all KV heads: each slot's K/V row is read whole)
@@ -115,6 +116,57 @@ struct State {
   float* acc;
 };
 
+// The keys of block j0 (at most kBlock): their K and V row pointers (tail entries alias key
+// 0; their scores are masked), slots checked; prefetches (into L2) the block kAhead blocks on
+// (on entry, also the blocks before it; a prefetch never faults). Returns the block's size.
+inline int64_t key_block(const int64_t* slots, int64_t n, int64_t j0, const float* kbuf,
+                         const float* vbuf, int64_t num_slots, int64_t slot_stride,
+                         int64_t row_bytes, const float** kp, const float** vp) {
+  const int64_t bk = std::min(kBlock, n - j0);
+  for (int64_t j = 0; j < kBlock; ++j) {
+    const int64_t slot = slots[j0 + (j < bk ? j : 0)];
+    check(slot >= 0 && slot < num_slots, "slot ", slot, " out of range");
+    kp[j] = kbuf + slot * slot_stride;
+    vp[j] = vbuf + slot * slot_stride;
+  }
+  for (int64_t j = j0 == 0 ? 0 : j0 + kAhead * kBlock;
+       j < std::min(n, j0 + (kAhead + 1) * kBlock); ++j) {
+    prefetch_row(kbuf + slots[j] * slot_stride, row_bytes);
+    prefetch_row(vbuf + slots[j] * slot_stride, row_bytes);
+  }
+  return bk;
+}
+
+// Rescale each row's state to its new running max; S [rows, kBlock] (scores, masked tail
+// -inf) becomes the weights exp(s - m).
+template <int NC>
+inline void rescale(int64_t rows, State st, float* S) {
+  constexpr int64_t D = NC * 8;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = S + r * kBlock;
+    v8f mv = load8(sr);
+    for (int64_t c = 8; c < kBlock; c += 8) {
+      const v8f x = load8(sr + c);
+      mv = mv > x ? mv : x;
+    }
+    float mx = st.m[r];
+    for (int j = 0; j < 8; ++j) mx = std::max(mx, mv[j]);
+    const float alpha = st.m[r] == kNegInf ? 0.0f : std::exp(st.m[r] - mx);
+    v8f sum = splat(0.0f);
+    for (int64_t c = 0; c < kBlock; c += 8) {
+      const v8f p = exp8(load8(sr + c) - mx);
+      store8(sr + c, p);
+      sum += p;  // masked tail keys add ~1e-38 each: below any tolerance
+    }
+    st.m[r] = mx;
+    st.l[r] = st.l[r] * alpha + hsum(sum);
+    if (alpha != 1.0f) {
+      float* ar = st.acc + r * D;
+      for (int c = 0; c < NC; ++c) store8(ar + 8 * c, load8(ar + 8 * c) * alpha);
+    }
+  }
+}
+
 // Attend the query rows Q [nh, nq, D] (already multiplied by the softmax scale; row (h, i)
 // reads KV head h) over the keys at slots[0:n), updating st (rows in the same order).
 // A slot's K (and V) row holds all nh heads, slot_stride = nh * D floats; the whole row is
@@ -128,20 +180,8 @@ void attend(const float* Q, int64_t nh, int64_t nq, const int64_t* slots, int64_
   const float* kp[kBlock];
   const float* vp[kBlock];
   for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
-    const int64_t bk = std::min(kBlock, n - j0);
-    for (int64_t j = 0; j < kBlock; ++j) {  // tail keys alias key 0; their scores are masked
-      const int64_t slot = slots[j0 + (j < bk ? j : 0)];
-      check(slot >= 0 && slot < num_slots, "slot ", slot, " out of range");
-      kp[j] = kbuf + slot * slot_stride;
-      vp[j] = vbuf + slot * slot_stride;
-    }
-    // prefetch (into L2) the block kAhead blocks on; on entry, also the blocks before it
-    // (a prefetch never faults: slots are checked above, where they are read)
-    for (int64_t j = j0 == 0 ? 0 : j0 + kAhead * kBlock;
-         j < std::min(n, j0 + (kAhead + 1) * kBlock); ++j) {
-      prefetch_row(kbuf + slots[j] * slot_stride, row_bytes);
-      prefetch_row(vbuf + slots[j] * slot_stride, row_bytes);
-    }
+    const int64_t bk = key_block(slots, n, j0, kbuf, vbuf, num_slots, slot_stride, row_bytes,
+                                 kp, vp);
     // S[r, j] = q_r . k_j, eight keys at a time
     for (int64_t r = 0; r < rows; ++r) {
       const float* qr = Q + r * D;
@@ -160,30 +200,7 @@ void attend(const float* Q, int64_t nh, int64_t nq, const int64_t* slots, int64_
       }
       for (int64_t j = bk; j < kBlock; ++j) sr[j] = kNegInf;
     }
-    // rescale each row's state to its new running max; S becomes the weights exp(s - m)
-    for (int64_t r = 0; r < rows; ++r) {
-      float* sr = S + r * kBlock;
-      v8f mv = load8(sr);
-      for (int64_t c = 8; c < kBlock; c += 8) {
-        const v8f x = load8(sr + c);
-        mv = mv > x ? mv : x;
-      }
-      float mx = st.m[r];
-      for (int j = 0; j < 8; ++j) mx = std::max(mx, mv[j]);
-      const float alpha = st.m[r] == kNegInf ? 0.0f : std::exp(st.m[r] - mx);
-      v8f sum = splat(0.0f);
-      for (int64_t c = 0; c < kBlock; c += 8) {
-        const v8f p = exp8(load8(sr + c) - mx);
-        store8(sr + c, p);
-        sum += p;  // masked tail keys add ~1e-38 each: below any tolerance
-      }
-      st.m[r] = mx;
-      st.l[r] = st.l[r] * alpha + hsum(sum);
-      if (alpha != 1.0f) {
-        float* ar = st.acc + r * D;
-        for (int c = 0; c < NC; ++c) store8(ar + 8 * c, load8(ar + 8 * c) * alpha);
-      }
-    }
+    rescale<NC>(rows, st, S);
     // acc_r += sum_j p_rj v_j, eight vectors of acc_r in registers at a time
     for (int64_t r = 0; r < rows; ++r) {
       const float* pr = S + r * kBlock;
@@ -199,6 +216,78 @@ void attend(const float* Q, int64_t nh, int64_t nq, const int64_t* slots, int64_
           for (int c = 0; c < W; ++c) a[c] += p * load8(vj + 8 * c);
         }
         for (int c = 0; c < W; ++c) store8(ar + 8 * (c0 + c), a[c]);
+      }
+    }
+  }
+}
+
+// attend for many query rows per KV head (a cascade chunk: every member's heads of one KV
+// head against the shared prefix), shaped as small matrix products so each loaded key or
+// value feeds kRows query rows: per block, K is transposed into Kt [D, kBlock] (scratch) and
+// S[r, :] = sum_d q[r, d] * Kt[d, :], kRows rows x kBlock keys of accumulators; then
+// acc[r, :] += sum_j p[r, j] * v[j, :], kRows rows x 32 lanes of acc at a time.
+constexpr int64_t kRows = 4;
+
+template <int NC>
+void attend_rows(const float* Q, int64_t nh, int64_t nq, const int64_t* slots, int64_t n,
+                 const float* kbuf, const float* vbuf, int64_t num_slots, int64_t slot_stride,
+                 State st, float* S, float* Kt) {
+  constexpr int64_t D = NC * 8, KV8 = kBlock / 8;
+  constexpr int W = NC < 4 ? NC : 4;   // acc vectors per row held at once
+  const int64_t rows = nh * nq, row_bytes = slot_stride * int64_t(sizeof(float));
+  const float* kp[kBlock];
+  const float* vp[kBlock];
+  for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+    const int64_t bk = key_block(slots, n, j0, kbuf, vbuf, num_slots, slot_stride, row_bytes,
+                                 kp, vp);
+    for (int64_t h = 0; h < nh; ++h) {
+      const int64_t koff = h * D;
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const float* kj = kp[j] + koff;
+        for (int64_t d = 0; d < D; ++d) Kt[d * kBlock + j] = kj[d];
+      }
+      for (int64_t r0 = h * nq; r0 < (h + 1) * nq; r0 += kRows) {
+        const int64_t nr = std::min(kRows, (h + 1) * nq - r0);
+        v8f a[kRows][KV8];
+        for (int64_t r = 0; r < kRows; ++r)
+          for (int64_t i = 0; i < KV8; ++i) a[r][i] = splat(0.0f);
+        for (int64_t d = 0; d < D; ++d) {
+          v8f kt[KV8];
+          for (int64_t i = 0; i < KV8; ++i) kt[i] = load8(Kt + d * kBlock + 8 * i);
+          for (int64_t r = 0; r < kRows; ++r) {
+            const v8f qs = splat(Q[(r0 + (r < nr ? r : 0)) * D + d]);
+            for (int64_t i = 0; i < KV8; ++i) a[r][i] += qs * kt[i];
+          }
+        }
+        for (int64_t r = 0; r < nr; ++r) {
+          float* sr = S + (r0 + r) * kBlock;
+          for (int64_t i = 0; i < KV8; ++i) store8(sr + 8 * i, a[r][i]);
+          for (int64_t j = bk; j < kBlock; ++j) sr[j] = kNegInf;
+        }
+      }
+    }
+    rescale<NC>(rows, st, S);
+    for (int64_t h = 0; h < nh; ++h) {
+      const int64_t voff = h * D;
+      for (int64_t r0 = h * nq; r0 < (h + 1) * nq; r0 += kRows) {
+        const int64_t nr = std::min(kRows, (h + 1) * nq - r0);
+        for (int c0 = 0; c0 < NC; c0 += W) {
+          v8f a[kRows][W];
+          for (int64_t r = 0; r < kRows; ++r)
+            for (int c = 0; c < W; ++c)
+              a[r][c] = r < nr ? load8(st.acc + (r0 + r) * D + 8 * (c0 + c)) : splat(0.0f);
+          for (int64_t j = 0; j < bk; ++j) {
+            const float* vj = vp[j] + voff + 8 * c0;
+            v8f vv[W];
+            for (int c = 0; c < W; ++c) vv[c] = load8(vj + 8 * c);
+            for (int64_t r = 0; r < kRows; ++r) {
+              const v8f ps = splat(S[(r0 + (r < nr ? r : 0)) * kBlock + j]);
+              for (int c = 0; c < W; ++c) a[r][c] += ps * vv[c];
+            }
+          }
+          for (int64_t r = 0; r < nr; ++r)
+            for (int c = 0; c < W; ++c) store8(st.acc + (r0 + r) * D + 8 * (c0 + c), a[r][c]);
+        }
       }
     }
   }
@@ -249,7 +338,7 @@ void run(const Args& a) {
   // Phase 1: one task per chunk. Its nm members' queries form Q [Hkv, nm * G, D]: KV head
   // h's block holds query heads h*G .. h*G+G-1 of every member, all against the shared prefix.
   at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> Q, m, l, acc, S;
+    std::vector<float> Q, m, l, acc, S, Kt;
     for (int64_t c = begin; c < end; ++c) {
       const int64_t m0 = cod[c], nm = cod[c + 1] - m0, nq = nm * G, rows_q = Hkv * nq;
       Q.resize(rows_q * D);
@@ -264,8 +353,9 @@ void run(const Args& a) {
           for (int64_t x = 0; x < G * D; ++x) dst[x] = src[x] * sc;
         }
       }
-      attend<NC>(Q.data(), Hkv, nq, td + rd[md[m0]] * C, cld[c], kd, vd, S_total, slot_stride,
-                 State{m.data(), l.data(), acc.data()}, S.data());
+      Kt.resize(D * kBlock);
+      attend_rows<NC>(Q.data(), Hkv, nq, td + rd[md[m0]] * C, cld[c], kd, vd, S_total,
+                      slot_stride, State{m.data(), l.data(), acc.data()}, S.data(), Kt.data());
       for (int64_t h = 0; h < Hkv; ++h) {
         for (int64_t a = 0; a < nm; ++a) {
           const int64_t src = h * nq + a * G, dst = md[m0 + a] * Hq + h * G;
