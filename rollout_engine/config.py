@@ -18,6 +18,7 @@ from typing import Any, Optional, Union
 import torch
 
 from rollout_engine.compat.server_args import to_engine_kwargs
+from rollout_engine.speculative import options as spec_options
 
 _DTYPES = {"auto", "float32", "float16", "bfloat16"}
 _POLICIES = {"lpm", "fcfs"}
@@ -70,6 +71,15 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 64
     num_threads: Optional[int] = None
+    # speculative decoding (SGLang's flags; rollout_engine/speculative/options.py says what each
+    # does): None | "NGRAM"
+    speculative_algorithm: Optional[str] = None
+    speculative_num_steps: Optional[int] = None
+    speculative_num_draft_tokens: Optional[int] = None
+    speculative_eagle_topk: Optional[int] = None
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_max_batch_size: int = 8   # ours: larger decode batches run without speculation
     # RL control plane
     enable_weights_cpu_backup: bool = False
     # SGLang's flag, reported by get_server_info (slime checks it against its own setting);
@@ -159,6 +169,10 @@ class EngineConfig:
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             bad("max_queued_requests", f"must be >= 1 (or None: no limit), "
                 f"got {self.max_queued_requests}")
+        object.__setattr__(self, "speculative_algorithm",
+                           spec_options.normalized_algorithm(self.speculative_algorithm))
+        for name, why in spec_options.check(self):
+            bad(name, why)
         if not self.weight_update_group_timeout > 0:
             bad("weight_update_group_timeout",
                 f"must be > 0 seconds, got {self.weight_update_group_timeout}")

@@ -172,6 +172,8 @@ class TokenizerManager:
             "weight_versions": out.weight_versions,
             "e2e_latency": time.time() - st.created,
         }
+        if out.spec is not None:
+            meta.update(out.spec.meta_info(out.completion_tokens))
         if st.req.return_logprob:
             meta["output_token_logprobs"] = [
                 [lp, tid, None] for lp, tid in zip(out.output_logprobs, out.token_ids)]

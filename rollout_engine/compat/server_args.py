@@ -52,7 +52,8 @@ UNSUPPORTED = {
     "pd": "prefill/decode disaggregation is not implemented",
     "lora": "LoRA adapters are not implemented",
     "quant": "quantized weights and KV caches are not implemented (the model runs in --dtype)",
-    "spec": "speculative decoding is not implemented",
+    "spec": "speculative decoding: only --speculative-algorithm NGRAM is implemented (no draft "
+            "models)",
     "embed": "only generative models are served",
     "offload": "offloading weights to the CPU is not implemented",
     "": "rollout_engine does not implement this SGLang option",
@@ -65,6 +66,8 @@ IGNORED = {
     "tokenizer": "the tokenizer is always loaded; outputs carry text as well as token ids",
     "lora": "LoRA sizing, inert without LoRA",
     "draft": "no draft model",
+    "ngram": "shape of SGLang's n-gram trie / draft tree: lossless, it changes speed only; here "
+             "the draft is one chain from the request's own tokens",
     "deprecated": "deprecated by SGLang, without effect there too",
 }
 # SGLang's attention backends (both versions); one we lack becomes our default choice
@@ -169,10 +172,18 @@ def _stream_output(flag: SglangFlag, value: Any, given: Mapping[str, Any],
     return {"incremental_streaming_output": bool(value)}
 
 
+def _speculative_algorithm(flag: SglangFlag, value: Any, given: Mapping[str, Any],
+                           ours: Mapping[str, Any]) -> dict[str, Any]:
+    if value is not None and str(value).upper() != "NGRAM":
+        raise UnsupportedFlagError(flag, value, UNSUPPORTED["spec"])
+    return {"speculative_algorithm": value}
+
+
 _CONVERT: dict[str, Convert] = {
     "dtype": _dtype, "attention_backend": _attention_backend,
     "chunked_prefill_size": _chunked_prefill_size, "base_gpu_id": _base_gpu_id,
     "load_format": _load_format, "stream_output": _stream_output,
+    "speculative_algorithm": _speculative_algorithm,
 }
 
 

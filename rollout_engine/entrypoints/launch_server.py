@@ -67,6 +67,17 @@ HELP: dict[str, str] = {
     "disable_cuda_graph": "Run decode eagerly (no CUDA graph capture).",
     "cuda_graph_max_bs": "Largest decode batch captured in a CUDA graph.",
     "num_threads": "torch CPU threads of the scheduler process.",
+    "speculative_algorithm": "NGRAM: speculative decoding with proposals from each request's own "
+                             "tokens, verified in one forward (outputs and logprobs exact).",
+    "speculative_num_steps": "Proposals per step when --speculative-num-draft-tokens is not "
+                             "given (draft tokens = steps + 1).",
+    "speculative_num_draft_tokens": "Tokens per verify forward: the last token plus this many "
+                                    "minus one proposals; default: the max match window.",
+    "speculative_eagle_topk": "Draft branching; 1 (drafts are one chain).",
+    "speculative_ngram_min_match_window_size": "Shortest suffix an n-gram proposal matches.",
+    "speculative_ngram_max_match_window_size": "Longest suffix an n-gram proposal matches.",
+    "speculative_max_batch_size": "Decode batches larger than this run without speculation "
+                                  "(0: never speculate).",
     "enable_weights_cpu_backup": "Keep a CPU copy of the weights so they survive a release.",
     "enable_memory_saver": "SGLang's memory-saver flag, reported by /get_server_info; "
                            "/release_memory_occupation frees memory either way.",

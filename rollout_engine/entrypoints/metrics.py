@@ -26,6 +26,23 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
+def _spec_metrics(metric: Any, stats: dict[str, Any]) -> None:
+    """Speculative decoding counters (present only when the engine speculates)."""
+    if "spec_verify_steps" not in stats:
+        return
+    rows = int(stats.get("spec_verify_rows") or 0)
+    for name, help_text in (
+            ("spec_verify_steps", "Decode forwards run with speculation on."),
+            ("spec_draft_tokens", "Proposed (draft) tokens verified."),
+            ("spec_accepted_tokens", "Proposed tokens the target accepted."),
+            ("spec_off_steps", "Decode forwards of batches that switched speculation off "
+                               "(too many requests, or a grammar request).")):
+        metric(f"{name}_total", "counter", help_text, int(stats.get(name) or 0))
+    metric("spec_accept_length", "gauge",
+           "Mean tokens per request per verify forward (accepted proposals + 1).",
+           (int(stats.get("spec_accepted_tokens") or 0) / rows + 1) if rows else 0.0)
+
+
 _HICACHE_COUNTERS = (
     ("device_hit_tokens", "Prompt tokens of admitted requests found on the device (L1)."),
     ("host_hit_tokens", "Prompt tokens loaded back from the host tier (L2)."),
@@ -134,6 +151,7 @@ class Metrics:
                    stats.get("num_retractions", 0))
             metric("forward_passes_total", "counter", "Model forward passes.",
                    stats.get("forward_passes", 0))
+            _spec_metrics(metric, stats)
             _hicache_metrics(metric, info.get("hicache"))
             metric("weight_version_info", "gauge", "The serving weight version (as a label).", 1,
                    f'{{version="{_label(str(info.get("weight_version")))}"}}')

@@ -48,6 +48,41 @@ class ControlReq:
 
 # -- scheduler -> frontend -------------------------------------------------------------------
 @dataclass
+class SpecDecodeCounts:
+    """One request's speculative decoding so far (rollout_engine/speculative/scheduler.py).
+
+    ``verify_ct``: target forwards that decoded the request with speculation on;
+    ``accept_histogram[a]``: how many of them accepted ``a`` proposed tokens."""
+
+    verify_ct: int = 0
+    accepted_tokens: int = 0
+    draft_tokens: int = 0
+    accept_histogram: list[int] = field(default_factory=list)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.verify_ct += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        if len(self.accept_histogram) <= accepted:
+            self.accept_histogram.extend([0] * (accepted + 1 - len(self.accept_histogram)))
+        self.accept_histogram[accepted] += 1
+
+    def meta_info(self, completion_tokens: int) -> dict[str, Any]:
+        """SGLang's ``meta_info`` keys: ``spec_accept_length`` is completion tokens per verify
+        forward (the prefill's first token included, as SGLang counts); ``spec_accept_rate`` is
+        accepted / proposed tokens (SGLang divides by ``verify_ct * (num_draft_tokens - 1)``,
+        the proposals of full chains; ours are counted as made)."""
+        ct = self.verify_ct
+        return {"spec_verify_ct": ct,
+                "spec_accept_length": completion_tokens / ct if ct else 0.0,
+                "spec_accept_rate": (self.accepted_tokens / self.draft_tokens
+                                     if self.draft_tokens else 0.0),
+                "spec_accept_token_num": self.accepted_tokens,
+                "spec_draft_token_num": self.draft_tokens,
+                "spec_accept_histogram": list(self.accept_histogram)}
+
+
+@dataclass
 class ReqOutput:
     """New tokens of one request since its last output (all of them when it finishes,
     for non-streaming requests)."""
@@ -63,6 +98,7 @@ class ReqOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     weight_versions: list[str] = field(default_factory=list)
+    spec: Optional[SpecDecodeCounts] = None   # set when the engine speculates
 
 
 @dataclass

@@ -8,7 +8,7 @@ from typing import Any, Optional
 from rollout_engine.constrained.matcher import GrammarState
 from rollout_engine.constrained.spec import Constraint
 from rollout_engine.memory.prefix_cache import MatchResult
-from rollout_engine.protocol.messages import GenerateReq, ReqOutput
+from rollout_engine.protocol.messages import GenerateReq, ReqOutput, SpecDecodeCounts
 from rollout_engine.sampling_params import SamplingParams
 
 
@@ -72,6 +72,7 @@ class Req:
         self.weight_versions: list[str] = []
         self.num_retractions = 0
         self.sent_len = 0          # output tokens already streamed to the frontend
+        self.spec: Optional[SpecDecodeCounts] = None   # set by the speculative scheduler
 
     def append_output(self, token: int) -> None:
         self.output_ids.append(token)
@@ -108,6 +109,9 @@ class Req:
             completion_tokens=len(self.output_ids),
             cached_tokens=self.cached_tokens or 0,
             weight_versions=list(self.weight_versions),
+            spec=None if self.spec is None else SpecDecodeCounts(
+                self.spec.verify_ct, self.spec.accepted_tokens, self.spec.draft_tokens,
+                list(self.spec.accept_histogram)),
         )
         if self.return_logprob:
             out.output_logprobs = self.output_logprobs[start:]

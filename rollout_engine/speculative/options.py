@@ -1,0 +1,88 @@
+"""The speculative-decoding flags of ``EngineConfig``, checked and resolved in one place.
+
+SGLang's names: ``speculative_algorithm`` (``NGRAM`` here; SGLang's others need a draft
+model), ``speculative_num_draft_tokens`` (tokens per verify forward: the last accepted token plus
+``num_draft_tokens - 1`` proposals; SGLang's NGRAM default is the max match window),
+``speculative_num_steps`` (proposals per step when ``num_draft_tokens`` is not given:
+``num_draft_tokens = num_steps + 1``, SGLang's rule for chain drafts), ``speculative_eagle_topk``
+(1: drafts are one chain), ``speculative_ngram_{min,max}_match_window_size``. Ours:
+``speculative_max_batch_size``, above which a decode batch runs without speculation.
+
+No imports from the engine: ``config.py`` calls ``check`` while it is being defined.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+__all__ = ["ALGORITHMS", "SpecOptions", "check", "normalized_algorithm"]
+
+ALGORITHMS = ("NGRAM",)
+_NEEDS_DRAFT = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "DFLASH")
+
+
+def normalized_algorithm(value: Optional[str]) -> Optional[str]:
+    """SGLang upper-cases the algorithm name (``SpeculativeAlgorithm.from_string``)."""
+    return None if value is None else str(value).upper()
+
+
+def check(cfg: Any) -> list[tuple[str, str]]:
+    """(field, why) for every bad speculative flag of ``cfg`` (an ``EngineConfig``)."""
+    errors: list[tuple[str, str]] = []
+    algo = normalized_algorithm(cfg.speculative_algorithm)
+    if algo is not None and algo not in ALGORITHMS:
+        why = (f"{algo} needs a draft model, which is not implemented"
+               if algo in _NEEDS_DRAFT else "unknown algorithm")
+        errors.append(("speculative_algorithm",
+                       f"must be None or one of {list(ALGORITHMS)}, got {cfg.speculative_algorithm!r}"
+                       f" ({why})"))
+    for name in ("speculative_num_steps", "speculative_num_draft_tokens"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            errors.append((name, f"must be >= 1 (or None: the default), got {value}"))
+    if cfg.speculative_num_draft_tokens == 1:
+        errors.append(("speculative_num_draft_tokens",
+                       "must be >= 2: it counts the last accepted token and the proposals"))
+    if cfg.speculative_eagle_topk not in (None, 1):
+        errors.append(("speculative_eagle_topk",
+                       f"must be None or 1 (drafts are one chain), got {cfg.speculative_eagle_topk}"))
+    lo, hi = (cfg.speculative_ngram_min_match_window_size,
+              cfg.speculative_ngram_max_match_window_size)
+    if lo < 1:
+        errors.append(("speculative_ngram_min_match_window_size", f"must be >= 1, got {lo}"))
+    if hi < lo:
+        errors.append(("speculative_ngram_max_match_window_size",
+                       f"must be >= speculative_ngram_min_match_window_size ({lo}), got {hi}"))
+    if cfg.speculative_max_batch_size < 0:
+        errors.append(("speculative_max_batch_size",
+                       f"must be >= 0 (0: never speculate), got {cfg.speculative_max_batch_size}"))
+    return errors
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """What the speculative scheduler runs with, resolved from the flags."""
+
+    algorithm: str
+    num_draft_tokens: int      # per verify forward, the last accepted token included
+    min_window: int
+    max_window: int
+    max_batch_size: int
+
+    @property
+    def max_proposals(self) -> int:
+        return self.num_draft_tokens - 1
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> Optional[SpecOptions]:
+        """None when speculation is off."""
+        algo = normalized_algorithm(cfg.speculative_algorithm)
+        if algo is None:
+            return None
+        tokens = cfg.speculative_num_draft_tokens
+        if tokens is None:
+            tokens = (cfg.speculative_num_steps + 1 if cfg.speculative_num_steps
+                      else cfg.speculative_ngram_max_match_window_size)
+        return cls(algo, max(tokens, 2), cfg.speculative_ngram_min_match_window_size,
+                   cfg.speculative_ngram_max_match_window_size, cfg.speculative_max_batch_size)

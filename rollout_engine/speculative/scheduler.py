@@ -1,0 +1,161 @@
+"""The speculative decode step: propose, verify in one target forward, accept, roll back KV.
+
+``SpeculativeScheduler`` is the ``Scheduler`` with its decode step replaced; prefill, admission,
+retraction, stops and outputs are the base class's. One step::
+
+    decode batch -> switched off? (too many requests, a grammar row)  -> the plain decode step
+                 -> proposals per request (n-gram, KV slots reserved without evicting)
+                 -> none at all                                       -> the plain decode step
+                 -> one EXTEND forward of [last token] + proposals    (verify.py)
+                 -> sample every row with the request's own uniforms, accept the agreeing prefix
+                 -> append token by token (stops, max_new_tokens, stream), kv_len += appended
+
+KV of rejected proposals: their slots stay owned by the request past ``kv_len`` (never published
+to the radix tree, which only takes ``[0, kv_len)``) and the next step's forward overwrites them;
+retraction and release free them with the rest of the request's pages.
+
+Requests with penalties, with ``min_new_tokens`` still to reach, or with a grammar run
+without proposals: their next token depends on counts, bans or a matcher state that would have to
+advance inside the verify rows (a grammar row turns the whole batch's speculation off).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from rollout_engine.config import EngineConfig
+from rollout_engine.model_runner.forward_batch import ForwardMode
+from rollout_engine.protocol.messages import ControlResult, GenerateReq, SpecDecodeCounts
+from rollout_engine.sampler import sample
+from rollout_engine.scheduler.batch import ScheduleBatch, build_sampling_batch, uses_counts
+from rollout_engine.scheduler.request import Req
+from rollout_engine.scheduler.scheduler import Message, Scheduler
+from rollout_engine.speculative.ngram import NgramProposer
+from rollout_engine.speculative.options import SpecOptions
+from rollout_engine.speculative.verify import accept_walk, verify_forward_batch, verify_uniforms
+
+__all__ = ["SPEC_STATS", "SpeculativeScheduler", "create_scheduler"]
+
+logger = logging.getLogger(__name__)
+
+# scheduler stats this step adds (get_server_info "stats", Prometheus)
+# spec_verify_steps: decode forwards with speculation on; spec_verify_rows: (request, such
+# forward) pairs; spec_verify_tokens: tokens the verify forwards computed; spec_off_steps: decode
+# forwards of batches that switched speculation off
+SPEC_STATS = ("spec_verify_steps", "spec_verify_rows", "spec_draft_tokens",
+              "spec_accepted_tokens", "spec_verify_tokens", "spec_off_steps")
+
+
+def create_scheduler(config: EngineConfig) -> Scheduler:
+    """The scheduler the flags ask for: speculative when ``speculative_algorithm`` is set."""
+    options = SpecOptions.from_config(config)
+    return Scheduler(config) if options is None else SpeculativeScheduler(config, options)
+
+
+class SpeculativeScheduler(Scheduler):
+    def __init__(self, config: EngineConfig, options: SpecOptions) -> None:
+        super().__init__(config)
+        self.spec = options
+        self.proposer = NgramProposer(options.min_window, options.max_window)
+        self.stats.update({name: 0 for name in SPEC_STATS})
+
+    def handle(self, msg: Message) -> Optional[ControlResult]:
+        result = super().handle(msg)
+        if isinstance(msg, GenerateReq):
+            req = self.by_rid.get(msg.rid)
+            if req is not None and req.spec is None:   # meta_info carries spec_* from now on
+                req.spec = SpecDecodeCounts()
+        return result
+
+    def run_batch(self, batch: ScheduleBatch) -> None:
+        if batch.mode != ForwardMode.DECODE:
+            super().run_batch(batch)
+            return
+        if not self._speculates(batch.reqs):
+            self.stats["spec_off_steps"] += 1
+            super().run_batch(batch)
+            return
+        self.proposer.forget({r.arrival for r in self.running})
+        drafts = [self._propose(req) for req in batch.reqs]
+        if not any(drafts):   # nothing to verify: the decode kernel is the cheaper forward
+            for req in batch.reqs:
+                self._count(req, 0, 0)
+            self.stats["spec_verify_steps"] += 1
+            super().run_batch(batch)
+            return
+        self._verify(batch.reqs, drafts)
+
+    # -- planning ------------------------------------------------------------------------------
+    def _speculates(self, reqs: list[Req]) -> bool:
+        """Whether this decode batch speculates: small enough to gain (a verify forward costs
+        about ``num_draft_tokens`` times a decode token per request once compute-bound) and no
+        grammar row (the mask would have to advance inside the verify rows)."""
+        return len(reqs) <= self.spec.max_batch_size and all(r.grammar is None for r in reqs)
+
+    def _propose(self, req: Req) -> list[int]:
+        """Up to ``num_draft_tokens - 1`` proposals for ``req`` whose KV slots are reserved;
+        never more than its remaining ``max_new_tokens`` / context allow, never by evicting
+        the prefix cache (a proposal is not worth a cached prefix)."""
+        p = req.params
+        if uses_counts(req) or len(req.output_ids) < p.min_new_tokens:
+            return []
+        budget = min(self.spec.max_proposals, p.max_new_tokens - len(req.output_ids) - 1,
+                     self.runner.context_len - req.seq_len - 1)
+        draft = self.proposer.propose(req.arrival, req.all_ids, budget)
+        if not draft:
+            return []
+        need = req.kv_len + len(draft) + 1
+        pages = self.kv.pages_needed(req, need)
+        if pages and not self.allocator.can_allocate(pages):
+            return draft[:max(len(req.slots) - req.kv_len - 1, 0)]   # what its own pages hold
+        if not self.kv.reserve(req, need):
+            return []
+        return draft
+
+    # -- the verify step -----------------------------------------------------------------------
+    def _verify(self, reqs: list[Req], drafts: list[list[int]]) -> None:
+        fb = verify_forward_batch(reqs, drafts, self.device)
+        logits = self.runner.forward(fb)
+        self.stats["forward_passes"] += 1
+        self.stats["spec_verify_steps"] += 1
+        self.stats["spec_verify_tokens"] += int(fb.input_ids.numel())
+        rows = [req for req, draft in zip(reqs, drafts) for _ in range(len(draft) + 1)]
+        sb = build_sampling_batch(rows, self.vocab_size, self.eos_ids, self.device,
+                                  self.penalty_counts)
+        sb.uniforms = verify_uniforms(reqs, drafts, self.device)
+        out = sample(logits, sb)
+        first = 0
+        counted: list[tuple[int, int]] = []
+        for req, draft in zip(reqs, drafts):
+            got = accept_walk(out, first, draft)
+            first += len(draft) + 1
+            appended = self._append_accepted(req, got.tokens, got.logprobs, got.top_logprobs)
+            req.kv_len += appended       # [last token] + the accepted proposals now hold K/V
+            accepted = min(got.num_accepted, appended)
+            self._count(req, len(draft), accepted)
+            self.stats["decode_tokens"] += appended
+            if req.penalty_row is not None:    # proposal-less rows only: one token each
+                counted.append((req.penalty_row, got.tokens[0]))
+        if counted:
+            self.penalty_counts.record([r for r, _ in counted], [t for _, t in counted])
+        for req in reqs:
+            self._after_forward(req, ForwardMode.DECODE, sampled=True)
+
+    def _append_accepted(self, req: Req, tokens: list[int], logprobs: list[float],
+                         top: Optional[list[list[tuple[float, int]]]]) -> int:
+        """Append ``tokens`` one at a time until the request finishes (EOS, stop string,
+        length), as the plain step would have; returns how many were appended."""
+        for i, token in enumerate(tokens):
+            self._append_token(req, token, logprobs[i], None if top is None else top[i])
+            if req.finished:
+                return i + 1
+        return len(tokens)
+
+    def _count(self, req: Req, drafted: int, accepted: int) -> None:
+        if req.spec is None:
+            req.spec = SpecDecodeCounts()
+        req.spec.record(drafted, accepted)
+        self.stats["spec_verify_rows"] += 1
+        self.stats["spec_draft_tokens"] += drafted
+        self.stats["spec_accepted_tokens"] += accepted
