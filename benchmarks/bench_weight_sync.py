@@ -23,7 +23,9 @@ vLLM's CPU build (``benchmarks/vllm_peer.py``, its own venv) loads the same dire
 ``collective_rpc("reload_weights")`` (vLLM 0.32's in-place reload from disk).
 
 ``engine apply`` is the scheduler's own time for the update calls (receive + validate + copy);
-``pack s`` (tensor rows) is packing alone into the transport's two reused buffers (warm). The
+``tensor/<B>`` rows are the CPU default (a bucket is a group of shared-memory handles: no
+packing copy); ``tensor-packed/<B>`` force flattened buckets (``pack=True``, the layout CUDA
+uses), and their ``pack s`` is packing alone into the transport's two reused buffers (warm). The
 cast row pushes a bf16 copy of the trainer into the fp32 engine (cast fused into the copy; its
 roofline is a bf16 -> fp32 ``copy_``). Quick runs save under ``bench_weight_sync_quick``.
 """
@@ -51,7 +53,11 @@ from rollout_engine.testing.tiny_model import PRESET_55M, tiny_model_path  # noq
 from rollout_engine.weights.loader import safetensors_files  # noqa: E402
 from trainer_bridge.bucketing import nbytes, state_dict_items  # noqa: E402
 from trainer_bridge.transports.distributed import DistributedTransport, free_port  # noqa: E402
-from trainer_bridge.transports.tensor import BucketBuffers, shared_buffer  # noqa: E402
+from trainer_bridge.transports.tensor import (  # noqa: E402
+    BucketBuffers,
+    TensorTransport,
+    shared_buffer,
+)
 from trainer_bridge.weight_syncer import WeightSyncer  # noqa: E402
 
 MB = 1 << 20
@@ -259,7 +265,9 @@ def configs(quick: bool) -> list[tuple[str, Optional[int], torch.dtype]]:
     buckets = [16 * MB, 256 * MB] if quick else [16 * MB, 64 * MB, 256 * MB, 1024 * MB]
     fp32 = torch.float32
     return ([("tensor", None, fp32), ("tensor", None, CAST)]
-            + [("tensor", b, fp32) for b in buckets] + [("distributed", None, fp32)]
+            + [("tensor", b, fp32) for b in buckets]
+            + [("tensor-packed", b, fp32) for b in buckets[::len(buckets) - 1]]
+            + [("distributed", None, fp32)]
             + [("distributed", b, fp32) for b in buckets]
             + [("disk", None, fp32), ("disk-syncer", None, fp32)])
 
@@ -285,6 +293,8 @@ class Row:
         if transport == "distributed":   # rows of one round are open together: own groups
             self.syncer = WeightSyncer(eng, DistributedTransport(
                 bucket_bytes=bucket, backend="gloo", group_name=f"bench-{index}"))
+        elif transport == "tensor-packed":   # CPU buckets as flat copies (the CUDA layout)
+            self.syncer = WeightSyncer(eng, TensorTransport(bucket, pack=True))
         elif transport in ("tensor", "disk-syncer"):
             self.syncer = WeightSyncer(eng, transport=transport.removesuffix("-syncer"),
                                        bucket_bytes=bucket)
@@ -377,7 +387,8 @@ def bench_model(name: str, spec: dict[str, Any], args: argparse.Namespace, threa
                 assert row.num_cast == (0 if row.dtype == torch.float32
                                         else len(half) * args.repeats)
                 pack_s = (pack_seconds(row.source, row.bucket)
-                          if row.bucket is not None and family == "tensor" else None)
+                          if row.bucket is not None and row.transport == "tensor-packed"
+                          else None)
                 s = min(row.seconds)
                 out["rows"].append({
                     "label": row.label, "transport": family, "bucket_bytes": row.bucket,

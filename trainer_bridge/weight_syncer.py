@@ -58,8 +58,9 @@ def make_transport(transport: str, bucket_bytes: Optional[int], master_address: 
 class WeightSyncer:
     """Owns a transport to a fixed list of engines (Engines or RolloutClients).
 
-    bucket_bytes: flattened buckets of at most this many bytes, one engine call each ("tensor"
-    and "distributed"); None sends every tensor separately in a single call.
+    bucket_bytes: buckets of at most this many bytes, one engine call each ("tensor" and
+    "distributed"; CPU tensor buckets are groups of shared-memory handles, GPU ones flattened:
+    see transports/tensor.py); None sends every tensor separately in a single call.
     master_address / master_port (None: a free port) / backend ("gloo" on CPU, "nccl" on GPU):
     the weight-update group of the "distributed" transport, formed in the constructor.
     """

@@ -26,6 +26,7 @@ from tests.trainer_bridge.test_weight_syncer import BUCKET, _engine_matches
 from trainer_bridge import WeightSyncer
 from trainer_bridge.bucketing import state_dict_items
 from trainer_bridge.transports.distributed import free_port
+from trainer_bridge.transports.tensor import TensorTransport
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,7 +97,7 @@ def _truncated(bucket: FlattenedBucket, missing: int) -> FlattenedBucket:
 @pytest.mark.parametrize("missing", [1, 4096])
 def test_a_truncated_bucket_is_refused_and_the_buffers_stay_reusable(engine_on_w1, w1, w2,
                                                                      missing):
-    with WeightSyncer(engine_on_w1, transport="tensor", bucket_bytes=BUCKET) as syncer:
+    with WeightSyncer(engine_on_w1, TensorTransport(BUCKET, pack=True)) as syncer:
         plan = next(iter(plan_buckets(state_dict_items(w2.model), BUCKET)))
         buffer = syncer.transport.buffers.slot(0, plan.num_bytes, torch.device("cpu"))
         bucket = plan.fill(buffer)

@@ -17,8 +17,14 @@ from tests.trainer_bridge.conftest import PROBE, assert_same_rollouts, rollouts
 from trainer_bridge import WeightSyncer
 from trainer_bridge.bucketing import nbytes, state_dict_items
 from trainer_bridge.transports import WeightSyncError
+from trainer_bridge.transports.tensor import TensorTransport, handle_groups
 
 BUCKET = 64 << 10  # the tiny model is ~420 KB: several buckets
+
+
+def PACKED() -> TensorTransport:  # noqa: N802 - reads as a constant at the call sites
+    """CPU buckets packed into the reused shared buffers (CPU default: groups of handles)."""
+    return TensorTransport(BUCKET, pack=True)
 
 
 class Recorder:
@@ -40,12 +46,14 @@ class Recorder:
 
 
 @pytest.mark.parametrize("transport,bucket_bytes", [
-    ("tensor", None), ("tensor", BUCKET), ("distributed", None), ("distributed", BUCKET),
-    ("disk", None)])
+    ("tensor", None), ("tensor", BUCKET), ("tensor-packed", BUCKET), ("distributed", None),
+    ("distributed", BUCKET), ("disk", None)])
 def test_sync_makes_a_w1_engine_answer_like_w2(engine_on_w1, w2, transport, bucket_bytes):
     engine = Recorder(engine_on_w1)
     payload = nbytes(state_dict_items(w2.model))
-    with WeightSyncer(engine, transport=transport, bucket_bytes=bucket_bytes) as syncer:
+    chosen: Any = PACKED() if transport == "tensor-packed" else transport
+    transport = transport.removesuffix("-packed")
+    with WeightSyncer(engine, transport=chosen, bucket_bytes=bucket_bytes) as syncer:
         report = syncer.sync(w2.model, version="step-1")
         rows = rollouts(engine_on_w1)
         assert_same_rollouts(rows, w2.expected)
@@ -165,7 +173,7 @@ def _shm_path(buffer: torch.Tensor) -> str:
 def test_bucketed_syncs_reuse_two_shared_buffers_and_free_them_on_close(engine_on_w1, w1, w2):
     """W1 -> W2 -> W1 through the same reused bucket buffers lands exactly on the last weights
     (no stale bytes of an earlier bucket or sync); close() frees the buffers."""
-    with WeightSyncer(engine_on_w1, transport="tensor", bucket_bytes=BUCKET) as syncer:
+    with WeightSyncer(engine_on_w1, PACKED()) as syncer:
         syncer.sync(w2.model, version="w2")
         buffers = syncer.transport.buffers.buffers()
         assert len(buffers) == 2                     # alternating slots, not one per bucket
@@ -197,7 +205,7 @@ def test_a_bucket_refused_mid_pipeline_leaves_the_buffers_reusable(engine_on_w1,
     sent, the buffers are kept, and the next sync through them lands exactly on its weights."""
     bad = [(n, torch.zeros(3, 3) if n == PROBE else t) for n, t in state_dict_items(w2.model)]
     engine = Recorder(engine_on_w1)
-    with WeightSyncer(engine, transport="tensor", bucket_bytes=BUCKET) as syncer:
+    with WeightSyncer(engine, PACKED()) as syncer:
         num_buckets = len(list(syncer.transport.plan(bad)))
         with pytest.raises(WeightSyncError, match="shape"):
             syncer.sync(bad, version="bad")
@@ -213,7 +221,7 @@ def test_a_bucket_refused_mid_pipeline_leaves_the_buffers_reusable(engine_on_w1,
 
 def test_releasing_the_weights_unmaps_the_trainers_shared_memory(engine_on_w1, w1, w2):
     """The engine keeps resent shm mapped across refits, but a sleeping engine pins none."""
-    with WeightSyncer(engine_on_w1, transport="tensor", bucket_bytes=BUCKET) as syncer:
+    with WeightSyncer(engine_on_w1, PACKED()) as syncer:
         syncer.sync(w2.model, version="w2")
         paths = [_shm_path(b) for b in syncer.transport.buffers.buffers()]
     gc.collect()
@@ -224,3 +232,33 @@ def test_releasing_the_weights_unmaps_the_trainers_shared_memory(engine_on_w1, w
     ok, message = engine_on_w1.update_weights_from_disk(w1.path, weight_version="w1")
     assert ok, message
     assert _engine_matches(engine_on_w1, w1.model)
+
+
+def test_cpu_buckets_are_groups_of_handles_not_packed_copies(engine_on_w1, w2):
+    """On CPU a bucket is a bounded group of shared-memory handles: one call per group, each
+    tensor sent as itself (no packing copy, no bucket buffers), the last call flushing."""
+    engine = Recorder(engine_on_w1)
+    items = list(state_dict_items(w2.model))
+    groups = handle_groups(items, BUCKET)
+    assert len(groups) > 2
+    assert all(nbytes(g) <= BUCKET for g in groups if len(g) > 1)
+    with WeightSyncer(engine, transport="tensor", bucket_bytes=BUCKET) as syncer:
+        syncer.sync(w2.model, version="groups")
+        assert syncer.transport.buffers.num_bytes == 0
+    assert len(engine.updates) == len(groups)
+    assert {u["load_format"] for u in engine.updates} == {None}
+    assert [u["flush_cache"] for u in engine.updates] == [False] * (len(groups) - 1) + [True]
+    assert engine.updates[-1]["weight_version"] == "groups"
+    assert all(t.is_shared() for _, t in items)       # the trainer's own memory was sent
+    assert _engine_matches(engine_on_w1, w2.model)
+    assert_same_rollouts(rollouts(engine_on_w1), w2.expected)
+
+
+def test_handle_groups_bound_their_bytes_and_keep_order():
+    items = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 100, 1])]
+    groups = handle_groups(items, 100)        # bytes: 40 40 120 20 400 4
+    assert [[n for n, _ in g] for g in groups] == [["t0", "t1"], ["t2"], ["t3"], ["t4"],
+                                                   ["t5"]]
+    assert [n for g in groups for n, _ in g] == [n for n, _ in items]
+    with pytest.raises(ValueError, match="pack"):
+        TensorTransport(BUCKET, pack="yes")  # type: ignore[arg-type]
