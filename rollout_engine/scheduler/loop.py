@@ -170,8 +170,9 @@ class ProcessHost(SchedulerHost):
         # OpenMP workers that spin while waiting make small decode matmuls ~5x slower when the
         # cores are shared (the frontend, a colocated trainer); the child reads this at import.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        # oneDNN's primitive cache (by shape; models/layers.linear) holds 1024 by default:
-        # ~31 distinct batch sizes of a 32-linear model, fewer than a server sees
+        # oneDNN's primitive cache (models/layers.linear; keyed by shapes, ~5 a row count for a
+        # decoder) holds 1024 by default; read once when torch loads, so only a child can
+        # raise it: room for every batch size up to max_running_requests and more
         env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
         try:
             self.proc = subprocess.Popen(
