@@ -44,9 +44,11 @@ def _tiers(engine) -> dict:
     return engine.get_server_info()["hicache"]
 
 
-def test_outputs_identical_with_hicache_on_and_off(paths, make_engine):
-    off = make_engine(paths[0], max_total_tokens=POOL, debug_integrity=True)
-    on = make_engine(paths[0], max_total_tokens=POOL, debug_integrity=True, **HICACHE)
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_outputs_identical_with_hicache_on_and_off(paths, make_engine, page_size):
+    flags = dict(max_total_tokens=POOL, debug_integrity=True, page_size=page_size)
+    off = make_engine(paths[0], **flags)
+    on = make_engine(paths[0], **flags, **HICACHE)
     ref, got = _conversations(4, 4, off), _conversations(4, 4, on)
     for conv_ref, conv_got in zip(ref, got):
         for (ids_r, lps_r, _), (ids_g, lps_g, _) in zip(conv_ref, conv_got):

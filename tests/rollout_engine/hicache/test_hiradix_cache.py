@@ -160,3 +160,25 @@ def test_random_operations_keep_every_invariant(policy, seed):
         cache.dec_lock_ref(node)
     cache.reset()
     assert allocator.available_size() == 24 and cache.host_size() == 0
+
+
+@pytest.mark.gpu
+def test_pinned_host_tier_round_trip_cuda():
+    pool = KVPool(32, num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.bfloat16,
+                  device=torch.device("cuda"))
+    allocator = PageAllocator(32, 2)
+    host = HostKVPool(pool, 64, 2)
+    assert host.buffer.is_pinned()
+    cache = HiRadixCache(allocator, host, "write_through", page_size=2)
+    tokens = list(range(16))
+    slots = torch.tensor(allocator.allocate(8))
+    for layer in range(2):
+        pool.k_buffers[layer][slots.cuda()] = torch.randn(16, 1, 4, device="cuda",
+                                                          dtype=torch.bfloat16)
+    want = pool.k_buffers[1][slots.cuda()].clone()
+    cache.insert(tokens, slots, NS)
+    cache.evict(16)
+    match = cache.load_back(tokens, NS)
+    assert match.host_hit_len == 16
+    assert torch.equal(pool.k_buffers[1][match.slots.cuda()], want)
+    cache.check_integrity()
