@@ -109,11 +109,11 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, mask: Optional[TokenMask] = 
     stay the unmasked ``log_softmax(logits / T)`` unless the row is in
     ``sb.masked_logprob_rows`` (then ``log_softmax`` over the allowed tokens only).
 
-    On CPU (float32, the compiled ops loaded) the rows without top-k / top-p, penalties or a
-    grammar are sampled by the one-pass kernel (``FusedOps.sample_rows``: no ``[B, V]``
-    logprobs, probabilities or CDF are built), always, whatever else is in the batch, so a
-    seeded request draws the same token in any batch; ``sample_reference`` samples the rest
-    (and is the oracle the kernel is tested against)."""
+    On CPU (float32, the compiled ops loaded) the rows without top-k / top-p or a grammar
+    (penalties included) are sampled by the one-pass kernel (``FusedOps.sample_rows``: no
+    ``[B, V]`` logprobs, probabilities or CDF are built), always, whatever else is in the
+    batch, so a seeded request draws the same token in any batch; ``sample_reference`` samples
+    the rest (and is the oracle the kernel is tested against)."""
     b, vocab = logits.shape
     logits = logits.contiguous()
     greedy = greedy_rows(sb)
@@ -123,10 +123,9 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, mask: Optional[TokenMask] = 
         return sample_reference(logits, sb, mask)
     ops, rows = fast
     if rows.numel() < b:   # the others need [B, V] passes: the kernel picks its rows' tokens
-        tokens, _ = _sample_one_pass(ops, logits.index_select(0, rows), _rows_of(sb, rows),
-                                     greedy.index_select(0, rows))
+        tokens, _ = _sample_one_pass(ops, logits, sb, greedy, rows)
         return sample_reference(logits, sb, mask, one_pass=(rows, tokens))
-    tokens, chosen = _sample_one_pass(ops, logits, sb, greedy)
+    tokens, chosen = _sample_one_pass(ops, logits, sb, greedy, rows)
     nums = _per_row(sb.top_logprobs_num, b)
     asking = [i for i, k in enumerate(nums) if k > 0]
     top = None
@@ -148,31 +147,60 @@ def _one_pass_rows(logits: torch.Tensor, sb: SamplingBatch, mask: Optional[Token
     if ops is None:
         return None
     ok = ~truncated
-    if sb.penalties is not None:
-        ok[sb.penalties.rows] = False
-        if sb.penalties.banned is not None:
-            ok[sb.penalties.banned[0]] = False
     if mask is not None and mask.rows:
         ok[torch.tensor(mask.rows, dtype=torch.int64)] = False
     rows = ok.nonzero().squeeze(1)
     return (ops, rows) if rows.numel() else None
 
 
-def _rows_of(sb: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
-    """The per-row parameters the one-pass kernel reads, for ``rows`` only."""
-    return SamplingBatch(temperatures=sb.temperatures.index_select(0, rows),
-                         top_ps=sb.top_ps.index_select(0, rows),
-                         top_ks=sb.top_ks.index_select(0, rows),
-                         min_ps=sb.min_ps.index_select(0, rows),
-                         uniforms=sb.uniforms.index_select(0, rows))
+def _sample_one_pass(ops: Any, logits: torch.Tensor, sb: SamplingBatch, greedy: torch.Tensor,
+                     rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's tokens and logprobs for batch ``rows`` (ascending) of ``logits``."""
+    whole = rows.numel() == logits.shape[0]
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return (t if whole else t.index_select(0, rows)).contiguous()
+
+    t = pick(sb.temperatures)
+    return ops.sample_rows(pick(logits), torch.where(t > 0, t, torch.ones_like(t)),
+                           pick(sb.min_ps), pick(sb.uniforms.to(torch.float64)),
+                           pick(greedy.to(torch.uint8)), _penalty_csr(logits, sb, rows))
 
 
-def _sample_one_pass(ops: Any, logits: torch.Tensor, sb: SamplingBatch, greedy: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    t = sb.temperatures
-    return ops.sample_rows(logits, torch.where(t > 0, t, torch.ones_like(t)).contiguous(),
-                           sb.min_ps.contiguous(), sb.uniforms.to(torch.float64).contiguous(),
-                           greedy.to(torch.uint8).contiguous())
+def _penalty_csr(logits: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor
+                 ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``sb.penalties`` of ``rows`` as the kernel takes them: (offsets, ids, penalised logits)
+    by kernel row, bans (-inf) after the penalties of their row so that they win."""
+    pen = sb.penalties
+    if pen is None:
+        return None
+    b, n = logits.shape[0], rows.numel()
+    where = torch.full((b,), -1, dtype=torch.int64)
+    where[rows] = torch.arange(n)
+    parts = []
+    if pen.rows.numel():
+        parts.append((pen.rows, pen.ids, _penalised(logits[pen.rows, pen.ids], pen)))
+    if pen.banned is not None:
+        parts.append((*pen.banned, torch.full(pen.banned[1].shape, float("-inf"))))
+    if not parts:
+        return None
+    at, ids, values = (torch.cat(p) for p in zip(*parts))
+    at = where[at]
+    keep = at >= 0
+    at, ids, values = at[keep], ids[keep], values[keep]
+    at, order = at.sort(stable=True)
+    offsets = torch.zeros(n + 1, dtype=torch.int64)
+    offsets[1:] = torch.bincount(at, minlength=n).cumsum(0)
+    return offsets, ids[order].contiguous(), values[order].to(torch.float32).contiguous()
+
+
+def _penalised(x: torch.Tensor, pen: Penalties) -> torch.Tensor:
+    """Logits ``x`` of ``pen``'s entries after their penalties (repetition, then the bias)."""
+    if pen.repetition is not None:
+        x = torch.where(x > 0, x / pen.repetition, x * pen.repetition)
+    if pen.bias is not None:
+        x = x + pen.bias
+    return x
 
 
 def sample_reference(logits: torch.Tensor, sb: SamplingBatch, mask: Optional[TokenMask] = None,
@@ -293,11 +321,7 @@ def _penalise(logits: torch.Tensor, scaled: torch.Tensor, logprobs: torch.Tensor
 
     if pen.rows.numel():
         idx = pen.rows * vocab + pen.ids
-        x = x_flat.index_select(0, idx)
-        if pen.repetition is not None:
-            x = torch.where(x > 0, x / pen.repetition, x * pen.repetition)
-        if pen.bias is not None:
-            x = x + pen.bias
+        x = _penalised(x_flat.index_select(0, idx), pen)
         s = x
         if scaled is not logits:   # as _scaled: a row with T = 1 divides by 1, exactly
             t = sb.temperatures.index_select(0, pen.rows)

@@ -5,6 +5,8 @@ consistent with the returned logprob."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -118,3 +120,45 @@ def test_top_logprobs_agree_with_the_returned_logprob():
     assert out.token_ids == ref.token_ids
     for got, want in zip(out.top_logprobs, ref.top_logprobs or []):
         assert [t for _, t in got] == [t for _, t in want]
+
+
+def _penalties(n: int, vocab: int, seed: int) -> Penalties:
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.arange(n).repeat_interleave(5)
+    ids = torch.stack([torch.randperm(vocab, generator=g)[:5] for _ in range(n)]).reshape(-1)
+    return Penalties(rows=rows, ids=ids,
+                     repetition=torch.full((5 * n,), 1.3),
+                     bias=-torch.rand(5 * n, generator=g) * 3,
+                     banned=(torch.arange(0, n, 2), torch.zeros(-(-n // 2), dtype=torch.int64)))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_penalised_rows_equal_the_reference(temperature):
+    """Penalties (repetition, frequency / presence bias, min_new_tokens bans) in the kernel:
+    the same tokens as the reference, logprobs of the unpenalised row."""
+    vocab, n = 700, 16
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(9)) * 3
+    logits[:, 0] += 6      # the banned id 0 would be a likely token
+    sb = batch(n, vocab, temperature, penalties=_penalties(n, vocab, 4))
+    out = sample(logits.clone(), sb)
+    ref = sample_reference(logits.clone(), sb)
+    assert out.token_ids == ref.token_ids
+    assert out.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+    assert all(out.token_ids[i] != 0 for i in range(0, n, 2))
+    t = 1.0 if temperature == 0 else temperature
+    want = torch.log_softmax(logits.double() / t, -1)[torch.arange(n), out.token_ids]
+    assert (torch.tensor(out.logprobs).double() - want).abs().max() < 2e-6
+
+
+def test_a_banned_token_is_never_drawn_even_holding_the_mass():
+    vocab, n = 50, 400
+    logits = torch.zeros(n, vocab)
+    logits[:, 7] = 30.0                                  # all but all of the mass
+    sb = batch(n, vocab, 1.0, penalties=Penalties(
+        rows=torch.zeros(0, dtype=torch.int64), ids=torch.zeros(0, dtype=torch.int64),
+        banned=(torch.arange(n), torch.full((n,), 7))))
+    sb.uniforms = torch.linspace(0, 1 - 1e-12, n, dtype=torch.float64)
+    out = sample(logits, sb)
+    assert 7 not in out.token_ids
+    want = -math.log(math.exp(30.0) + vocab - 1)        # the unpenalised row's logprob
+    assert out.logprobs == pytest.approx([want] * n, abs=1e-5)

@@ -39,7 +39,7 @@ class FusedOps:
                "add_rmsnorm": [_P, _P, _P, _P, _I64, _I64, _F32],
                "rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64],
                "silu_mul": [_P, _P, _I64, _I64],
-               "sample_rows": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P]}
+               "sample_rows": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P]}
         self._fns = {}
         for name, args in sig.items():
             fn = getattr(lib, f"rollout_engine_{name}_f32")
@@ -105,11 +105,14 @@ class FusedOps:
         return out
 
     def sample_rows(self, logits: torch.Tensor, temperatures: torch.Tensor,
-                    min_ps: torch.Tensor, uniforms: torch.Tensor, greedy: torch.Tensor
+                    min_ps: torch.Tensor, uniforms: torch.Tensor, greedy: torch.Tensor,
+                    penalties: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row of ``logits`` ``[B, V]`` (rows may be strided): the token (argmax where
         ``greedy``, else inverse CDF of ``softmax(x / T)`` after min-p at ``uniforms``) and its
-        ``log_softmax(x / T)``. ``temperatures`` ``[B]`` > 0 (1 for greedy)."""
+        ``log_softmax(x / T)``. ``temperatures`` ``[B]`` > 0 (1 for greedy). ``penalties``:
+        (offsets ``[B + 1]``, ids, values) in CSR by row: the token is chosen from the row with
+        those logits replaced (-inf bans; a later entry wins), the logprob from the row as is."""
         self._check(logits, temperatures, min_ps)
         b, v = logits.shape if logits.dim() == 2 else (0, 0)
         ok = (logits.dim() == 2 and logits.stride(1) == 1 and v > 0
@@ -120,11 +123,26 @@ class FusedOps:
         if not ok:
             raise ValueError(f"sample_rows: logits {tuple(logits.shape)} {logits.stride()}, "
                              f"temperatures {tuple(temperatures.shape)}")
+        ptrs = (None, None, None)
+        if penalties is not None:
+            offsets, ids, values = penalties
+            n = ids.numel()
+            if not (offsets.dtype == ids.dtype == torch.int64 and values.dtype == torch.float32
+                    and offsets.shape == (b + 1,) and values.shape == (n,) and ids.dim() == 1
+                    and all(t.is_contiguous() and t.device.type == "cpu"
+                            for t in (offsets, ids, values))
+                    and int(offsets[0]) == 0 and int(offsets[-1]) == n
+                    and bool((offsets[1:] >= offsets[:-1]).all())
+                    and (n == 0 or (int(ids.min()) >= 0 and int(ids.max()) < v))):
+                raise ValueError("sample_rows: penalties must be CSR (offsets [B + 1], ids in "
+                                 "[0, V), float32 values)")
+            ptrs = (offsets.data_ptr(), ids.data_ptr(), values.data_ptr())
         tokens = torch.empty(b, dtype=torch.int64)
         logprobs = torch.empty(b, dtype=torch.float32)
         self._fns["sample_rows"](logits.data_ptr(), b, v, logits.stride(0),
                                  temperatures.data_ptr(), min_ps.data_ptr(), uniforms.data_ptr(),
-                                 greedy.data_ptr(), tokens.data_ptr(), logprobs.data_ptr())
+                                 greedy.data_ptr(), *ptrs, tokens.data_ptr(),
+                                 logprobs.data_ptr())
         return tokens, logprobs
 
 

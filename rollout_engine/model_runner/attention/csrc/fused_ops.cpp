@@ -226,6 +226,7 @@ void sample_row(const float* x, int64_t v, float t, float min_p, double u, bool 
   const float m = scale ? mx / t : mx;   // x / t is monotonic: max(x / t) == max(x) / t
   const float cut = min_p > 0.0f ? min_p : 0.0f;
   const v16f mv = splat16(m), tv = splat16(t), cutv = splat16(cut), zero = splat16(0.0f);
+  const v16f ninf = splat16(-INFINITY);
   v16f acc = zero, kept = zero;
   double sum = 0.0;   // of every e_i: float within a block of kBlock, double across blocks
   int64_t nb = 0;
@@ -234,6 +235,7 @@ void sample_row(const float* x, int64_t v, float t, float min_p, double u, bool 
     std::memcpy(&xi, x + i, sizeof xi);
     if (scale) xi = xi / tv;
     v16f ei = exp16_nonpos(xi - mv);
+    ei = xi == ninf ? zero : ei;   // a banned (-inf) token: probability 0, not ~1e-38
     acc += ei;
     if (!greedy) {
       ei = ei < cutv ? zero : ei;
@@ -252,7 +254,7 @@ void sample_row(const float* x, int64_t v, float t, float min_p, double u, bool 
   sum += hsum16(acc);
   float tail = static_cast<float>(hsum16(kept));
   for (int64_t i = full; i < v; ++i) {
-    const float ei = std::exp((scale ? x[i] / t : x[i]) - m);
+    const float ei = x[i] == -INFINITY ? 0.0f : std::exp((scale ? x[i] / t : x[i]) - m);
     sum += ei;
     e[i] = ei < cut ? 0.0f : ei;
     tail += e[i];
@@ -287,22 +289,66 @@ void sample_row(const float* x, int64_t v, float t, float min_p, double u, bool 
   *logprob = (xt - m) - static_cast<float>(std::log(sum));
 }
 
+// log_softmax(x / t)[tok], computed as sample_row computes it.
+float logprob_of(const float* x, int64_t v, float t, int64_t tok) {
+  const bool scale = t != 1.0f;
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < v; ++i) mx = x[i] > mx ? x[i] : mx;
+  const float m = scale ? mx / t : mx;
+  const int64_t full = v / 16 * 16;
+  const v16f mv = splat16(m), tv = splat16(t), zero = splat16(0.0f), ninf = splat16(-INFINITY);
+  double sum = 0.0;
+  v16f acc = zero;
+  for (int64_t i = 0; i < full; i += 16) {
+    v16f xi;
+    std::memcpy(&xi, x + i, sizeof xi);
+    if (scale) xi = xi / tv;
+    const v16f ei = exp16_nonpos(xi - mv);
+    acc += xi == ninf ? zero : ei;
+    if ((i + 16) % kBlock == 0) {
+      sum += hsum16(acc);
+      acc = zero;
+    }
+  }
+  sum += hsum16(acc);
+  for (int64_t i = full; i < v; ++i)
+    sum += x[i] == -INFINITY ? 0.0f : std::exp((scale ? x[i] / t : x[i]) - m);
+  return ((scale ? x[tok] / t : x[tok]) - m) - static_cast<float>(std::log(sum));
+}
+
 }  // namespace
 
 extern "C" {
 
 // logits [rows, v] (row stride ld) -> tokens [rows] int64, logprobs [rows] float32; per row its
-// temperature t (> 0), min-p, uniform u (double) and greedy flag (uint8).
+// temperature t (> 0), min-p, uniform u (double) and greedy flag (uint8). Penalties (pen_offsets
+// null: none): row r samples from its logits with entries pen_ids[k] set to pen_values[k] for k
+// in [pen_offsets[r], pen_offsets[r + 1]) (penalised logits; -inf bans), later entries winning;
+// its logprob stays that of the unpenalised row.
 int rollout_engine_sample_rows_f32(const float* logits, int64_t rows, int64_t v, int64_t ld,
                                    const float* temps, const float* min_ps,
                                    const double* uniforms, const uint8_t* greedy,
-                                   int64_t* tokens, float* logprobs) {
+                                   const int64_t* pen_offsets, const int64_t* pen_ids,
+                                   const float* pen_values, int64_t* tokens, float* logprobs) {
   at::parallel_for(0, rows, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> scratch(static_cast<size_t>(v));
     std::vector<float> blocks(static_cast<size_t>(v / kBlock + 1));
+    std::vector<float> patched;
     for (int64_t r = lo; r < hi; ++r) {
-      sample_row(logits + r * ld, v, temps[r], min_ps[r], uniforms[r], greedy[r] != 0,
-                 scratch.data(), blocks.data(), tokens + r, logprobs + r);
+      const float* x = logits + r * ld;
+      const int64_t p0 = pen_offsets ? pen_offsets[r] : 0;
+      const int64_t p1 = pen_offsets ? pen_offsets[r + 1] : 0;
+      if (p0 == p1) {
+        sample_row(x, v, temps[r], min_ps[r], uniforms[r], greedy[r] != 0, scratch.data(),
+                   blocks.data(), tokens + r, logprobs + r);
+        continue;
+      }
+      patched.assign(x, x + v);
+      for (int64_t k = p0; k < p1; ++k) patched[static_cast<size_t>(pen_ids[k])] = pen_values[k];
+      float unused;
+      sample_row(patched.data(), v, temps[r], min_ps[r], uniforms[r], greedy[r] != 0,
+                 scratch.data(), blocks.data(), tokens + r, &unused);
+      logprobs[r] = logprob_of(x, v, temps[r], tokens[r]);
     }
   });
   return 0;
