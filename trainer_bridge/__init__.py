@@ -6,13 +6,25 @@ Imports `rollout_engine.protocol` only; engines are passed in (an `Engine` or a
 
 from trainer_bridge.client import AsyncRolloutClient, Rollout, RolloutClient, RolloutError
 from trainer_bridge.colocate import SleepReport, engine_sleeping
+from trainer_bridge.fleet import (
+    EngineResult,
+    FleetError,
+    FleetRefitError,
+    FleetReport,
+    RolloutFleet,
+)
 from trainer_bridge.weight_syncer import SyncReport, WeightSyncer
 
 __all__ = [
     "AsyncRolloutClient",
+    "EngineResult",
+    "FleetError",
+    "FleetRefitError",
+    "FleetReport",
     "Rollout",
     "RolloutClient",
     "RolloutError",
+    "RolloutFleet",
     "SleepReport",
     "SyncReport",
     "WeightSyncer",

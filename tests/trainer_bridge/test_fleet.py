@@ -1,0 +1,137 @@
+"""RolloutFleet over two tiny engines: one broadcast refits both to W2 (each then answers like
+a fresh W2 engine), sleep / wake / pause fan out, and an engine killed in the middle of a
+refit gives a FleetRefitError within the timeout with every engine's version, the survivor
+quarantined (refusing generation) until the next refit lands."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.trainer_bridge.conftest import PROBE, assert_same_rollouts, rollouts
+from trainer_bridge import FleetRefitError, RolloutFleet
+from trainer_bridge.bucketing import nbytes, state_dict_items
+
+BUCKET = 64 << 10   # several buckets of the ~420 KB tiny model
+TIMEOUT_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def peer(w1_w2: tuple[str, str]) -> Iterator[Any]:
+    """A second engine (thread-mode: half the start-up) beside the shared process engine."""
+    from rollout_engine import Engine
+
+    eng = Engine(model_path=w1_w2[0], dtype="float32", device="cpu", scheduler_mode="thread",
+                 weight_update_group_timeout=TIMEOUT_S)
+    try:
+        yield eng
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+@pytest.fixture
+def peer_on_w1(peer: Any, w1: Any) -> Any:
+    peer.resume_memory_occupation(None)   # a failed test may have left it quarantined
+    peer.continue_generation()
+    ok, message = peer.update_weights_from_disk(w1.path, weight_version="w1")
+    assert ok, message
+    return peer
+
+
+@pytest.mark.parametrize("bucket_bytes", [None, BUCKET])
+def test_one_broadcast_refits_every_engine(engine_on_w1, peer_on_w1, w2, bucket_bytes):
+    engines = [engine_on_w1, peer_on_w1]
+    with RolloutFleet(engines, transport="distributed", bucket_bytes=bucket_bytes,
+                      timeout_s=TIMEOUT_S) as fleet:
+        report = fleet.refit(w2.model, version="step-1")
+        assert report.ok and report.versions == {0: "step-1", 1: "step-1"}
+        # the trainer's bytes once for the whole fleet, not once per engine
+        payload = nbytes(state_dict_items(w2.model))
+        assert payload <= report.bytes <= payload + 15 * len(list(state_dict_items(w2.model)))
+        assert fleet.weight_versions().versions == {0: "step-1", 1: "step-1"}
+    for e in engines:
+        assert e.get_weights_by_name(PROBE, 4) == w2.probe
+        rows = rollouts(e)
+        assert_same_rollouts(rows, w2.expected)
+        assert {v for _, _, v in rows} == {"step-1"}
+
+
+def test_sleep_wake_pause_fan_out(engine_on_w1, peer_on_w1, w2):
+    from rollout_engine.tokenizer_manager import EngineAsleepError
+
+    engines = [engine_on_w1, peer_on_w1]
+    with RolloutFleet(engines, timeout_s=TIMEOUT_S) as fleet:
+        assert fleet.pause("retract").ok
+        report = fleet.sleep()
+        assert [r.index for r in report.engines] == [0, 1]
+        assert all(r.answer["bytes_freed"] > 0 for r in report.engines)
+        for e in engines:
+            with pytest.raises(EngineAsleepError):
+                e.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 1})
+        fleet.wake()          # weights are zeros now: stale until the refit
+        fleet.continue_generation()
+        fleet.refit(w2.model, version="after-sleep")
+    for e in engines:
+        assert_same_rollouts(rollouts(e), w2.expected)
+        e.check_integrity()
+
+
+class KilledOnBucket:
+    """A process-mode engine whose scheduler is SIGKILLed when bucket `at` of a broadcast
+    refit reaches it: it dies with the earlier buckets applied and the rest in flight."""
+
+    def __init__(self, engine: Any, at: int) -> None:
+        self.engine, self.at, self.calls = engine, at, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def update_weights_from_distributed(self, *args: Any, **kwargs: Any) -> Any:
+        if self.calls == self.at:
+            os.kill(self.engine.tm.host.pid, signal.SIGKILL)
+        self.calls += 1
+        return self.engine.update_weights_from_distributed(*args, **kwargs)
+
+
+def _victim(w1_w2: tuple[str, str]) -> Any:
+    from rollout_engine import Engine
+
+    return Engine(model_path=w1_w2[0], dtype="float32", device="cpu",
+                  weight_update_group_timeout=TIMEOUT_S)
+
+
+def test_an_engine_killed_mid_refit_is_reported_and_none_serves_mixed(
+        peer_on_w1, w1_w2, w2):
+    from rollout_engine.tokenizer_manager import EngineAsleepError
+
+    victim = _victim(w1_w2)
+    try:
+        fleet = RolloutFleet([peer_on_w1, KilledOnBucket(victim, at=2)], bucket_bytes=BUCKET,
+                             timeout_s=TIMEOUT_S)
+        start = time.perf_counter()
+        with pytest.raises(FleetRefitError) as caught:
+            fleet.refit(w2.model, version="step-2")
+        assert time.perf_counter() - start < 3 * TIMEOUT_S
+        report = caught.value.report
+        survivor, dead = report.engines
+        assert dead.index == 1 and not dead.ok and dead.version is None
+        # the survivor holds some buckets of step-2: never served, quarantined instead
+        assert survivor.version != "step-2" and survivor.version.startswith("step-2.partial")
+        assert survivor.quarantined and not survivor.ok
+        assert "engine 1: unreachable" in str(caught.value)
+        with pytest.raises(EngineAsleepError):
+            peer_on_w1.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 1})
+
+        # the next refit wakes the survivor and refits it over a group without the dead one
+        again = fleet.refit(w2.model, version="step-3")
+        assert again.versions == {0: "step-3"}
+        assert_same_rollouts(rollouts(peer_on_w1), w2.expected)
+        fleet.close()
+    finally:
+        victim.shutdown()
