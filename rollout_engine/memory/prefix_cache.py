@@ -173,6 +173,11 @@ class BasePrefixCache(ABC):
         once per admission attempt, never by ordering). Single tier: just `match_prefix`."""
         return self.match_prefix(token_ids, namespace)
 
+    def prefetch(self, token_ids: Sequence[int], namespace: CacheNamespace) -> None:
+        """A request for `token_ids` arrived: a cache with a slow tier may start reading its
+        part of the prefix in the background (a hint; `load_back` decides what is used)."""
+        return None
+
     def on_admit(self, match: MatchResult) -> None:
         """A request was admitted with `match` (per-tier hit counters)."""
         return None

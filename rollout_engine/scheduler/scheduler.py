@@ -112,6 +112,7 @@ class Scheduler:
                 self.by_rid[msg.rid] = req
                 return None
             self.by_rid[msg.rid] = req
+            self.kv.tree.prefetch(req.all_ids, self.namespace_of(req))   # HiCache L3 reads
             self.waiting.append(req)
             return None
         if isinstance(msg, AbortReq):

@@ -24,12 +24,12 @@ are dropped with their host copies, and storage keys hash the weights' fingerpri
 from __future__ import annotations
 
 import heapq
-import time
 from collections.abc import Sequence
 from typing import Optional
 
 import torch
 
+from rollout_engine.memory.hicache import transfers
 from rollout_engine.memory.hicache.host_pool import HostKVPool
 from rollout_engine.memory.hicache.stats import HiCacheStats
 from rollout_engine.memory.hicache.tiers import StorageTier
@@ -99,27 +99,42 @@ class HiRadixCache(RadixCache):
             ns_root = HiTreeNode((), empty_slots(), self.root)
             self.root.children[namespace] = ns_root
         path, pos = self._walk_path(ns_root, key)
-        device = _device_prefix(path)
-        hosts = path[len(device):]
-        for hit in device:
-            self._count_hit(hit)
-        fetched, fetched_len = None, 0
-        if self.storage is not None and pos < len(key):
-            fetched = self._fetch_from_storage(namespace, ns_root, path, key, pos)
-            if fetched is not None:
-                hosts.append(fetched)
-                fetched_len = len(fetched.key)
-        loaded = self._load(device, hosts) if hosts else []
+        self._pinned = {id(n) for n in path}   # host eviction keeps this path meanwhile
+        try:
+            device = _device_prefix(path)
+            hosts = path[len(device):]
+            for hit in device:
+                self._count_hit(hit)
+            fetched = None
+            if self.storage is not None and pos < len(key):
+                fetched = self.storage.fetch_after(self, namespace, path[-1] if path else ns_root,
+                                                   key, pos)
+                if fetched is not None:
+                    hosts.append(fetched)
+                    self._pinned.add(id(fetched))
+                    if ns_root.parent is None:   # host eviction emptied and dropped it meanwhile
+                        ns_root.parent = self.root
+                        self.root.children[namespace] = ns_root
+            loaded = self._load(device, hosts) if hosts else []
+        finally:
+            self._pinned = set()
         self._drop_namespace_if_empty(ns_root)
         nodes = device + loaded
         node: TreeNode = nodes[-1] if nodes else (
             ns_root if ns_root.parent is not None else self.root)
         if nodes and self._is_evictable_leaf(node):
             self._push_leaf(node)
-        from_storage = fetched_len if loaded and loaded[-1] is fetched else 0
+        from_storage = len(fetched.key) if fetched is not None and fetched in loaded else 0
         return MatchResult(_cat([n.value for n in nodes]), node,
                            host_hit_len=sum(len(n.key) for n in loaded) - from_storage,
                            storage_hit_len=from_storage)
+
+    def prefetch(self, token_ids: Sequence[int], namespace: CacheNamespace) -> None:
+        """A request arrived: start reading the storage blocks after what the tree holds for
+        it (read-only walk: nothing is touched or split)."""
+        if self.storage is not None:
+            key = self._page_aligned(token_ids)
+            self.storage.prefetch(namespace, key, self._held_len(key, namespace))
 
     def on_admit(self, match: MatchResult) -> None:
         self.stats.device_hit_tokens += (match.matched_len - match.host_hit_len
@@ -198,27 +213,8 @@ class HiRadixCache(RadixCache):
         return num_freed
 
     def evict_host(self, num_tokens: int) -> int:
-        """Drop LRU host-only leaves (and parents that become such) until ``num_tokens`` host
-        slots are free; returns host tokens freed."""
-        heap = [(n.last_access, id(n), n) for n in self._iter_nodes() if self._is_host_leaf(n)]
-        heapq.heapify(heap)
-        num_freed = 0
-        while num_freed < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
-            if not self._is_host_leaf(node):
-                continue
-            parent = node.parent
-            assert parent is not None
-            num_freed += len(node.key)
-            self._detach(node, [])
-            if self._is_host_leaf(parent):
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
-            elif not parent.key:
-                self._drop_namespace_if_empty(parent)
-        self.stats.host_evicted_tokens += num_freed
-        if num_freed:
-            self.version += 1
-        return num_freed
+        """Drop LRU host-only leaves until ``num_tokens`` host slots are free (transfers.py)."""
+        return transfers.evict_host(self, num_tokens)
 
     def dec_lock_ref(self, node: object) -> None:
         path = self._path_to_root(node)
@@ -326,80 +322,13 @@ class HiRadixCache(RadixCache):
             self._backup(node)
 
     def _backup(self, node: HiTreeNode) -> bool:
-        """Copy ``node`` (and its unbacked ancestors first) to the host, then queue its whole
-        storage blocks. False if the host tier has no room."""
-        chain = []
-        n: TreeNode = node
-        while n.key and n.host_value is None:  # type: ignore[attr-defined]
-            chain.append(n)
-            assert n.parent is not None
-            n = n.parent
-        for n in reversed(chain):
-            host_slots = self._alloc_host(len(n.key))
-            if host_slots is None:
-                return False
-            self.stats.bytes_to_host += self.host.backup(n.value, host_slots)
-            self.stats.host_written_tokens += len(n.key)
-            n.host_value = host_slots  # type: ignore[attr-defined]
-            if self.storage is not None:
-                self.storage.write_node(self, n)
-        return True
+        return transfers.backup(self, node)
 
     def _alloc_host(self, num_tokens: int) -> Optional[torch.Tensor]:
-        pages = num_tokens // self.page_size
-        allocator = self.host.allocator
-        if not allocator.can_allocate(pages):
-            self.evict_host(pages * self.page_size - allocator.available_size())
-        slots = allocator.allocate(pages)
-        return None if slots is None else torch.tensor(slots, dtype=torch.int64)
+        return transfers.alloc_host(self, num_tokens)
 
     def _load(self, device: list[HiTreeNode], hosts: list[HiTreeNode]) -> list[HiTreeNode]:
-        """Copy ``hosts`` (host-only, in path order) into fresh device slots, as many whole
-        nodes as the pool has room for; the device prefix is locked meanwhile."""
-        t0 = time.perf_counter()
-        anchor = device[-1] if device else None
-        if anchor is not None:
-            self.inc_lock_ref(anchor)
-        self._pinned = {id(n) for n in hosts}
-        need = sum(len(n.key) for n in hosts)
-        short = need - self.allocator.available_size()  # type: ignore[attr-defined]
-        if short > 0:
-            self.evict(short)
-        loaded = []
-        for node in hosts:
-            pages = self.allocator.allocate(len(node.key) // self.page_size)  # type: ignore
-            if pages is None:
-                break
-            slots = torch.tensor(pages, dtype=torch.int64)
-            assert node.host_value is not None
-            self.stats.bytes_to_device += self.host.load(node.host_value, slots)
-            node.value = slots
-            self._evictable_size += len(node.key)
-            loaded.append(node)
-        self._pinned = set()
-        if anchor is not None:
-            self.dec_lock_ref(anchor)
-        if loaded:
-            self.version += 1
-            self.stats.num_loads += 1
-            self.stats.load_seconds += time.perf_counter() - t0
-        return loaded
-
-    def _fetch_from_storage(self, namespace: CacheNamespace, ns_root: TreeNode,
-                            path: list[HiTreeNode], key: tuple[int, ...],
-                            pos: int) -> Optional[HiTreeNode]:
-        """Append the storage blocks after ``key[:pos]`` as one host-only node (its parent is
-        backed up first, keeping host-held nodes closed under ancestors)."""
-        assert self.storage is not None
-        parent: TreeNode = path[-1] if path else ns_root
-        if parent.key and parent.host_value is None:  # type: ignore[attr-defined]
-            if not self._backup(parent):  # type: ignore[arg-type]
-                return None
-        self._pinned = {id(n) for n in path}
-        try:
-            return self.storage.fetch(self, namespace, parent, key, pos)
-        finally:
-            self._pinned = set()
+        return transfers.load(self, device, hosts)
 
     def attach_host_node(self, parent: TreeNode, key: tuple[int, ...],
                          host_slots: torch.Tensor) -> HiTreeNode:
@@ -411,6 +340,19 @@ class HiRadixCache(RadixCache):
         self._num_nodes += 1
         self.version += 1
         return node
+
+    def _held_len(self, key: tuple[int, ...], namespace: CacheNamespace) -> int:
+        """Tokens of ``key`` the tree holds in any tier, without touching it."""
+        node = self.root.children.get(namespace)
+        pos = 0
+        while node is not None and pos < len(key):
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            common = self._common_len(child.key, key, pos)
+            pos += common
+            node = child if common == len(child.key) else None
+        return pos
 
     def _is_evictable_leaf(self, node: TreeNode) -> bool:
         return (bool(node.key) and node.parent is not None and node.value is not None

@@ -11,9 +11,11 @@ every host copy on its path::
 A fetch reads the consecutive blocks after a match (the first one may start before the match:
 its leading rows are skipped) into fresh host slots as one host-only node.
 
-Prefetch policies (SGLang's names): on CPU every read is synchronous at admission.
-``wait_complete`` and ``best_effort`` read every consecutive block storage holds; ``timeout``
-stops once SGLang's deadline (``base + per_ki_token * tokens / 1024`` seconds) has passed.
+Prefetch (SGLang's policies): a request's arrival queues its blocks after what the tree holds
+on the prefetch thread (``prefetch.py``); admission then takes what is staged and, by policy:
+``best_effort`` nothing more (never waits); ``wait_complete`` waits for the request's job and
+reads any block still missing itself; ``timeout`` waits for the job and reads missing blocks
+only until SGLang's deadline (``base + per_ki_token * tokens / 1024`` seconds) has passed.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from rollout_engine.memory.hicache.host_pool import HostKVPool
+from rollout_engine.memory.hicache.prefetch import Prefetcher
 from rollout_engine.memory.hicache.storage import HiCacheStorage, StorageWriter, block_keys
 from rollout_engine.memory.prefix_cache import CacheNamespace
 from rollout_engine.memory.radix_cache import TreeNode
@@ -57,6 +60,8 @@ class StorageTier:
         self.prefetch_policy = prefetch_policy
         self.timeout = (timeout_base, timeout_per_ki_token)
         self.writer = StorageWriter(storage)
+        self.prefetcher = Prefetcher(storage, max(host.nbytes() // 2, 1))
+        self._closed = False
         self._weights_identity = identity
         self._identities: dict[CacheNamespace, bytes] = {}
         self._live: Optional[int] = None
@@ -110,26 +115,29 @@ class StorageTier:
                 self.blocks_submitted += 1
 
     # -- reads ------------------------------------------------------------------------------------
-    def fetch(self, cache: HiRadixCache, namespace: CacheNamespace, parent: TreeNode,
-              key: tuple[int, ...], pos: int) -> Optional[HiTreeNode]:
+    def prefetch(self, namespace: CacheNamespace, key: tuple[int, ...], held: int) -> None:
+        """Queue the blocks of ``key`` after its first ``held`` tokens (what the tree holds)."""
+        ident = self.identity(namespace)
+        B = self.block_tokens
+        first, total = held // B, len(key) // B
+        if ident is not None and first < total:
+            self.prefetcher.submit(block_keys(ident, key, B, total)[first:])
+
+    def fetch_after(self, cache: HiRadixCache, namespace: CacheNamespace, parent: TreeNode,
+                    key: tuple[int, ...], pos: int) -> Optional[HiTreeNode]:
         """Read the blocks storage holds after ``key[:pos]`` into a new host-only child of
-        ``parent``; None if there is none (or no host room)."""
+        ``parent`` (backed up first: host-held nodes stay closed under ancestors); None if
+        there is none, or no host room."""
         t0 = time.perf_counter()
         ident = self.identity(namespace)
         B = self.block_tokens
         first, total = pos // B, len(key) // B
         if ident is None or first >= total:
             return None
-        base, per_ki = self.timeout
-        deadline = t0 + base + per_ki * (len(key) - pos) / 1024
-        blocks: list[bytes] = []
-        for block_key in block_keys(ident, key, B, total)[first:]:
-            if self.prefetch_policy == "timeout" and time.perf_counter() > deadline:
-                break
-            data = self.storage.get(block_key) if self.storage.exists(block_key) else None
-            if data is None:
-                break
-            blocks.append(data)
+        if parent.key and parent.host_value is None:  # type: ignore[attr-defined]
+            if not cache._backup(parent):  # type: ignore[arg-type]
+                return None
+        blocks = self._read(block_keys(ident, key, B, total)[first:], len(key) - pos, t0)
         if not blocks:
             return None
         end = (first + len(blocks)) * B
@@ -147,9 +155,29 @@ class StorageTier:
         self.fetch_seconds += time.perf_counter() - t0
         return cache.attach_host_node(parent, key[pos:end], host_slots)
 
+    def _read(self, keys: list[str], num_tokens: int, t0: float) -> list[bytes]:
+        """The leading run of ``keys`` available under the prefetch policy."""
+        policy = self.prefetch_policy
+        base, per_ki = self.timeout
+        deadline = t0 + base + per_ki * num_tokens / 1024
+        job = self.prefetcher.job_of(keys[-1])
+        if job is not None and policy != "best_effort":
+            job.done.wait(None if policy == "wait_complete" else max(0.0, deadline - t0))
+        blocks: list[bytes] = []
+        for key in keys:
+            data = self.prefetcher.take(key)
+            if data is None and (policy == "wait_complete"
+                                 or policy == "timeout" and time.perf_counter() < deadline):
+                data = self.storage.get(key) if self.storage.exists(key) else None
+            if data is None:
+                break
+            blocks.append(data)
+        return blocks
+
     # -- lifecycle --------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         return {"storage_bytes_read": self.bytes_read,
+                "storage_bytes_prefetched": self.prefetcher.bytes_read,
                 "storage_bytes_written": self.writer.bytes_written,
                 "storage_blocks_submitted": self.blocks_submitted,
                 "storage_blocks_dropped": self.writer.num_dropped,
@@ -157,11 +185,18 @@ class StorageTier:
                 "storage_fetch_seconds": self.fetch_seconds}
 
     def flush(self) -> None:
+        """Until every queued write is stored and every queued prefetch read."""
         self.writer.flush()
+        self.prefetcher.wait_idle()
 
     def close(self) -> None:
-        self.writer.flush()
+        """Flush and stop both threads (idempotent: an engine may be shut down twice)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.flush()
         self.writer.close()
+        self.prefetcher.close()
 
 
 def _namespace_of(cache: HiRadixCache, ns_root: TreeNode) -> Optional[CacheNamespace]:

@@ -10,18 +10,23 @@ import torch
 
 from rollout_engine.memory.hicache.hiradix_cache import HiRadixCache
 from rollout_engine.memory.hicache.host_pool import HostKVPool, host_pool_slots
+from rollout_engine.memory.hicache.storage import FileStorage
+from rollout_engine.memory.hicache.tiers import StorageTier
 from rollout_engine.memory.kv_pool import KVPool, PageAllocator
 from rollout_engine.memory.prefix_cache import CacheIntegrityError, CacheNamespace
 
 NS = CacheNamespace(0)
 
 
-def _make(policy: str, device_slots: int = 32, host_slots: int = 64, page_size: int = 2):
+def _make(policy: str, device_slots: int = 32, host_slots: int = 64, page_size: int = 2,
+          storage_dir=None):
     pool = KVPool(device_slots, num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32,
                   device=torch.device("cpu"))
     allocator = PageAllocator(device_slots, page_size)
     host = HostKVPool(pool, host_slots, page_size)
-    return pool, allocator, HiRadixCache(allocator, host, policy, page_size=page_size)
+    tier = None if storage_dir is None else StorageTier(
+        FileStorage(str(storage_dir), 1 << 20), host, lambda: b"m", 4, "wait_complete")
+    return pool, allocator, HiRadixCache(allocator, host, policy, tier, page_size=page_size)
 
 
 def _compute(pool: KVPool, allocator: PageAllocator, tokens: list[int]) -> torch.Tensor:
@@ -126,10 +131,11 @@ def test_host_pool_sizing():
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_random_operations_keep_every_invariant(policy, seed):
+@pytest.mark.parametrize("seed,storage", [(0, False), (1, False), (2, True), (27, True)])
+def test_random_operations_keep_every_invariant(policy, seed, storage, tmp_path):
     rng = random.Random(seed)
-    pool, allocator, cache = _make(policy, device_slots=24, host_slots=32)
+    pool, allocator, cache = _make(policy, device_slots=24, host_slots=16,
+                                   storage_dir=tmp_path if storage else None)
     locked = []
     bases = [[rng.randrange(4) for _ in range(8)] for _ in range(3)]
     for _ in range(300):
@@ -160,6 +166,7 @@ def test_random_operations_keep_every_invariant(policy, seed):
         cache.dec_lock_ref(node)
     cache.reset()
     assert allocator.available_size() == 24 and cache.host_size() == 0
+    cache.close()
 
 
 @pytest.mark.gpu
