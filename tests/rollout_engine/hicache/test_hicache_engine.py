@@ -18,15 +18,18 @@ def paths():
     return str(tiny_model_path("qwen2")), str(tiny_model_path("qwen2", seed=1))
 
 
-def _conversations(num: int, turns: int, engine) -> list[list[tuple[list[int], list[float], int]]]:
+def _conversations(num: int, turns: int, engine,
+                   samples: int = 1) -> list[list[tuple[list[int], list[float], int]]]:
     """``num`` conversations, round-robin, each turn resending its whole history plus its
-    reply and a new user message; per turn: output ids, logprobs, cached tokens."""
+    reply and a new user message (``samples`` times: later ones hit the device copy);
+    per turn: output ids, logprobs, cached tokens of the first sample."""
     histories = [[(7 * c + i) % 200 + 3 for i in range(48)] for c in range(num)]
     results: list[list[tuple[list[int], list[float], int]]] = [[] for _ in range(num)]
     for turn in range(turns):
         for c in range(num):
-            out = engine.generate(input_ids=histories[c], sampling_params=GREEDY,
-                                  return_logprob=True)
+            out, *others = [engine.generate(input_ids=histories[c], sampling_params=GREEDY,
+                                             return_logprob=True) for _ in range(samples)]
+            assert all(o["output_ids"] == out["output_ids"] for o in others)
             meta = out["meta_info"]
             results[c].append((out["output_ids"],
                                [lp for lp, _, _ in meta["output_token_logprobs"]],
@@ -44,12 +47,15 @@ def _tiers(engine) -> dict:
     return engine.get_server_info()["hicache"]
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_outputs_identical_with_hicache_on_and_off(paths, make_engine, page_size):
+@pytest.mark.parametrize("page_size,policy", [(1, "write_through"), (4, "write_through"),
+                                              (1, "write_back"), (2, "write_through_selective")])
+def test_outputs_identical_with_hicache_on_and_off(paths, make_engine, page_size, policy):
     flags = dict(max_total_tokens=POOL, debug_integrity=True, page_size=page_size)
     off = make_engine(paths[0], **flags)
-    on = make_engine(paths[0], **flags, **HICACHE)
-    ref, got = _conversations(4, 4, off), _conversations(4, 4, on)
+    on = make_engine(paths[0], **flags, **HICACHE, hicache_write_policy=policy)
+    # selective write-through copies a node at its second hit: a second sample gives it one
+    samples = 2 if policy == "write_through_selective" else 1
+    ref, got = _conversations(4, 4, off, samples), _conversations(4, 4, on, samples)
     for conv_ref, conv_got in zip(ref, got):
         for (ids_r, lps_r, _), (ids_g, lps_g, _) in zip(conv_ref, conv_got):
             assert ids_r == ids_g
