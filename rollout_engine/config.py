@@ -18,6 +18,7 @@ from typing import Any, Optional, Union
 import torch
 
 from rollout_engine.compat.server_args import to_engine_kwargs
+from rollout_engine.dp.dispatch import LOAD_BALANCE_METHODS
 from rollout_engine.speculative import options as spec_options
 
 _DTYPES = {"auto", "float32", "float16", "bfloat16"}
@@ -89,6 +90,8 @@ class EngineConfig:
     weight_update_group_timeout: float = 30.0   # s the rendezvous with a trainer may take
     # process model / serving
     scheduler_mode: str = "process"
+    dp_size: int = 1                     # scheduler replicas behind one frontend (rollout_engine/dp)
+    load_balance_method: str = "auto"    # dp/dispatch.py: round_robin, total_requests, ...
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: Optional[str] = None
@@ -151,6 +154,11 @@ class EngineConfig:
         _check_hicache(self, bad)
         if self.attention_backend not in _BACKENDS:
             bad("attention_backend", f"must be one of {sorted(map(str, _BACKENDS))}")
+        if self.dp_size < 1:
+            bad("dp_size", f"must be >= 1, got {self.dp_size}")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            bad("load_balance_method", f"must be one of {list(LOAD_BALANCE_METHODS)}, "
+                f"got {self.load_balance_method!r}")
         if self.scheduler_mode not in ("process", "thread"):
             bad("scheduler_mode", f"must be 'process' or 'thread', got {self.scheduler_mode!r}")
         if self.context_length is not None and self.context_length < 2:

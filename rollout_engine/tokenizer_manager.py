@@ -256,8 +256,7 @@ class TokenizerManager:
                     traits=self.decode_traits, min_new_tokens=sp.min_new_tokens))
                 self.states[r.rid] = st
                 states.append(st)
-        for r in reqs:
-            self.host.chan.send(r)
+        self.host.chan.send_many(reqs)
         return states
 
     def abort(self, rid: Optional[str] = None, abort_all: bool = False) -> None:

@@ -46,7 +46,7 @@ SGLANG_VERSIONS = ("0.5.9", "0.5.23")
 
 # why a flag is accepted only at its default (the tag after "default:")
 UNSUPPORTED = {
-    "1gpu": "rollout_engine serves one model replica on one device: tensor, pipeline, data, "
+    "1gpu": "rollout_engine serves one model replica on one device: tensor, pipeline, "
             "expert and context parallelism are not implemented; run one server per GPU (with "
             "sglang-router in front)",
     "pd": "prefill/decode disaggregation is not implemented",

@@ -114,7 +114,7 @@ dllm_algorithm                               str     None                 defaul
 dllm_algorithm_config                        str     None                 default
 dllm_fdfo                                    bool    True                 default
 download_dir                                 str     None                 ignore:launch
-dp_size                                      int     1                    default:1gpu
+dp_size                                      int     1                    ours
 ds_channel_config_path                       str     None                 default
 ds_heavy_channel_num                         int     32                   default
 ds_heavy_channel_type                        str     'qk'                 default
@@ -331,7 +331,7 @@ linear_attn_prefill_backend                  str     None                 defaul
 linear_attn_verify_backend                   str     None                 default
 linear_replayssm_cache_len                   int     16                   default
 lmcache_config_file                          str     None                 default
-load_balance_method                          str     'auto'               default
+load_balance_method                          str     'auto'               ours
 load_format                                  str     'auto'               special
 load_publish_endpoint                        str     None                 default
 load_snapshot_publish_interval               int     15                   default

@@ -164,9 +164,10 @@ class Engine:
             raise RuntimeError(r.message)
         runtime = dict(r.result)
         internal = runtime.pop("internal_state")
+        per_rank = runtime.pop("dp_internal_states", [internal])   # one per DP replica
         config = self.config.to_dict()
         flags = {**server_args_view(config), **config, "random_seed": self.tm.random_seed}
-        return {**flags, **runtime, "internal_states": [{**flags, **internal}],
+        return {**flags, **runtime, "internal_states": [{**flags, **x} for x in per_rank],
                 "version": rollout_engine_version(),
                 "sglang_compatible_versions": list(SGLANG_VERSIONS)}
 

@@ -87,6 +87,11 @@ HELP: dict[str, str] = {
     "scheduler_mode": "process (a child process, default) or thread (same process).",
     "host": "Address to bind; 127.0.0.1 unless you mean to expose the server.",
     "port": "TCP port to listen on.",
+    "dp_size": "Data parallelism: this many scheduler replicas (each a full model copy) behind "
+               "one frontend; control calls reach every replica.",
+    "load_balance_method": "Which replica a request goes to with --dp-size > 1: auto / "
+                           "round_robin, total_requests (shortest_queue), total_tokens "
+                           "(minimum_tokens), or cache_aware (prefix affinity, load fallback).",
     "api_key": "Require 'Authorization: Bearer KEY' on every route.",
     "admin_api_key": "Require this key on control routes (weights, memory, flush, abort_all).",
     "served_model_name": "Model name reported by /v1/models and in OpenAI responses.",

@@ -1,6 +1,6 @@
 """SGLang's load routes, read-only and open to every user:
 
-    /get_load   a list with one entry per DP rank (we have one, rank 0):
+    /get_load   a list with one entry per DP rank (``--dp-size``; rank 0 alone by default):
                 {dp_rank, num_reqs, num_waiting_reqs, num_tokens, num_pending_tokens, ts_tic};
                 sgl-router sums ``num_tokens`` for its load-aware policies
     /v1/loads   {timestamp, version, dp_rank_count, accelerator, num_accelerators, loads: [...],
@@ -30,20 +30,21 @@ from rollout_engine.scheduler.control import LoadReport
 SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
 
 
-def get_load_entry(load: LoadReport) -> dict[str, Any]:
-    """SGLang's ``GetLoadReqOutput`` for our one rank."""
-    return {"dp_rank": 0, "num_reqs": load.num_running_reqs + load.num_waiting_reqs,
+def get_load_entry(load: LoadReport, dp_rank: int = 0) -> dict[str, Any]:
+    """SGLang's ``GetLoadReqOutput`` for one DP rank."""
+    return {"dp_rank": dp_rank, "num_reqs": load.num_running_reqs + load.num_waiting_reqs,
             "num_waiting_reqs": load.num_waiting_reqs,
             "num_tokens": load.num_used_tokens + load.num_waiting_tokens,
             "num_pending_tokens": load.num_waiting_uncached_tokens,
             "ts_tic": time.perf_counter()}
 
 
-def v1_load_entry(load: LoadReport, include: Optional[set[str]]) -> dict[str, Any]:
+def v1_load_entry(load: LoadReport, include: Optional[set[str]], dp_rank: int = 0
+                  ) -> dict[str, Any]:
     """One rank's entry of ``/v1/loads`` (``include`` None: every section)."""
     total_tokens = load.num_used_tokens + load.num_waiting_tokens
     entry: dict[str, Any] = {
-        "timestamp": load.timestamp, "dp_rank": 0,
+        "timestamp": load.timestamp, "dp_rank": dp_rank,
         "num_running_reqs": load.num_running_reqs, "num_waiting_reqs": load.num_waiting_reqs,
         "num_waiting_uncached_tokens": load.num_waiting_uncached_tokens,
         "num_used_tokens": load.num_used_tokens, "num_total_tokens": total_tokens,
@@ -140,21 +141,22 @@ def _dp_rank(text: Optional[str]) -> Optional[int]:
 def add_load_routes(app: FastAPI, engine: Engine) -> None:
     tm = engine.tm
 
-    async def current() -> LoadReport:
+    async def current() -> list[LoadReport]:
+        """One LoadReport per DP rank (a data-parallel engine answers with the list)."""
         r = await tm.async_call("get_load")
         if not r.success:
             raise HTTPError(r.status or 500, r.message)
-        return r.result
+        return r.result if isinstance(r.result, list) else [r.result]
 
     @app.get("/get_load")
     async def get_load() -> Response:
-        return json_response([get_load_entry(await current())])
+        return json_response([get_load_entry(x, i) for i, x in enumerate(await current())])
 
     @app.get("/v1/loads")
     async def v1_loads(request: Request) -> Response:
         query = request.query_params
         include, dp_rank = _include(query.get("include")), _dp_rank(query.get("dp_rank"))
-        loads = [v1_load_entry(await current(), include)]
+        loads = [v1_load_entry(x, include, i) for i, x in enumerate(await current())]
         loads = [d for d in loads if dp_rank is None or d["dp_rank"] == dp_rank]
         if query.get("format") == "prometheus":
             return Response(prometheus_text(loads),

@@ -43,6 +43,12 @@ class Channel(ABC):
     @abstractmethod
     def send(self, msg: Any) -> None: ...
 
+    def send_many(self, msgs: list[Any]) -> None:
+        """The requests of one generate call, in order (a data-parallel channel keeps a GRPO
+        group together)."""
+        for msg in msgs:
+            self.send(msg)
+
     @abstractmethod
     def recv(self, timeout: Optional[float]) -> Any:
         """The next message, or None after ``timeout`` seconds (None = wait forever)."""
@@ -205,4 +211,10 @@ class ProcessHost(SchedulerHost):
 
 
 def start_scheduler(config: EngineConfig) -> SchedulerHost:
+    """One scheduler (a thread or a child process), or ``dp_size`` of them behind one
+    channel (rollout_engine/dp)."""
+    if config.dp_size > 1:
+        from rollout_engine.dp.host import DataParallelHost
+
+        return DataParallelHost(config)
     return ThreadHost(config) if config.scheduler_mode == "thread" else ProcessHost(config)

@@ -1,7 +1,8 @@
 """Disaggregated refit: the trainer broadcasts (gloo on CPU, NCCL on GPU) to engines that
 joined a weight-update group with it, exactly as SGLang's engine and slime's trainer do.
 
-    trainer (rank 0)                          engine i (rank i + 1)
+    trainer (rank 0)                          engine i (rank i + 1; with --dp-size, one rank
+                                              per replica: `rank_offsets`)
     join_update_group(addr, port, 0, N + 1)   init_weights_update_group(addr, port, i + 1, N + 1)
       = rendezvous + PrefixStore(group_name)    -> the same store keys on the engine's side
         + torch's group helper's keys          (rollout_engine.protocol.weight_broadcast)
@@ -66,6 +67,34 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def engine_ranks(engine: Any) -> int:
+    """How many ranks an engine takes in a weight-update group: its data-parallel replicas
+    (each receives the broadcast; SGLang's DP ranks do the same), 1 for a plain engine."""
+    config = getattr(engine, "config", None)
+    dp_size = getattr(config, "dp_size", None)
+    if isinstance(dp_size, int):
+        return dp_size
+    try:
+        info = engine.get_server_info()
+    except Exception:  # noqa: BLE001 - a peer without server info is one rank
+        return 1
+    return int(info.get("dp_size") or 1) if isinstance(info, dict) else 1
+
+
+def rank_offsets(engines: Sequence[Any]) -> list[int]:
+    """Engine i's first rank (`rank_offset`), and last the world size: trainer rank 0, then
+    each engine's ranks in turn."""
+    offsets = [1]
+    for e in engines:
+        offsets.append(offsets[-1] + engine_ranks(e))
+    return offsets
+
+
+def _owner(offsets: list[int], rank: int) -> int:
+    """The index of the engine that holds `rank`."""
+    return max(i for i in range(len(offsets) - 1) if offsets[i] <= rank)
+
+
 class DistributedTransport(WeightTransport):
     """Rank 0 of a weight-update group; `setup` (= `init_group`) must precede `push`."""
 
@@ -91,6 +120,7 @@ class DistributedTransport(WeightTransport):
         self.port: Optional[int] = None  # the group's port (master_port, or a free one)
         self.group: Optional[UpdateGroup] = None
         self.world_size = 0
+        self.num_engines = 0
         self.broken: Optional[str] = None
         # two send buffers, filled in turn: bucket k+1 is packed while bucket k is in flight
         self.buffers = BucketBuffers(allocate=_plain_buffer)
@@ -100,7 +130,8 @@ class DistributedTransport(WeightTransport):
         self.init_group(engines)
 
     def init_group(self, engines: Sequence[Any]) -> None:
-        """Form the group: trainer rank 0, engine i rank i + 1 (world size 1 + len(engines)).
+        """Form the group: trainer rank 0, then each engine's ranks (one per data-parallel
+        replica; world size 1 + all of them).
         Each engine's `init_weights_update_group` blocks until all ranks have joined, so they
         run concurrently with the trainer's own join; any engine's failure is raised at once."""
         if self.group is not None:
@@ -109,9 +140,10 @@ class DistributedTransport(WeightTransport):
             raise ValueError("engines: need at least one engine")
         port = self.master_port if self.master_port is not None else free_port(
             self.master_address)
-        world_size = 1 + len(engines)
+        offsets = rank_offsets(engines)
+        world_size = offsets[-1]
         joins = [spawn(checked, e, "init_weights_update_group", self.master_address, port,
-                       i + 1, world_size, group_name=self.group_name, backend=self.backend)
+                       offsets[i], world_size, group_name=self.group_name, backend=self.backend)
                  for i, e in enumerate(engines)]
         own = spawn(join_update_group, self.master_address, port, 0, world_size,
                     self.group_name, self.backend, self.timeout_s)
@@ -120,10 +152,11 @@ class DistributedTransport(WeightTransport):
         try:
             self.group = call_all([*joins, own], self.timeout_s)[-1]
         except GroupIncompleteError as e:
-            engines_missing = [f"engine {r - 1} (rank {r})" for r in e.missing if r > 0]
+            engines_missing = [f"engine {_owner(offsets, r)} (rank {r})" for r in e.missing
+                               if r > 0]
             raise WeightSyncError(f"{e}; never joined: {', '.join(engines_missing) or '?'}"
                                   ) from None
-        self.port, self.world_size = port, world_size
+        self.port, self.world_size, self.num_engines = port, world_size, len(engines)
 
     def close(self, engines: Sequence[Any]) -> None:
         """Destroy the group on every engine, then drop the trainer's side."""
@@ -150,8 +183,8 @@ class DistributedTransport(WeightTransport):
         if self.broken:
             raise WeightSyncError(f"the weight-update group is out of step ({self.broken}); "
                                   "close() and create a new one")
-        if len(engines) + 1 != self.world_size:
-            raise ValueError(f"engines: the group was made for {self.world_size - 1} engine(s), "
+        if len(engines) != self.num_engines:
+            raise ValueError(f"engines: the group was made for {self.num_engines} engine(s), "
                              f"got {len(engines)}")
         on_device = [(n, t.detach().to(self.device)) for n, t in named_tensors]
         if self.bucket_bytes is None:

@@ -176,13 +176,15 @@ def test_sglang_spellings_are_converted() -> None:
                        "1", "--enable-memory-saver", "--attention-backend", "triton",
                        "--load-format", "dummy", "--skip-tokenizer-init"]) == {
         "model_path": "/m", "enable_memory_saver": True, "attention_backend": "triton"}
+    assert parse_args([*base, "--data-parallel-size", "2", "--load-balance-method",
+                       "total_requests"]) == {
+        "model_path": "/m", "dp_size": 2, "load_balance_method": "total_requests"}
     assert parse_size("25.6k") == 25600 and parse_size("2Ki") == 2048 and parse_size("7") == 7
 
 
 @pytest.mark.parametrize("argv,named", [
     (["--tp-size", "2"], "--tp-size 2: rollout_engine serves one model replica"),
     (["--tensor-parallel-size", "4"], "--tp-size 4"),
-    (["--dp-size", "2"], "--dp-size 2"),
     (["--nnodes", "2"], "--nnodes 2"),
     (["--enable-lora"], "--enable-lora True: LoRA adapters are not implemented"),
     (["--quantization", "fp8"], "--quantization 'fp8'"),
