@@ -170,28 +170,55 @@ def _sample_one_pass(ops: Any, logits: torch.Tensor, sb: SamplingBatch, greedy: 
 def _penalty_csr(logits: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor
                  ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``sb.penalties`` of ``rows`` as the kernel takes them: (offsets, ids, penalised logits)
-    by kernel row, bans (-inf) after the penalties of their row so that they win."""
+    by kernel row, bans (-inf) after the penalties of their row so that they win. The
+    scheduler lists both by row already (``build_sampling_batch``): then nothing is sorted."""
     pen = sb.penalties
     if pen is None:
         return None
-    b, n = logits.shape[0], rows.numel()
-    where = torch.full((b,), -1, dtype=torch.int64)
-    where[rows] = torch.arange(n)
+    b, vocab = logits.shape
+    n = rows.numel()
     parts = []
     if pen.rows.numel():
-        parts.append((pen.rows, pen.ids, _penalised(logits[pen.rows, pen.ids], pen)))
+        x = logits.view(-1).index_select(0, pen.rows * vocab + pen.ids)
+        parts.append((pen.rows, pen.ids, _penalised(x, pen)))
     if pen.banned is not None:
         parts.append((*pen.banned, torch.full(pen.banned[1].shape, float("-inf"))))
     if not parts:
         return None
-    at, ids, values = (torch.cat(p) for p in zip(*parts))
-    at = where[at]
-    keep = at >= 0
-    at, ids, values = at[keep], ids[keep], values[keep]
-    at, order = at.sort(stable=True)
+    if n < b:   # batch rows -> kernel rows, dropping the rows the kernel does not sample
+        where = torch.full((b,), -1, dtype=torch.int64)
+        where[rows] = torch.arange(n)
+        kept = []
+        for at, ids, values in parts:
+            at = where[at]
+            keep = at >= 0
+            kept.append((at[keep], ids[keep], values[keep]))
+        parts = kept
+    return _merge_by_row(parts, n)
+
+
+def _merge_by_row(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], n: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CSR over ``n`` rows of the ``(row, id, value)`` entries of ``parts``: within a row, the
+    first part's entries, then the next part's, each in its own order. Parts listed by row
+    (as the scheduler builds them) are placed without a sort."""
+    counts = [torch.bincount(at, minlength=n) for at, _, _ in parts]
     offsets = torch.zeros(n + 1, dtype=torch.int64)
-    offsets[1:] = torch.bincount(at, minlength=n).cumsum(0)
-    return offsets, ids[order].contiguous(), values[order].to(torch.float32).contiguous()
+    offsets[1:] = sum(counts).cumsum(0)  # type: ignore[union-attr]
+    total = int(offsets[-1])
+    ids_out = torch.empty(total, dtype=torch.int64)
+    values_out = torch.empty(total, dtype=torch.float32)
+    base = offsets[:-1].clone()
+    for (at, ids, values), count in zip(parts, counts):
+        if not bool((at[1:] >= at[:-1]).all()):
+            at, order = at.sort(stable=True)
+            ids, values = ids[order], values[order]
+        first = count.cumsum(0) - count          # where each row starts within this part
+        pos = base[at] + torch.arange(at.numel()) - first[at]
+        ids_out[pos] = ids
+        values_out[pos] = values.to(torch.float32)
+        base += count
+    return offsets, ids_out, values_out
 
 
 def _penalised(x: torch.Tensor, pen: Penalties) -> torch.Tensor:

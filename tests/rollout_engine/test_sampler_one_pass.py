@@ -162,3 +162,24 @@ def test_a_banned_token_is_never_drawn_even_holding_the_mass():
     assert 7 not in out.token_ids
     want = -math.log(math.exp(30.0) + vocab - 1)        # the unpenalised row's logprob
     assert out.logprobs == pytest.approx([want] * n, abs=1e-5)
+
+
+def test_penalty_entries_merge_by_row_with_bans_last():
+    """The kernel's CSR: per row the penalty entries, then the bans (a ban of a penalised id
+    wins); parts out of row order are placed all the same."""
+    from rollout_engine.sampler import _merge_by_row
+
+    pens = (torch.tensor([0, 0, 2, 1]), torch.tensor([5, 6, 7, 8]),
+            torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    bans = (torch.tensor([0, 2]), torch.tensor([6, 9]), torch.full((2,), float("-inf")))
+    offsets, ids, values = _merge_by_row([pens, bans], 3)
+    assert offsets.tolist() == [0, 3, 4, 6]
+    assert ids.tolist() == [5, 6, 6, 8, 7, 9]
+    assert values.tolist() == [1.0, 2.0, float("-inf"), 4.0, 3.0, float("-inf")]
+    vocab = 12
+    logits = torch.zeros(3, vocab)
+    logits[0, 6] = 50.0                       # penalised to 2.0, then banned
+    sb = batch(3, vocab, 1.0)
+    t, _ = OPS.sample_rows(logits, torch.ones(3), sb.min_ps, sb.uniforms,
+                           torch.ones(3, dtype=torch.uint8), (offsets, ids, values))
+    assert t.tolist() == [5, 8, 7]            # greedy over the patched rows
