@@ -205,6 +205,9 @@ def _merge_by_row(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], 
     counts = [torch.bincount(at, minlength=n) for at, _, _ in parts]
     offsets = torch.zeros(n + 1, dtype=torch.int64)
     offsets[1:] = sum(counts).cumsum(0)  # type: ignore[union-attr]
+    if len(parts) == 1 and bool((parts[0][0][1:] >= parts[0][0][:-1]).all()):
+        _, ids, values = parts[0]            # already in place
+        return offsets, ids.contiguous(), values.to(torch.float32).contiguous()
     total = int(offsets[-1])
     ids_out = torch.empty(total, dtype=torch.int64)
     values_out = torch.empty(total, dtype=torch.float32)

@@ -183,3 +183,20 @@ def test_penalty_entries_merge_by_row_with_bans_last():
     t, _ = OPS.sample_rows(logits, torch.ones(3), sb.min_ps, sb.uniforms,
                            torch.ones(3, dtype=torch.uint8), (offsets, ids, values))
     assert t.tolist() == [5, 8, 7]            # greedy over the patched rows
+
+
+def test_a_penalty_that_moves_the_mass_keeps_the_unpenalised_logprob():
+    """A large positive bias (a negative frequency penalty) makes its token the whole sampling
+    mass: the normaliser of the unpenalised row is then recomputed, not patched."""
+    vocab, n = 300, 6
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(2))
+    pen = Penalties(rows=torch.arange(n), ids=torch.full((n,), 11),
+                    bias=torch.full((n,), 40.0))
+    sb = batch(n, vocab, [1.0, 0.8, 1.0, 1.3, 0.0, 1.0], penalties=pen)
+    out = sample(logits.clone(), sb)
+    assert out.token_ids == [11] * n
+    ref = sample_reference(logits.clone(), sb)
+    assert out.token_ids == ref.token_ids
+    t = torch.where(sb.temperatures > 0, sb.temperatures, torch.ones(n)).double()
+    want = torch.log_softmax(logits.double() / t[:, None], -1)[:, 11]
+    assert (torch.tensor(out.logprobs).double() - want).abs().max() < 2e-6

@@ -197,8 +197,10 @@ inline double hsum16(v16f a) {
   return s;
 }
 
+// m_out / sum_out (may be null): the row's max(x / t) and sum of exp(x / t - max).
 void sample_row(const float* x, int64_t v, float t, float min_p, double u, bool greedy,
-                float* e, float* blocks, int64_t* token, float* logprob) {
+                float* e, float* blocks, int64_t* token, float* logprob,
+                float* m_out = nullptr, double* sum_out = nullptr) {
   const bool scale = t != 1.0f;
   const int64_t full = v / 16 * 16;
   // the raw max, then its first index (ties: the lowest id, as torch.argmax)
@@ -287,6 +289,8 @@ void sample_row(const float* x, int64_t v, float t, float min_p, double u, bool 
   const float xt = scale ? x[tok] / t : x[tok];
   *token = tok;
   *logprob = (xt - m) - static_cast<float>(std::log(sum));
+  if (m_out) *m_out = m;
+  if (sum_out) *sum_out = sum;
 }
 
 // log_softmax(x / t)[tok], computed as sample_row computes it.
@@ -345,10 +349,29 @@ int rollout_engine_sample_rows_f32(const float* logits, int64_t rows, int64_t v,
       }
       patched.assign(x, x + v);
       for (int64_t k = p0; k < p1; ++k) patched[static_cast<size_t>(pen_ids[k])] = pen_values[k];
-      float unused;
+      float unused, m;
+      double sum;
       sample_row(patched.data(), v, temps[r], min_ps[r], uniforms[r], greedy[r] != 0,
-                 scratch.data(), blocks.data(), tokens + r, &unused);
-      logprobs[r] = logprob_of(x, v, temps[r], tokens[r]);
+                 scratch.data(), blocks.data(), tokens + r, &unused, &m, &sum);
+      // the unpenalised normaliser from the penalised one: swap each patched entry's term
+      // back (relative to the same m); a full pass only if that would cancel badly
+      const float t = temps[r];
+      auto term = [&](float value) {
+        return value == -INFINITY ? 0.0 : std::exp(static_cast<double>(value / t - m));
+      };
+      double removed = 0.0, added = 0.0;
+      for (int64_t k = p0; k < p1; ++k) {
+        const size_t id = static_cast<size_t>(pen_ids[k]);
+        if (patched[id] == x[id]) continue;   // unchanged, or already swapped back
+        removed += term(patched[id]);
+        added += term(x[id]);
+        patched[id] = x[id];
+      }
+      const double s_orig = sum - removed + added;
+      const int64_t tok = tokens[r];
+      const double lp = static_cast<double>(x[tok] / t - m) - std::log(s_orig);
+      logprobs[r] = removed < 0.5 * sum && s_orig > 0.0 ? static_cast<float>(lp)
+                                                        : logprob_of(x, v, t, tok);
     }
   });
   return 0;
