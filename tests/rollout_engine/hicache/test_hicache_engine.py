@@ -171,3 +171,16 @@ def test_flags_as_sglang_names_them(paths):
                                      **{field: value})
     with pytest.raises(ValueError, match="hicache_storage_backend"):
         EngineConfig.from_kwargs(model_path=paths[0], hicache_storage_backend="file")
+
+
+def test_process_engine_writes_l3_before_it_exits(paths, make_engine, tmp_path):
+    flags = dict(max_total_tokens=POOL, hicache_storage_backend="file",
+                 hicache_storage_dir=str(tmp_path), **HICACHE)
+    prompt = _long_prompt(4)
+    child = make_engine(paths[0], scheduler_mode="process", **flags)
+    ref = child.generate(input_ids=prompt, sampling_params=GREEDY)
+    child.shutdown()                      # the child flushes its writer on Shutdown
+    assert len(list(tmp_path.rglob("*.kv"))) == len(prompt) // 64
+    out = make_engine(paths[0], **flags).generate(input_ids=prompt, sampling_params=GREEDY)
+    assert out["meta_info"]["cached_tokens"] == 128
+    assert out["output_ids"] == ref["output_ids"]
