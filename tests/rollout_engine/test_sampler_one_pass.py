@@ -200,3 +200,44 @@ def test_a_penalty_that_moves_the_mass_keeps_the_unpenalised_logprob():
     t = torch.where(sb.temperatures > 0, sb.temperatures, torch.ones(n)).double()
     want = torch.log_softmax(logits.double() / t[:, None], -1)[:, 11]
     assert (torch.tensor(out.logprobs).double() - want).abs().max() < 2e-6
+
+
+@pytest.mark.parametrize("top_k", [2, 7, 50, 499])
+@pytest.mark.parametrize("temperature,min_p", [(1.0, 0.0), (0.6, 0.05)])
+def test_top_k_rows_in_the_kernel_equal_the_reference(top_k, temperature, min_p):
+    vocab, n = 500, 32
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(top_k)) * 3
+    sb = batch(n, vocab, temperature, min_p=min_p, top_k=top_k)
+    out, ref = sample(logits, sb), sample_reference(logits, sb)
+    assert out.token_ids == ref.token_ids
+    assert out.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+    kept = logits.topk(top_k, dim=-1).indices
+    assert all(t in kept[i].tolist() for i, t in enumerate(out.token_ids))
+
+
+def test_top_k_ties_at_the_cut_keep_the_lowest_ids():
+    """k = 3 over [5, 1, 1, 1, 1, ...]: the kept set is {0, 1, 2} (a stable sort's), never the
+    later ids of the tied group, whatever the uniform."""
+    vocab, n = 40, 2000
+    row = torch.zeros(vocab)
+    row[0] = 5.0
+    row[1:6] = 1.0
+    logits = row.expand(n, -1).contiguous()
+    sb = batch(n, vocab, 1.0, top_k=3)
+    sb.uniforms = torch.linspace(0, 1 - 1e-12, n, dtype=torch.float64)
+    out = sample(logits, sb)
+    assert set(out.token_ids) == {0, 1, 2}
+    assert out.token_ids == sample_reference(logits, sb).token_ids
+
+
+def test_penalised_top_k_rows_take_the_reference_path():
+    """Top-k is cut on the penalised logits: such rows stay on the reference path, and the
+    batch still equals the reference."""
+    vocab, n = 200, 8
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(1)) * 2
+    best = logits.argmax(dim=-1)
+    pen = Penalties(rows=torch.arange(n), ids=best, bias=torch.full((n,), -20.0))
+    sb = batch(n, vocab, 1.0, top_k=[1, 3, 3, 3, vocab, vocab, 5, 5], penalties=pen)
+    out, ref = sample(logits.clone(), sb), sample_reference(logits.clone(), sb)
+    assert out.token_ids == ref.token_ids
+    assert all(t != int(b) for t, b in zip(out.token_ids, best))

@@ -197,10 +197,14 @@ inline double hsum16(v16f a) {
   return s;
 }
 
+// Top-k (tau > -inf): only entries x > tau are sampled, and the first `ties` entries x == tau
+// in id order (tau the k-th largest logit: the set a stable descending sort keeps).
 // m_out / sum_out (may be null): the row's max(x / t) and sum of exp(x / t - max).
 void sample_row(const float* x, int64_t v, float t, float min_p, double u, bool greedy,
-                float* e, float* blocks, int64_t* token, float* logprob,
-                float* m_out = nullptr, double* sum_out = nullptr) {
+                float* e, float* blocks, int64_t* token, float* logprob, float tau = -INFINITY,
+                int64_t ties = 0, float* m_out = nullptr, double* sum_out = nullptr) {
+  const bool topk = tau > -INFINITY && !greedy;
+  const v16f tauv = splat16(tau);
   const bool scale = t != 1.0f;
   const int64_t full = v / 16 * 16;
   // the raw max, then its first index (ties: the lowest id, as torch.argmax)
@@ -235,12 +239,14 @@ void sample_row(const float* x, int64_t v, float t, float min_p, double u, bool 
   for (int64_t i = 0; i < full; i += 16) {
     v16f xi;
     std::memcpy(&xi, x + i, sizeof xi);
+    const v16f raw = xi;
     if (scale) xi = xi / tv;
     v16f ei = exp16_nonpos(xi - mv);
     ei = xi == ninf ? zero : ei;   // a banned (-inf) token: probability 0, not ~1e-38
     acc += ei;
     if (!greedy) {
       ei = ei < cutv ? zero : ei;
+      if (topk) ei = raw > tauv ? ei : zero;   // the tied entries come back below
       std::memcpy(e + i, &ei, sizeof ei);
       kept += ei;
     }
@@ -259,9 +265,29 @@ void sample_row(const float* x, int64_t v, float t, float min_p, double u, bool 
     const float ei = x[i] == -INFINITY ? 0.0f : std::exp((scale ? x[i] / t : x[i]) - m);
     sum += ei;
     e[i] = ei < cut ? 0.0f : ei;
+    if (topk && !(x[i] > tau)) e[i] = 0.0f;
     tail += e[i];
   }
   if (nb * kBlock < v) blocks[nb++] = tail;
+  // top-k: the first `ties` entries equal to tau, in id order, are kept too
+  for (int64_t i = 0; topk && ties > 0 && i < v; i += 16) {
+    const int64_t end = i + 16 < v ? i + 16 : v;
+    if (end - i == 16) {
+      v16f xi;
+      std::memcpy(&xi, x + i, sizeof xi);
+      const v16i eq = xi == tauv;
+      int32_t any = 0;
+      for (int j = 0; j < 16; ++j) any |= eq[j];
+      if (any == 0) continue;
+    }
+    for (int64_t j = i; j < end && ties > 0; ++j) {
+      if (!(x[j] == tau)) continue;
+      --ties;
+      const float ej = std::exp((scale ? x[j] / t : x[j]) - m);
+      e[j] = ej < cut ? 0.0f : ej;
+      blocks[j / kBlock] += e[j];
+    }
+  }
   int64_t tok = arg;
   if (!greedy) {
     double total = 0.0;
@@ -328,12 +354,14 @@ extern "C" {
 // temperature t (> 0), min-p, uniform u (double) and greedy flag (uint8). Penalties (pen_offsets
 // null: none): row r samples from its logits with entries pen_ids[k] set to pen_values[k] for k
 // in [pen_offsets[r], pen_offsets[r + 1]) (penalised logits; -inf bans), later entries winning;
-// its logprob stays that of the unpenalised row.
+// its logprob stays that of the unpenalised row. Top-k (taus null: none; a penalised row must
+// have none): taus[r] / ties[r] as sample_row takes them.
 int rollout_engine_sample_rows_f32(const float* logits, int64_t rows, int64_t v, int64_t ld,
                                    const float* temps, const float* min_ps,
                                    const double* uniforms, const uint8_t* greedy,
                                    const int64_t* pen_offsets, const int64_t* pen_ids,
-                                   const float* pen_values, int64_t* tokens, float* logprobs) {
+                                   const float* pen_values, const float* taus,
+                                   const int64_t* ties, int64_t* tokens, float* logprobs) {
   at::parallel_for(0, rows, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> scratch(static_cast<size_t>(v));
     std::vector<float> blocks(static_cast<size_t>(v / kBlock + 1));
@@ -344,7 +372,8 @@ int rollout_engine_sample_rows_f32(const float* logits, int64_t rows, int64_t v,
       const int64_t p1 = pen_offsets ? pen_offsets[r + 1] : 0;
       if (p0 == p1) {
         sample_row(x, v, temps[r], min_ps[r], uniforms[r], greedy[r] != 0, scratch.data(),
-                   blocks.data(), tokens + r, logprobs + r);
+                   blocks.data(), tokens + r, logprobs + r, taus ? taus[r] : -INFINITY,
+                   ties ? ties[r] : 0);
         continue;
       }
       patched.assign(x, x + v);
@@ -352,7 +381,7 @@ int rollout_engine_sample_rows_f32(const float* logits, int64_t rows, int64_t v,
       float unused, m;
       double sum;
       sample_row(patched.data(), v, temps[r], min_ps[r], uniforms[r], greedy[r] != 0,
-                 scratch.data(), blocks.data(), tokens + r, &unused, &m, &sum);
+                 scratch.data(), blocks.data(), tokens + r, &unused, -INFINITY, 0, &m, &sum);
       // the unpenalised normaliser from the penalised one: swap each patched entry's term
       // back (relative to the same m); a full pass only if that would cancel badly
       const float t = temps[r];
