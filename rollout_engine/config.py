@@ -60,6 +60,7 @@ class EngineConfig:
     hicache_storage_dir: Optional[str] = None
     hicache_storage_max_gb: float = 16.0
     hicache_storage_block_tokens: int = 64
+    hicache_storage_flush: bool = False   # ours: a cache flush also deletes our own L3 blocks
     random_seed: Optional[int] = None   # None: a fresh seed per engine (get_server_info)
     # structured output (json_schema / regex / ebnf / structural_tag): "xgrammar" | "none"
     grammar_backend: str = "xgrammar"
@@ -254,6 +255,8 @@ def _check_hicache(c: EngineConfig, bad: Any) -> None:
             f"({c.page_size}), got {c.hicache_storage_block_tokens}")
     if c.enable_hierarchical_cache and c.disable_radix_cache:
         bad("enable_hierarchical_cache", "needs the radix cache (drop disable_radix_cache)")
+    if c.hicache_storage_flush and c.hicache_storage_backend is None:
+        bad("hicache_storage_flush", "needs hicache_storage_backend")
     if c.hicache_storage_backend is not None and not c.enable_hierarchical_cache:
         bad("hicache_storage_backend", "needs enable_hierarchical_cache")
 

@@ -53,6 +53,8 @@ HELP: dict[str, str] = {
                            "$SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR or /tmp/hicache).",
     "hicache_storage_max_gb": "Size bound of the file storage tier; LRU blocks are deleted.",
     "hicache_storage_block_tokens": "Tokens per storage block (a multiple of --page-size).",
+    "hicache_storage_flush": "Every cache flush (flush_cache, a refit's flush, sleeping with "
+                             "kv_cache) also deletes the storage blocks this engine wrote.",
     "grammar_backend": "Structured output (json_schema / regex / ebnf / structural_tag): "
                        "xgrammar, or none to refuse every constraint with a 400.",
     "constrained_json_disable_any_whitespace": "JSON under a schema is compact: no whitespace "

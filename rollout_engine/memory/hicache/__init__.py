@@ -50,7 +50,8 @@ def create_prefix_cache(config: Any, allocator: PageAllocator, kv_pool: KVPool,
         storage = StorageTier(backend, host, lambda: prefix + weights_fingerprint(model),
                               config.hicache_storage_block_tokens,
                               config.hicache_storage_prefetch_policy)
-    return HiRadixCache(allocator, host, config.hicache_write_policy, storage, page_size=ps)
+    return HiRadixCache(allocator, host, config.hicache_write_policy, storage, page_size=ps,
+                        flush_storage=config.hicache_storage_flush)
 
 
 def model_identity(config: Any, kv_pool: KVPool) -> bytes:

@@ -57,7 +57,8 @@ class HiRadixCache(RadixCache):
     """Radix cache whose evicted pages live on in host memory (and storage, if given)."""
 
     def __init__(self, allocator: object, host: HostKVPool, write_policy: str = "write_through",
-                 storage: Optional[StorageTier] = None, page_size: int = 1) -> None:
+                 storage: Optional[StorageTier] = None, page_size: int = 1,
+                 flush_storage: bool = False) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"hicache_write_policy must be one of {WRITE_POLICIES}, "
                              f"got {write_policy!r}")
@@ -66,6 +67,7 @@ class HiRadixCache(RadixCache):
         self.host = host
         self.write_policy = write_policy
         self.storage = storage
+        self.flush_storage_on_reset = flush_storage   # reset also deletes our L3 blocks
         self.stats = HiCacheStats()
         self._pinned: set[int] = set()     # host-only nodes a load in progress must keep
 
@@ -234,6 +236,8 @@ class HiRadixCache(RadixCache):
         self.host.allocator.reset()
         if self.storage is not None:
             self.storage.forget_before(None)
+            if self.flush_storage_on_reset:
+                self.storage.delete_own()
 
     # ---- sizes, memory, integrity -------------------------------------------------------------
 

@@ -67,6 +67,11 @@ class Prefetcher:
                 self._staged_bytes -= len(data)
             return data
 
+    def drop_staged(self) -> None:
+        with self._lock:
+            self._staged.clear()
+            self._staged_bytes = 0
+
     def wait_idle(self) -> None:
         """Until every submitted job has been read (tests, shutdown)."""
         self._queue.join()

@@ -65,6 +65,10 @@ class HiCacheStorage(ABC):
         """Store ``data`` under ``key`` atomically; False if it could not be stored."""
 
     @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the block under ``key`` if present (readers then miss it)."""
+
+    @abstractmethod
     def clear(self) -> None:
         """Remove every block this store can see."""
 
@@ -126,6 +130,9 @@ class FileStorage(HiCacheStorage):
         if over:
             self._evict()
         return True
+
+    def delete(self, key: str) -> None:
+        _remove(self._path(key))
 
     def clear(self) -> None:
         for path, _, _ in self._entries():
@@ -192,6 +199,7 @@ class StorageWriter:
         self._queue: queue.Queue[Optional[tuple[str, bytes]]] = queue.Queue(max_queued)
         self.bytes_written = 0
         self.num_dropped = 0
+        self.written: set[str] = set()   # keys this writer stored (read only after flush())
         self._thread = threading.Thread(target=self._run, name="hicache-writer", daemon=True)
         self._thread.start()
 
@@ -217,6 +225,7 @@ class StorageWriter:
                 key, data = item
                 if self.storage.set(key, data):
                     self.bytes_written += len(data)
+                    self.written.add(key)
             finally:
                 self._queue.task_done()
 

@@ -184,6 +184,18 @@ class StorageTier:
                 "storage_fetches": self.num_fetches,
                 "storage_fetch_seconds": self.fetch_seconds}
 
+    def delete_own(self) -> int:
+        """Delete every block this engine wrote (a flush that asks for it); returns how many.
+        Blocks other engines wrote stay, as do ours that another engine also wrote."""
+        self.flush()
+        written = self.writer.written
+        for key in written:
+            self.storage.delete(key)
+        num = len(written)
+        written.clear()
+        self.prefetcher.drop_staged()
+        return num
+
     def flush(self) -> None:
         """Until every queued write is stored and every queued prefetch read."""
         self.writer.flush()

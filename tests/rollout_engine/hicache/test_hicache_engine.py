@@ -184,3 +184,23 @@ def test_process_engine_writes_l3_before_it_exits(paths, make_engine, tmp_path):
     out = make_engine(paths[0], **flags).generate(input_ids=prompt, sampling_params=GREEDY)
     assert out["meta_info"]["cached_tokens"] == 128
     assert out["output_ids"] == ref["output_ids"]
+
+
+@pytest.mark.parametrize("flush_storage", [False, True])
+def test_flush_cache_deletes_own_l3_blocks_only_by_flag(paths, make_engine, tmp_path,
+                                                        flush_storage):
+    from rollout_engine.memory.hicache.storage import FileStorage, block_keys
+
+    foreign = block_keys(b"another engine", list(range(64)), 64, 1)[0]
+    FileStorage(str(tmp_path), 1 << 20).set(foreign, b"their block")
+    engine = make_engine(paths[0], max_total_tokens=POOL, hicache_storage_backend="file",
+                         hicache_storage_dir=str(tmp_path), hicache_storage_flush=flush_storage,
+                         **HICACHE)
+    prompt = _long_prompt(5)
+    engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert engine.flush_cache()
+    names = {p.stem for p in tmp_path.rglob("*.kv")}
+    assert foreign in names                            # never another engine's
+    assert len(names) == (1 if flush_storage else 1 + len(prompt) // 64)
+    out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert out["meta_info"]["cached_tokens"] == (0 if flush_storage else 128)
