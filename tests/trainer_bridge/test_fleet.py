@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.trainer_bridge.conftest import PROBE, assert_same_rollouts, rollouts
+from tests.trainer_bridge.test_client_live import client_rollouts, served  # noqa: F401
 from trainer_bridge import FleetRefitError, RolloutFleet
 from trainer_bridge.bucketing import nbytes, state_dict_items
 
@@ -80,6 +81,29 @@ def test_sleep_wake_pause_fan_out(engine_on_w1, peer_on_w1, w2):
     for e in engines:
         assert_same_rollouts(rollouts(e), w2.expected)
         e.check_integrity()
+
+
+def test_a_fleet_of_a_server_and_a_data_parallel_engine(served, engine_on_w1, w1_w2,  # noqa: F811
+                                                        w2):
+    """One broadcast to a server (through RolloutClient) and a --dp-size 2 engine: the group
+    has 1 + 1 + 2 ranks, every rank lands on W2."""
+    from rollout_engine import Engine
+
+    client, _ = served
+    dp2 = Engine(model_path=w1_w2[0], dtype="float32", device="cpu", scheduler_mode="thread",
+                 dp_size=2, weight_update_group_timeout=TIMEOUT_S)
+    try:
+        with RolloutFleet([client, dp2], bucket_bytes=BUCKET, timeout_s=TIMEOUT_S) as fleet:
+            report = fleet.refit(w2.model, version="fleet-dp")
+            assert report.versions == {0: "fleet-dp", 1: "fleet-dp"}
+            assert fleet.syncer is not None and fleet.syncer.transport.world_size == 4
+        assert_same_rollouts(client_rollouts(client), w2.expected)
+        assert_same_rollouts(rollouts(dp2), w2.expected)
+        assert [r["weight_version"] for r in dp2.get_server_info()["dp_results"]] == [
+            "fleet-dp", "fleet-dp"]
+        dp2.check_integrity()
+    finally:
+        dp2.shutdown()
 
 
 class KilledOnBucket:
