@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -15,7 +16,7 @@ import pytest
 
 from tests.trainer_bridge.conftest import PROBE, assert_same_rollouts, rollouts
 from tests.trainer_bridge.test_client_live import client_rollouts, served  # noqa: F401
-from trainer_bridge import FleetRefitError, RolloutFleet
+from trainer_bridge import FleetError, FleetRefitError, RolloutFleet
 from trainer_bridge.bucketing import nbytes, state_dict_items
 
 BUCKET = 64 << 10   # several buckets of the ~420 KB tiny model
@@ -45,10 +46,12 @@ def peer_on_w1(peer: Any, w1: Any) -> Any:
     return peer
 
 
-@pytest.mark.parametrize("bucket_bytes", [None, BUCKET])
-def test_one_broadcast_refits_every_engine(engine_on_w1, peer_on_w1, w2, bucket_bytes):
+@pytest.mark.parametrize("transport,bucket_bytes", [
+    ("distributed", None), ("distributed", BUCKET), ("tensor", BUCKET), ("disk", None)])
+def test_one_broadcast_refits_every_engine(engine_on_w1, peer_on_w1, w2, transport,
+                                           bucket_bytes):
     engines = [engine_on_w1, peer_on_w1]
-    with RolloutFleet(engines, transport="distributed", bucket_bytes=bucket_bytes,
+    with RolloutFleet(engines, transport=transport, bucket_bytes=bucket_bytes,
                       timeout_s=TIMEOUT_S) as fleet:
         report = fleet.refit(w2.model, version="step-1")
         assert report.ok and report.versions == {0: "step-1", 1: "step-1"}
@@ -104,6 +107,54 @@ def test_a_fleet_of_a_server_and_a_data_parallel_engine(served, engine_on_w1, w1
         dp2.check_integrity()
     finally:
         dp2.shutdown()
+
+
+class Hung:
+    """An engine whose calls block until `release` is set (a wedged server)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def release_memory_occupation(self, tags: Any = None) -> dict[str, Any]:
+        self.release.wait()
+        return {"bytes_freed": 0}
+
+    def get_weight_version(self) -> str:
+        self.release.wait()
+        return "w1"
+
+
+class Quick:
+    def release_memory_occupation(self, tags: Any = None) -> dict[str, Any]:
+        return {"bytes_freed": 7}
+
+
+def test_a_hung_engine_is_reported_within_the_timeout():
+    hung = Hung()
+    fleet = RolloutFleet([Quick(), hung], timeout_s=0.5)
+    try:
+        start = time.perf_counter()
+        with pytest.raises(FleetError, match="engine 1: sleep did not answer within 0.5 s") \
+                as caught:
+            fleet.sleep()
+        assert time.perf_counter() - start < 5
+        quick, stuck = caught.value.report.engines
+        assert quick.ok and quick.answer == {"bytes_freed": 7} and not stuck.ok
+        assert fleet.weight_versions().versions == {0: None, 1: None}   # neither answers
+    finally:
+        hung.release.set()
+        fleet.close()
+
+
+def test_bad_arguments_name_the_field(peer_on_w1):
+    with pytest.raises(ValueError, match="engines"):
+        RolloutFleet([])
+    with pytest.raises(ValueError, match="transport"):
+        RolloutFleet([peer_on_w1], transport="carrier-pigeon")
+    with pytest.raises(ValueError, match="timeout_s"):
+        RolloutFleet([peer_on_w1], timeout_s=0)
+    with RolloutFleet([peer_on_w1]) as fleet, pytest.raises(ValueError, match="version"):
+        fleet.refit([], version="")
 
 
 class KilledOnBucket:
