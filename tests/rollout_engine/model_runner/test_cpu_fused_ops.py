@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_engine.model_runner.attention import cpu_fused
+from rollout_engine.model_runner.attention import cpu_fused, cpu_kernels
 from rollout_engine.models import layers
 from rollout_engine.models.layers import RotaryEmbedding, rms_norm_ref, silu_mul_ref
 
@@ -113,3 +113,11 @@ def test_layers_take_the_fused_path(ops) -> None:
     torch.testing.assert_close(new_res, res + x, atol=0, rtol=0)
     torch.testing.assert_close(out, rms_norm_ref(res + x, norm.weight, 1e-6), atol=2e-6,
                                rtol=1e-6)
+
+
+def test_a_library_of_another_abi_is_refused():
+    """A stale build (here: a library without the ABI marker) is never called with this
+    source's signatures."""
+    other = cpu_kernels.build_library(cpu_kernels.SOURCE, "rollout_engine_paged_decode")
+    with pytest.raises(RuntimeError, match="ABI None, expected"):
+        cpu_fused.FusedOps(other)

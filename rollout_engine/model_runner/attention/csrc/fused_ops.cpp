@@ -90,6 +90,10 @@ inline void scale_row(const float* x, const float* w, float r, float* out, int64
 
 extern "C" {
 
+// Bumped whenever an entry point's arguments change: cpu_fused.py refuses a library built from
+// another version (a stale cache) instead of calling it with the wrong arguments.
+int rollout_engine_fused_ops_abi() { return 2; }
+
 // x [rows, n] (row stride x_stride) -> out [rows, n] contiguous.
 int rollout_engine_rmsnorm_f32(const float* x, const float* w, float* out, int64_t rows,
                                int64_t n, int64_t x_stride, float eps) {
