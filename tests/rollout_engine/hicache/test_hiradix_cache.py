@@ -189,3 +189,17 @@ def test_pinned_host_tier_round_trip_cuda():
     assert match.host_hit_len == 16
     assert torch.equal(pool.k_buffers[1][match.slots.cuda()], want)
     cache.check_integrity()
+
+
+def test_weights_fingerprint_sees_one_changed_element():
+    from torch import nn
+
+    from rollout_engine.memory.hicache import weights_fingerprint
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 300), nn.Linear(300, 7)).to(torch.bfloat16)
+    first = weights_fingerprint(model)
+    assert weights_fingerprint(model) == first
+    with torch.no_grad():
+        model[0].weight[17, 5] += 1.0        # not one of the strided samples
+    assert weights_fingerprint(model) != first
