@@ -5,7 +5,8 @@ one scheduler expects (so SGLang clients of ``/update_weights_*``, ``/get_weight
     success     every replica succeeded; else the first failure (status and message,
                 prefixed "dp rank i: "), the other replicas' answers still under dp_results
     dict result replica 0's, plus ``dp_results`` (each replica's dict), counters summed
-                (``SUMMED``), and for get_server_info ``dp_internal_states``
+                (``SUMMED``, and the ``stats`` / ``hicache`` tables /metrics reads), and for
+                get_server_info ``dp_internal_states``
     get_load    the list of every replica's LoadReport (the load routes list one per rank)
     other       (a WeightSlice, None) replica 0's: the replicas hold the same weights
 """
@@ -24,11 +25,30 @@ SUMMED = ("bytes_freed", "num_running_reqs", "num_waiting_reqs", "kv_free_tokens
 """Counters that mean "over the whole server" when added up."""
 
 
+COUNTER_TABLES = ("stats", "hicache")
+"""get_server_info's tables of counters (what /metrics reports): summed entry by entry."""
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _sum_table(tables: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    merged = dict(tables[0])
+    for key, value in merged.items():
+        if _number(value) and all(_number(t.get(key)) for t in tables):
+            merged[key] = sum(t[key] for t in tables)
+    return merged
+
+
 def _merge_dicts(method: str, results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     merged = dict(results[0])
     for key in SUMMED:
         if all(isinstance(r.get(key), int) for r in results):
             merged[key] = sum(r[key] for r in results)
+    for key in COUNTER_TABLES:
+        if all(isinstance(r.get(key), dict) for r in results):
+            merged[key] = _sum_table([r[key] for r in results])
     if method == "get_server_info":
         merged["dp_internal_states"] = [r.get("internal_state") for r in results]
         merged["dp_size"] = len(results)

@@ -88,9 +88,13 @@ def test_a_grpo_group_stays_on_one_replica(policy, dp2, dp2_cache_aware):
 
 
 def test_loads_and_server_info_report_each_replica(dp2):
+    dp2.generate(input_ids=PROMPTS[:2], sampling_params=GREEDY)   # one to each replica
     info = dp2.get_server_info()
     assert info["dp_size"] == 2 and len(info["internal_states"]) == 2
     assert len(info["dp_results"]) == 2
+    for key in ("prompt_tokens", "decode_tokens", "forward_passes"):   # /metrics reads these
+        assert info["stats"][key] == sum(r["stats"][key] for r in info["dp_results"])
+    assert info["stats"]["prompt_tokens"] > info["dp_results"][0]["stats"]["prompt_tokens"]
     for client in app_client(dp2):
         loads = client.get("/get_load").json()
         assert [x["dp_rank"] for x in loads] == [0, 1]
