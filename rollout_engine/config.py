@@ -82,6 +82,7 @@ class EngineConfig:
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
     speculative_max_batch_size: int = 8   # ours: larger decode batches run without speculation
+    speculative_draft_model_path: Optional[str] = None   # STANDALONE's draft (same tokenizer)
     # RL control plane
     enable_weights_cpu_backup: bool = False
     # SGLang's flag, reported by get_server_info (slime checks it against its own setting);

@@ -52,8 +52,8 @@ UNSUPPORTED = {
     "pd": "prefill/decode disaggregation is not implemented",
     "lora": "LoRA adapters are not implemented",
     "quant": "quantized weights and KV caches are not implemented (the model runs in --dtype)",
-    "spec": "speculative decoding: only --speculative-algorithm NGRAM is implemented (no draft "
-            "models)",
+    "spec": "speculative decoding: --speculative-algorithm NGRAM and STANDALONE (a draft model) "
+            "are implemented; EAGLE / MTP drafts are not",
     "embed": "only generative models are served",
     "offload": "offloading weights to the CPU is not implemented",
     "": "rollout_engine does not implement this SGLang option",
@@ -174,7 +174,7 @@ def _stream_output(flag: SglangFlag, value: Any, given: Mapping[str, Any],
 
 def _speculative_algorithm(flag: SglangFlag, value: Any, given: Mapping[str, Any],
                            ours: Mapping[str, Any]) -> dict[str, Any]:
-    if value is not None and str(value).upper() != "NGRAM":
+    if value is not None and str(value).upper() not in ("NGRAM", "STANDALONE"):
         raise UnsupportedFlagError(flag, value, UNSUPPORTED["spec"])
     return {"speculative_algorithm": value}
 

@@ -496,7 +496,7 @@ speculative_domino_candidate_pool_size       int     2048                 defaul
 speculative_draft_attention_backend          str     None                 default
 speculative_draft_kv_cache_dtype             str     None                 default
 speculative_draft_load_format                str     None                 default
-speculative_draft_model_path                 str     None                 default:spec
+speculative_draft_model_path                 str     None                 ours
 speculative_draft_model_quantization         str     None                 default
 speculative_draft_model_revision             str     None                 default
 speculative_draft_sink_size                  int     None                 default

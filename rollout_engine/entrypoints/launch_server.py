@@ -70,7 +70,9 @@ HELP: dict[str, str] = {
     "cuda_graph_max_bs": "Largest decode batch captured in a CUDA graph.",
     "num_threads": "torch CPU threads of the scheduler process.",
     "speculative_algorithm": "NGRAM: speculative decoding with proposals from each request's own "
-                             "tokens, verified in one forward (outputs and logprobs exact).",
+                             "tokens; STANDALONE: from a small draft model; verified in one "
+                             "forward (outputs and logprobs exact).",
+    "speculative_draft_model_path": "STANDALONE's draft model directory (same tokenizer).",
     "speculative_num_steps": "Proposals per step when --speculative-num-draft-tokens is not "
                              "given (draft tokens = steps + 1).",
     "speculative_num_draft_tokens": "Tokens per verify forward: the last token plus this many "

@@ -1,10 +1,12 @@
 """The speculative-decoding flags of ``EngineConfig``, checked and resolved in one place.
 
-SGLang's names: ``speculative_algorithm`` (``NGRAM`` here; SGLang's others need a draft
-model), ``speculative_num_draft_tokens`` (tokens per verify forward: the last accepted token plus
+SGLang's names: ``speculative_algorithm`` (``NGRAM``: proposals from the request's own tokens;
+``STANDALONE``: a small draft model, ``speculative_draft_model_path``, drafting greedily; EAGLE
+and MTP drafts are not implemented), ``speculative_num_draft_tokens`` (tokens per verify forward: the last accepted token plus
 ``num_draft_tokens - 1`` proposals; SGLang's NGRAM default is the max match window),
 ``speculative_num_steps`` (proposals per step when ``num_draft_tokens`` is not given:
-``num_draft_tokens = num_steps + 1``, SGLang's rule for chain drafts), ``speculative_eagle_topk``
+``num_draft_tokens = num_steps + 1``, SGLang's rule for chain drafts; STANDALONE defaults to
+3 steps), ``speculative_eagle_topk``
 (1: drafts are one chain), ``speculative_ngram_{min,max}_match_window_size``. Ours:
 ``speculative_max_batch_size``, above which a decode batch runs without speculation.
 
@@ -13,13 +15,15 @@ No imports from the engine: ``config.py`` calls ``check`` while it is being defi
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 __all__ = ["ALGORITHMS", "SpecOptions", "check", "normalized_algorithm"]
 
-ALGORITHMS = ("NGRAM",)
-_NEEDS_DRAFT = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "DFLASH")
+ALGORITHMS = ("NGRAM", "STANDALONE")
+_NOT_BUILT = ("EAGLE", "EAGLE3", "NEXTN", "DFLASH")
+STANDALONE_NUM_STEPS = 3
 
 
 def normalized_algorithm(value: Optional[str]) -> Optional[str]:
@@ -32,11 +36,20 @@ def check(cfg: Any) -> list[tuple[str, str]]:
     errors: list[tuple[str, str]] = []
     algo = normalized_algorithm(cfg.speculative_algorithm)
     if algo is not None and algo not in ALGORITHMS:
-        why = (f"{algo} needs a draft model, which is not implemented"
-               if algo in _NEEDS_DRAFT else "unknown algorithm")
+        why = (f"{algo} drafts (EAGLE / MTP heads) are not implemented"
+               if algo in _NOT_BUILT else "unknown algorithm")
         errors.append(("speculative_algorithm",
                        f"must be None or one of {list(ALGORITHMS)}, got {cfg.speculative_algorithm!r}"
                        f" ({why})"))
+    draft = cfg.speculative_draft_model_path
+    if algo == "STANDALONE" and draft is None:
+        errors.append(("speculative_draft_model_path", "STANDALONE needs a draft model directory"))
+    if draft is not None and algo != "STANDALONE":
+        errors.append(("speculative_draft_model_path",
+                       f"is used by speculative_algorithm STANDALONE only, got {algo!r}"))
+    if draft is not None and not os.path.isfile(os.path.join(str(draft), "config.json")):
+        errors.append(("speculative_draft_model_path",
+                       f"{draft!r} is not a Hugging Face model directory (no config.json)"))
     for name in ("speculative_num_steps", "speculative_num_draft_tokens"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
@@ -81,8 +94,10 @@ class SpecOptions:
         if algo is None:
             return None
         tokens = cfg.speculative_num_draft_tokens
-        if tokens is None:
-            tokens = (cfg.speculative_num_steps + 1 if cfg.speculative_num_steps
+        if tokens is None and cfg.speculative_num_steps:
+            tokens = cfg.speculative_num_steps + 1
+        elif tokens is None:
+            tokens = (STANDALONE_NUM_STEPS + 1 if algo == "STANDALONE"
                       else cfg.speculative_ngram_max_match_window_size)
         return cls(algo, max(tokens, 2), cfg.speculative_ngram_min_match_window_size,
                    cfg.speculative_ngram_max_match_window_size, cfg.speculative_max_batch_size)

@@ -1,10 +1,14 @@
 """The speculative decode step: propose, verify in one target forward, accept, roll back KV.
 
+Proposals come from the request's own tokens (NGRAM, ``ngram.py``) or from a draft model
+(STANDALONE, ``draft.py``: its KV lives at the target's slots, computed beside every target
+forward).
+
 ``SpeculativeScheduler`` is the ``Scheduler`` with its decode step replaced; prefill, admission,
 retraction, stops and outputs are the base class's. One step::
 
     decode batch -> switched off? (too many requests, a grammar row)  -> the plain decode step
-                 -> proposals per request (n-gram, KV slots reserved without evicting)
+                 -> proposals per request (n-gram or draft; KV slots reserved without evicting)
                  -> none at all                                       -> the plain decode step
                  -> one EXTEND forward of [last token] + proposals    (verify.py)
                  -> sample every row with the request's own uniforms, accept the agreeing prefix
@@ -31,6 +35,7 @@ from rollout_engine.sampler import sample
 from rollout_engine.scheduler.batch import ScheduleBatch, build_sampling_batch, uses_counts
 from rollout_engine.scheduler.request import Req
 from rollout_engine.scheduler.scheduler import Message, Scheduler
+from rollout_engine.speculative.draft import DraftModel, SaverWithDraft, TargetWithDraft
 from rollout_engine.speculative.ngram import NgramProposer
 from rollout_engine.speculative.options import SpecOptions
 from rollout_engine.speculative.verify import accept_walk, verify_forward_batch, verify_uniforms
@@ -58,6 +63,12 @@ class SpeculativeScheduler(Scheduler):
         super().__init__(config)
         self.spec = options
         self.proposer = NgramProposer(options.min_window, options.max_window)
+        self.draft: Optional[DraftModel] = None
+        if options.algorithm == "STANDALONE":
+            self.draft = DraftModel(config, self.runner)
+            self.runner = TargetWithDraft(self.runner, self.draft)  # type: ignore[assignment]
+            self.memory_saver = SaverWithDraft(  # type: ignore[assignment]
+                self.memory_saver, self.draft, config.enable_weights_cpu_backup)
         self.stats.update({name: 0 for name in SPEC_STATS})
 
     def handle(self, msg: Message) -> Optional[ControlResult]:
@@ -77,7 +88,7 @@ class SpeculativeScheduler(Scheduler):
             super().run_batch(batch)
             return
         self.proposer.forget({r.arrival for r in self.running})
-        drafts = [self._propose(req) for req in batch.reqs]
+        drafts = self._proposals(batch.reqs)
         if not any(drafts):   # nothing to verify: the decode kernel is the cheaper forward
             for req in batch.reqs:
                 self._count(req, 0, 0)
@@ -93,25 +104,37 @@ class SpeculativeScheduler(Scheduler):
         grammar row (the mask would have to advance inside the verify rows)."""
         return len(reqs) <= self.spec.max_batch_size and all(r.grammar is None for r in reqs)
 
-    def _propose(self, req: Req) -> list[int]:
-        """Up to ``num_draft_tokens - 1`` proposals for ``req`` whose KV slots are reserved;
-        never more than its remaining ``max_new_tokens`` / context allow, never by evicting
-        the prefix cache (a proposal is not worth a cached prefix)."""
+    def _budget(self, req: Req) -> int:
+        """How many proposals ``req`` may take: none with penalties or an unmet
+        ``min_new_tokens``; never past its ``max_new_tokens`` or the context."""
         p = req.params
         if uses_counts(req) or len(req.output_ids) < p.min_new_tokens:
-            return []
-        budget = min(self.spec.max_proposals, p.max_new_tokens - len(req.output_ids) - 1,
-                     self.runner.context_len - req.seq_len - 1)
-        draft = self.proposer.propose(req.arrival, req.all_ids, budget)
-        if not draft:
-            return []
-        need = req.kv_len + len(draft) + 1
+            return 0
+        return max(min(self.spec.max_proposals, p.max_new_tokens - len(req.output_ids) - 1,
+                       self.runner.context_len - req.seq_len - 1), 0)
+
+    def _reserve(self, req: Req, num: int) -> int:
+        """Reserve KV slots for ``num`` proposals of ``req``; returns how many fit. Never evicts
+        the prefix cache for them (a proposal is not worth a cached prefix): when the free pages
+        fall short, only what the request's own pages already hold is used."""
+        if num <= 0:
+            return 0
+        need = req.kv_len + num + 1
         pages = self.kv.pages_needed(req, need)
         if pages and not self.allocator.can_allocate(pages):
-            return draft[:max(len(req.slots) - req.kv_len - 1, 0)]   # what its own pages hold
-        if not self.kv.reserve(req, need):
-            return []
-        return draft
+            return max(min(num, len(req.slots) - req.kv_len - 1), 0)
+        return num if self.kv.reserve(req, need) else 0
+
+    def _proposals(self, reqs: list[Req]) -> list[list[int]]:
+        """Each request's proposals, their KV slots reserved."""
+        if self.draft is not None:     # STANDALONE: slots first, then the draft decodes in them
+            budgets = [self._reserve(r, self._budget(r)) for r in reqs]
+            return self.draft.propose(reqs, budgets)
+        drafts = []
+        for req in reqs:
+            draft = self.proposer.propose(req.arrival, req.all_ids, self._budget(req))
+            drafts.append(draft[:self._reserve(req, len(draft))])
+        return drafts
 
     # -- the verify step -----------------------------------------------------------------------
     def _verify(self, reqs: list[Req], drafts: list[list[int]]) -> None:
