@@ -13,13 +13,56 @@ size, extended incrementally by the tokens appended since its last proposal, so 
 
 When the earlier occurrence is close (``e + k > L``) the draft runs into its own tokens: a
 sequence that repeats with period ``L - e`` is continued by that period.
+
+``SharedNgramTable`` holds the tokens of finished requests (a GRPO prompt's earlier rounds, a
+recurring system prompt's answers), bounded to ``SHARED_CAPACITY`` entries per window, oldest
+out first. A request takes the longer of its own match and the shared one; on a tie the shared
+one (a finished sequence has already gone past the point this one is at).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Optional
 
-__all__ = ["NgramIndex", "NgramProposer"]
+__all__ = ["NgramIndex", "NgramProposer", "SharedNgramTable"]
+
+SHARED_CAPACITY = 1 << 15
+
+
+class SharedNgramTable:
+    """w-gram -> (the finished sequence it occurred in, its end position); the most recently
+    published occurrence wins."""
+
+    def __init__(self, min_window: int, max_window: int, capacity: int = SHARED_CAPACITY
+                 ) -> None:
+        self.min_window = min_window
+        self.max_window = max_window
+        self.capacity = capacity
+        self.tables: dict[int, OrderedDict[tuple[int, ...], tuple[list[int], int]]] = {
+            w: OrderedDict() for w in range(min_window, max_window + 1)}
+
+    def publish(self, ids: list[int]) -> None:
+        """Record every w-gram of the finished sequence ``ids`` that has a continuation."""
+        ids = list(ids)
+        for end in range(1, len(ids)):
+            for w, table in self.tables.items():
+                if end >= w:
+                    key = tuple(ids[end - w:end])
+                    table[key] = (ids, end)
+                    table.move_to_end(key)
+                    if len(table) > self.capacity:
+                        table.popitem(last=False)
+
+    def match(self, ids: list[int], min_window: int) -> Optional[tuple[list[int], int, int]]:
+        """(sequence, end, window) of the longest suffix of ``ids`` at least ``min_window``
+        long found here, or None."""
+        n = len(ids)
+        for w in range(min(self.max_window, n), max(self.min_window, min_window) - 1, -1):
+            hit = self.tables[w].get(tuple(ids[n - w:]))
+            if hit is not None:
+                return hit[0], hit[1], w
+        return None
 
 
 class NgramIndex:
@@ -28,12 +71,14 @@ class NgramIndex:
     Positions ``e <= indexed`` are in the tables; ``propose`` indexes every end position before
     the current one, so a look-up never finds the suffix itself."""
 
-    def __init__(self, min_window: int, max_window: int) -> None:
+    def __init__(self, min_window: int, max_window: int,
+                 shared: Optional[SharedNgramTable] = None) -> None:
         self.min_window = min_window
         self.max_window = max_window
         self.tables: dict[int, dict[tuple[int, ...], int]] = {
             w: {} for w in range(min_window, max_window + 1)}
         self.indexed = 0
+        self.shared = shared
 
     def _index_until(self, ids: list[int], end: int) -> None:
         """Add every w-gram ending at positions ``(indexed, end]``."""
@@ -49,22 +94,29 @@ class NgramIndex:
         if num_tokens <= 0 or n < self.min_window + 1:
             return []
         self._index_until(ids, n - 1)
-        start = self._match(ids)
-        if start is None:
+        own = self._match(ids)
+        shared = None if self.shared is None else self.shared.match(
+            ids, 1 if own is None else own[1])
+        if shared is not None:
+            source, end, _ = shared
+            return source[end:end + num_tokens]
+        if own is None:
             return []
+        start = own[0]
         draft: list[int] = []
         for j in range(num_tokens):
             pos = start + j
             draft.append(ids[pos] if pos < n else draft[pos - n])
         return draft
 
-    def _match(self, ids: list[int]) -> Optional[int]:
-        """End position of the latest earlier occurrence of the longest matching suffix."""
+    def _match(self, ids: list[int]) -> Optional[tuple[int, int]]:
+        """(end position, window) of the latest earlier occurrence of the longest matching
+        suffix."""
         n = len(ids)
         for w in range(min(self.max_window, n - 1), self.min_window - 1, -1):
             e = self.tables[w].get(tuple(ids[n - w:]))
             if e is not None:
-                return e
+                return e, w
         return None
 
 
@@ -81,12 +133,18 @@ class NgramProposer:
         self.min_window = min_window
         self.max_window = max_window
         self.indexes: dict[int, NgramIndex] = {}
+        self.shared = SharedNgramTable(min_window, max_window)
 
     def propose(self, key: int, ids: list[int], num_tokens: int) -> list[int]:
         index = self.indexes.get(key)
         if index is None:
-            index = self.indexes[key] = NgramIndex(self.min_window, self.max_window)
+            index = self.indexes[key] = NgramIndex(self.min_window, self.max_window,
+                                                   self.shared)
         return index.propose(ids, num_tokens)
+
+    def publish(self, ids: list[int]) -> None:
+        """A finished request's tokens join the shared table."""
+        self.shared.publish(ids)
 
     def forget(self, live: set[int]) -> None:
         """Drop the indexes of requests whose keys are not in ``live``."""

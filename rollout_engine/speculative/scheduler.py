@@ -79,6 +79,11 @@ class SpeculativeScheduler(Scheduler):
                 req.spec = SpecDecodeCounts()
         return result
 
+    def _retire(self, req: Req) -> None:
+        if self.draft is None and req.output_ids:
+            self.proposer.publish(req.all_ids)    # later requests may draft from it
+        super()._retire(req)
+
     def run_batch(self, batch: ScheduleBatch) -> None:
         if batch.mode != ForwardMode.DECODE:
             super().run_batch(batch)

@@ -42,6 +42,20 @@ def test_radix_reuse_of_speculated_sequences_stays_exact(tiny_paths: dict[str, s
     assert spec_counts([a, *b])[1] > 0
 
 
+def test_a_repeated_prompt_is_drafted_from_the_first_answer(tiny_paths: dict[str, str]) -> None:
+    """The shared n-gram table: the second request for a prompt (a GRPO prompt's next round)
+    gets the first answer as its proposals, all accepted under greedy; outputs unchanged."""
+    path = tiny_paths["llama"]
+    prompt = list(range(40, 70))        # nothing repeats in it
+    for spec in thread_engine(path, **SPEC):
+        first = run(spec, [prompt], greedy(30))[0]
+        second = run(spec, [prompt], greedy(30))[0]
+    assert second["output_ids"] == first["output_ids"]
+    m = second["meta_info"]
+    assert m["spec_accept_token_num"] == m["spec_draft_token_num"] >= 20
+    assert m["spec_verify_ct"] <= 8
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_retraction_under_a_tiny_pool_stays_exact(tiny_paths: dict[str, str],
                                                   page_size: int) -> None:

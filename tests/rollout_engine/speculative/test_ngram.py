@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout_engine.speculative.ngram import NgramIndex, NgramProposer
+from rollout_engine.speculative.ngram import NgramIndex, NgramProposer, SharedNgramTable
 
 
 def scan_match(ids: list[int], lo: int, hi: int) -> Optional[int]:
@@ -77,3 +77,20 @@ def test_proposer_keys_requests_and_forgets_them() -> None:
     assert set(prop.indexes) == {2}
     with pytest.raises(ValueError, match="n-gram windows"):
         NgramProposer(3, 2)
+
+
+def test_finished_sequences_are_shared_and_the_longer_match_wins() -> None:
+    prop = NgramProposer(1, 4)
+    prop.publish([1, 2, 3, 4, 5, 6, 7, 8])
+    assert prop.propose(1, [9, 3, 4], 3) == [5, 6, 7]      # nothing of its own: the shared one
+    assert prop.propose(2, [6, 9, 9, 6], 2) == [7, 8]       # own "6" ties shared "6": shared
+    assert prop.propose(3, [5, 8, 7, 5, 8, 7], 2) == [5, 8]   # own "5 8 7" beats shared "8"
+    assert prop.propose(4, [2, 3, 9, 2, 3], 2) == [4, 5]      # shared "2 3" ties own: shared
+
+
+def test_the_shared_table_is_bounded() -> None:
+    table = SharedNgramTable(1, 2, capacity=4)
+    table.publish(list(range(100)))
+    assert all(len(t) <= 4 for t in table.tables.values())
+    assert table.match([96, 97], 1) == (list(range(100)), 98, 2)   # the newest entries stay
+    assert table.match([5], 1) is None                              # the oldest went first

@@ -28,7 +28,7 @@ def test_abort_in_the_middle_frees_every_page(qwen2_path: str) -> None:
     for spec in thread_engine(qwen2_path, **SPEC):
         stream = spec.generate(input_ids=prompts[0], sampling_params=params, stream=True)
         got = 0
-        for chunk in stream:
+        for _chunk in stream:
             got += 1
             if got == 3:
                 break
