@@ -14,10 +14,11 @@ size, extended incrementally by the tokens appended since its last proposal, so 
 When the earlier occurrence is close (``e + k > L``) the draft runs into its own tokens: a
 sequence that repeats with period ``L - e`` is continued by that period.
 
-``SharedNgramTable`` holds the tokens of finished requests (a GRPO prompt's earlier rounds, a
-recurring system prompt's answers), bounded to ``SHARED_CAPACITY`` entries per window, oldest
-out first. A request takes the longer of its own match and the shared one; on a tie the shared
-one (a finished sequence has already gone past the point this one is at).
+``SharedNgramTable`` holds the max-window grams of finished requests (a GRPO prompt's earlier
+rounds, a recurring system prompt's answers), bounded to ``SHARED_CAPACITY`` entries, oldest out
+first: one gram per token keeps publishing cheap (~1 dict insert a token). A request whose
+suffix is found there drafts from it (a max-window match ties or beats its own; a finished
+sequence has already gone past the point this one is at).
 """
 
 from __future__ import annotations
@@ -31,38 +32,31 @@ SHARED_CAPACITY = 1 << 15
 
 
 class SharedNgramTable:
-    """w-gram -> (the finished sequence it occurred in, its end position); the most recently
-    published occurrence wins."""
+    """``window``-gram -> (the finished sequence it occurred in, its end position); the most
+    recently published occurrence wins."""
 
-    def __init__(self, min_window: int, max_window: int, capacity: int = SHARED_CAPACITY
-                 ) -> None:
-        self.min_window = min_window
-        self.max_window = max_window
+    def __init__(self, window: int, capacity: int = SHARED_CAPACITY) -> None:
+        self.window = window
         self.capacity = capacity
-        self.tables: dict[int, OrderedDict[tuple[int, ...], tuple[list[int], int]]] = {
-            w: OrderedDict() for w in range(min_window, max_window + 1)}
+        self.table: OrderedDict[tuple[int, ...], tuple[list[int], int]] = OrderedDict()
 
     def publish(self, ids: list[int]) -> None:
-        """Record every w-gram of the finished sequence ``ids`` that has a continuation."""
+        """Record every gram of the finished sequence ``ids`` that has a continuation."""
         ids = list(ids)
-        for end in range(1, len(ids)):
-            for w, table in self.tables.items():
-                if end >= w:
-                    key = tuple(ids[end - w:end])
-                    table[key] = (ids, end)
-                    table.move_to_end(key)
-                    if len(table) > self.capacity:
-                        table.popitem(last=False)
+        w, table = self.window, self.table
+        for end in range(w, len(ids)):
+            key = tuple(ids[end - w:end])
+            table[key] = (ids, end)
+            table.move_to_end(key)
+        while len(table) > self.capacity:
+            table.popitem(last=False)
 
-    def match(self, ids: list[int], min_window: int) -> Optional[tuple[list[int], int, int]]:
-        """(sequence, end, window) of the longest suffix of ``ids`` at least ``min_window``
-        long found here, or None."""
-        n = len(ids)
-        for w in range(min(self.max_window, n), max(self.min_window, min_window) - 1, -1):
-            hit = self.tables[w].get(tuple(ids[n - w:]))
-            if hit is not None:
-                return hit[0], hit[1], w
-        return None
+    def continuation(self, ids: list[int], num_tokens: int) -> list[int]:
+        """What followed the suffix of ``ids`` in a finished sequence (empty: not found)."""
+        if len(ids) < self.window:
+            return []
+        hit = self.table.get(tuple(ids[len(ids) - self.window:]))
+        return [] if hit is None else hit[0][hit[1]:hit[1] + num_tokens]
 
 
 class NgramIndex:
@@ -94,29 +88,27 @@ class NgramIndex:
         if num_tokens <= 0 or n < self.min_window + 1:
             return []
         self._index_until(ids, n - 1)
+        if self.shared is not None:
+            shared = self.shared.continuation(ids, num_tokens)
+            if shared:
+                return shared
         own = self._match(ids)
-        shared = None if self.shared is None else self.shared.match(
-            ids, 1 if own is None else own[1])
-        if shared is not None:
-            source, end, _ = shared
-            return source[end:end + num_tokens]
         if own is None:
             return []
-        start = own[0]
+        start = own
         draft: list[int] = []
         for j in range(num_tokens):
             pos = start + j
             draft.append(ids[pos] if pos < n else draft[pos - n])
         return draft
 
-    def _match(self, ids: list[int]) -> Optional[tuple[int, int]]:
-        """(end position, window) of the latest earlier occurrence of the longest matching
-        suffix."""
+    def _match(self, ids: list[int]) -> Optional[int]:
+        """End position of the latest earlier occurrence of the longest matching suffix."""
         n = len(ids)
         for w in range(min(self.max_window, n - 1), self.min_window - 1, -1):
             e = self.tables[w].get(tuple(ids[n - w:]))
             if e is not None:
-                return e, w
+                return e
         return None
 
 
@@ -133,7 +125,7 @@ class NgramProposer:
         self.min_window = min_window
         self.max_window = max_window
         self.indexes: dict[int, NgramIndex] = {}
-        self.shared = SharedNgramTable(min_window, max_window)
+        self.shared = SharedNgramTable(max_window)
 
     def propose(self, key: int, ids: list[int], num_tokens: int) -> list[int]:
         index = self.indexes.get(key)

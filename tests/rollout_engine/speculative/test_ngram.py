@@ -79,18 +79,18 @@ def test_proposer_keys_requests_and_forgets_them() -> None:
         NgramProposer(3, 2)
 
 
-def test_finished_sequences_are_shared_and_the_longer_match_wins() -> None:
-    prop = NgramProposer(1, 4)
+def test_finished_sequences_are_shared_at_the_max_window() -> None:
+    prop = NgramProposer(1, 3)
     prop.publish([1, 2, 3, 4, 5, 6, 7, 8])
-    assert prop.propose(1, [9, 3, 4], 3) == [5, 6, 7]      # nothing of its own: the shared one
-    assert prop.propose(2, [6, 9, 9, 6], 2) == [7, 8]       # own "6" ties shared "6": shared
-    assert prop.propose(3, [5, 8, 7, 5, 8, 7], 2) == [5, 8]   # own "5 8 7" beats shared "8"
-    assert prop.propose(4, [2, 3, 9, 2, 3], 2) == [4, 5]      # shared "2 3" ties own: shared
+    assert prop.propose(1, [9, 2, 3, 4], 3) == [5, 6, 7]    # its max-window suffix was seen
+    assert prop.propose(2, [9, 3, 4], 3) == []               # "3 4" is shorter: not shared
+    assert prop.propose(3, [2, 3, 4, 9, 2, 3, 4], 2) == [5, 6]   # shared beats its own "2 3 4"
+    assert prop.propose(4, [7, 7, 7, 7], 2) == [7, 7]        # no shared match: its own
 
 
 def test_the_shared_table_is_bounded() -> None:
-    table = SharedNgramTable(1, 2, capacity=4)
+    table = SharedNgramTable(2, capacity=4)
     table.publish(list(range(100)))
-    assert all(len(t) <= 4 for t in table.tables.values())
-    assert table.match([96, 97], 1) == (list(range(100)), 98, 2)   # the newest entries stay
-    assert table.match([5], 1) is None                              # the oldest went first
+    assert len(table.table) == 4
+    assert table.continuation([96, 97], 2) == [98, 99]      # the newest entries stay
+    assert table.continuation([5, 6], 2) == []               # the oldest went first
