@@ -170,32 +170,12 @@ def _sample_one_pass(ops: Any, logits: torch.Tensor, sb: SamplingBatch, greedy: 
         return (t if whole else t.index_select(0, rows)).contiguous()
 
     t = pick(sb.temperatures)
-    x = pick(logits)
-    g = pick(greedy.to(torch.uint8))
-    return ops.sample_rows(x, torch.where(t > 0, t, torch.ones_like(t)), pick(sb.min_ps),
-                           pick(sb.uniforms.to(torch.float64)), g,
-                           _penalty_csr(logits, sb, rows), _top_k_cuts(x, pick(sb.top_ks), g))
-
-
-def _top_k_cuts(x: torch.Tensor, top_ks: torch.Tensor, greedy: torch.Tensor
-                ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """(taus, ties) of the top-k rows of ``x``: the k-th largest logit and how many entries
-    equal to it stay (the lowest ids, as a stable descending sort keeps them); tau -inf for
-    the others; None when no row is capped."""
-    n, vocab = x.shape
-    capped = ((top_ks < vocab) & (greedy == 0)).nonzero().squeeze(1)
-    if capped.numel() == 0:
-        return None
-    k = top_ks.index_select(0, capped)
-    rows = x if capped.numel() == n else x.index_select(0, capped)
-    vals = rows.topk(int(k.max()), dim=-1).values   # descending
-    tau = vals.gather(1, (k - 1)[:, None])
-    above = (vals > tau).sum(dim=-1)           # every entry above tau is among the first k
-    taus = torch.full((n,), float("-inf"))
-    ties = torch.zeros(n, dtype=torch.int64)
-    taus[capped] = tau.squeeze(1)
-    ties[capped] = k - above
-    return taus, ties
+    top_ks = pick(sb.top_ks)
+    capped = bool((top_ks < logits.shape[1]).any())
+    return ops.sample_rows(pick(logits), torch.where(t > 0, t, torch.ones_like(t)),
+                           pick(sb.min_ps), pick(sb.uniforms.to(torch.float64)),
+                           pick(greedy.to(torch.uint8)), _penalty_csr(logits, sb, rows),
+                           top_ks.clamp(min=1) if capped else None)
 
 
 def _penalty_csr(logits: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor

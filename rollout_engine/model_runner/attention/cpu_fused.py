@@ -33,7 +33,7 @@ class FusedOps:
     """The compiled library; each method checks what the C side cannot (dtype, device, shapes,
     strides) and raises ValueError rather than read out of bounds."""
 
-    ABI = 2   # rollout_engine_fused_ops_abi() of the source these signatures describe
+    ABI = 3   # rollout_engine_fused_ops_abi() of the source these signatures describe
 
     def __init__(self, library_path: str) -> None:
         lib = ctypes.CDLL(library_path)
@@ -47,7 +47,7 @@ class FusedOps:
                "rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64],
                "silu_mul": [_P, _P, _I64, _I64],
                "sample_rows": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P,
-                               _P, _P]}
+                               _P]}
         self._fns = {}
         for name, args in sig.items():
             fn = getattr(lib, f"rollout_engine_{name}_f32")
@@ -115,16 +115,16 @@ class FusedOps:
     def sample_rows(self, logits: torch.Tensor, temperatures: torch.Tensor,
                     min_ps: torch.Tensor, uniforms: torch.Tensor, greedy: torch.Tensor,
                     penalties: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-                    top_k: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                    top_ks: Optional[torch.Tensor] = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row of ``logits`` ``[B, V]`` (rows may be strided): the token (argmax where
         ``greedy``, else inverse CDF of ``softmax(x / T)`` after min-p at ``uniforms``) and its
         ``log_softmax(x / T)``. ``temperatures`` ``[B]`` > 0 (1 for greedy). ``penalties``:
         (offsets ``[B + 1]``, ids, values) in CSR by row: the token is chosen from the row with
         those logits replaced (-inf bans; a later entry wins), the logprob from the row as is.
-        ``top_k``: (taus ``[B]`` float32, ties ``[B]`` int64): a row samples only logits above
-        its tau and the first ``ties`` equal to it, in id order (-inf: the whole row); a row
-        with penalties must have tau -inf."""
+        ``top_ks`` ``[B]`` int64 (>= 1): a row samples only its k largest logits (ties at the
+        cut: the lowest ids, as a stable descending sort keeps them); k >= V keeps the row; a
+        row with penalties must keep its row."""
         self._check(logits, temperatures, min_ps)
         b, v = logits.shape if logits.dim() == 2 else (0, 0)
         ok = (logits.dim() == 2 and logits.stride(1) == 1 and v > 0
@@ -149,19 +149,17 @@ class FusedOps:
                 raise ValueError("sample_rows: penalties must be CSR (offsets [B + 1], ids in "
                                  "[0, V), float32 values)")
             ptrs = (offsets.data_ptr(), ids.data_ptr(), values.data_ptr())
-        cut = (None, None)
-        if top_k is not None:
-            taus, ties = top_k
-            if not (taus.shape == ties.shape == (b,) and taus.dtype == torch.float32
-                    and ties.dtype == torch.int64 and taus.is_contiguous()
-                    and ties.is_contiguous()):
-                raise ValueError("sample_rows: top_k must be (taus [B] float32, ties [B] int64)")
-            cut = (taus.data_ptr(), ties.data_ptr())
+        cut = None
+        if top_ks is not None:
+            if not (top_ks.shape == (b,) and top_ks.dtype == torch.int64
+                    and top_ks.is_contiguous() and bool((top_ks >= 1).all())):
+                raise ValueError("sample_rows: top_ks must be [B] int64, each >= 1")
+            cut = top_ks.data_ptr()
         tokens = torch.empty(b, dtype=torch.int64)
         logprobs = torch.empty(b, dtype=torch.float32)
         self._fns["sample_rows"](logits.data_ptr(), b, v, logits.stride(0),
                                  temperatures.data_ptr(), min_ps.data_ptr(), uniforms.data_ptr(),
-                                 greedy.data_ptr(), *ptrs, *cut, tokens.data_ptr(),
+                                 greedy.data_ptr(), *ptrs, cut, tokens.data_ptr(),
                                  logprobs.data_ptr())
         return tokens, logprobs
 

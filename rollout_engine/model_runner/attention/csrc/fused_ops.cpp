@@ -17,6 +17,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <queue>
 #include <vector>
 
 namespace {
@@ -92,7 +94,7 @@ extern "C" {
 
 // Bumped whenever an entry point's arguments change: cpu_fused.py refuses a library built from
 // another version (a stale cache) instead of calling it with the wrong arguments.
-int rollout_engine_fused_ops_abi() { return 2; }
+int rollout_engine_fused_ops_abi() { return 3; }
 
 // x [rows, n] (row stride x_stride) -> out [rows, n] contiguous.
 int rollout_engine_rmsnorm_f32(const float* x, const float* w, float* out, int64_t rows,
@@ -199,6 +201,40 @@ inline double hsum16(v16f a) {
   double s = 0.0;
   for (int j = 0; j < 16; ++j) s += a[j];
   return s;
+}
+
+// The k-th largest of x[0:v) (with multiplicity) and how many of the k largest equal it: a
+// min-heap of the k largest so far, touched only by entries above its minimum (for unsorted
+// logits, ~k ln(v / k) of them), the rest skipped 16 at a time.
+void kth_largest(const float* x, int64_t v, int64_t k, float* tau, int64_t* ties) {
+  std::priority_queue<float, std::vector<float>, std::greater<float>> heap;
+  const int64_t full = v / 16 * 16;
+  for (int64_t i = 0; i < v; i += 16) {
+    if (i < full && static_cast<int64_t>(heap.size()) == k) {
+      v16f xi;
+      std::memcpy(&xi, x + i, sizeof xi);
+      const v16i above = xi > splat16(heap.top());
+      int32_t any = 0;
+      for (int j = 0; j < 16; ++j) any |= above[j];
+      if (any == 0) continue;
+    }
+    const int64_t end = i + 16 < v ? i + 16 : v;
+    for (int64_t j = i; j < end; ++j) {
+      if (static_cast<int64_t>(heap.size()) < k) {
+        heap.push(x[j]);
+      } else if (x[j] > heap.top()) {
+        heap.pop();
+        heap.push(x[j]);
+      }
+    }
+  }
+  *tau = heap.top();
+  int64_t equal = 0;
+  while (!heap.empty() && heap.top() == *tau) {
+    ++equal;
+    heap.pop();
+  }
+  *ties = equal;
 }
 
 // Top-k (tau > -inf): only entries x > tau are sampled, and the first `ties` entries x == tau
@@ -358,14 +394,14 @@ extern "C" {
 // temperature t (> 0), min-p, uniform u (double) and greedy flag (uint8). Penalties (pen_offsets
 // null: none): row r samples from its logits with entries pen_ids[k] set to pen_values[k] for k
 // in [pen_offsets[r], pen_offsets[r + 1]) (penalised logits; -inf bans), later entries winning;
-// its logprob stays that of the unpenalised row. Top-k (taus null: none; a penalised row must
-// have none): taus[r] / ties[r] as sample_row takes them.
+// its logprob stays that of the unpenalised row. Top-k (top_ks null: none; k >= v: none; a
+// penalised row must have none): only row r's top_ks[r] largest logits, ties by lowest id.
 int rollout_engine_sample_rows_f32(const float* logits, int64_t rows, int64_t v, int64_t ld,
                                    const float* temps, const float* min_ps,
                                    const double* uniforms, const uint8_t* greedy,
                                    const int64_t* pen_offsets, const int64_t* pen_ids,
-                                   const float* pen_values, const float* taus,
-                                   const int64_t* ties, int64_t* tokens, float* logprobs) {
+                                   const float* pen_values, const int64_t* top_ks,
+                                   int64_t* tokens, float* logprobs) {
   at::parallel_for(0, rows, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> scratch(static_cast<size_t>(v));
     std::vector<float> blocks(static_cast<size_t>(v / kBlock + 1));
@@ -375,9 +411,11 @@ int rollout_engine_sample_rows_f32(const float* logits, int64_t rows, int64_t v,
       const int64_t p0 = pen_offsets ? pen_offsets[r] : 0;
       const int64_t p1 = pen_offsets ? pen_offsets[r + 1] : 0;
       if (p0 == p1) {
+        float tau = -INFINITY;
+        int64_t ties = 0;
+        if (top_ks && top_ks[r] < v && greedy[r] == 0) kth_largest(x, v, top_ks[r], &tau, &ties);
         sample_row(x, v, temps[r], min_ps[r], uniforms[r], greedy[r] != 0, scratch.data(),
-                   blocks.data(), tokens + r, logprobs + r, taus ? taus[r] : -INFINITY,
-                   ties ? ties[r] : 0);
+                   blocks.data(), tokens + r, logprobs + r, tau, ties);
         continue;
       }
       patched.assign(x, x + v);
