@@ -350,7 +350,7 @@ class _ParsedPayloads:
     each storage's checks (byte budget, manager socket, shm file size) run again on every read,
     and the tree is materialized afresh."""
 
-    SIZE = 8
+    SIZE = 256   # a refit of a large model in small buckets sends hundreds of payloads
 
     def __init__(self) -> None:
         self._trees: OrderedDict[tuple[Any, ...], tuple[Any, list[ShmStorage]]] = OrderedDict()
