@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Hashable, Iterator, Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -317,10 +317,16 @@ class RadixCache(BasePrefixCache):
     def _walk(
         self, ns_root: TreeNode, key: tuple[int, ...]
     ) -> tuple[TreeNode, int, list[torch.Tensor]]:
+        """``_walk_path``, as (deepest matched node, matched length, slots)."""
+        path, pos = self._walk_path(ns_root, key)
+        return (path[-1] if path else ns_root), pos, [n.value for n in path]
+
+    def _walk_path(self, ns_root: TreeNode, key: tuple[int, ...]) -> tuple[list[Any], int]:
         """Follow `key` from `ns_root`, touching every node on the way and splitting the last one
-        if the match ends inside it. Returns (deepest matched node, matched length, slots)."""
+        if the match ends inside it. Returns (the matched nodes in order, matched length)."""
         now = next(self._clock)
-        node, pos, values = ns_root, 0, []
+        node, pos = ns_root, 0
+        path: list[Any] = []
         while pos < len(key):
             child = node.children.get(self._child_key(key, pos))
             if child is None:
@@ -330,12 +336,12 @@ class RadixCache(BasePrefixCache):
             if ends_inside:
                 child = self._split(child, common)
             child.last_access = now
-            values.append(child.value)
+            path.append(child)
             pos += common
             node = child
             if ends_inside:
                 break
-        return node, pos, values
+        return path, pos
 
     def _split(self, node: TreeNode, split_len: int) -> TreeNode:
         """Cut `node` after split_len tokens; the new upper part is returned and `node` (whose

@@ -276,29 +276,6 @@ class HiRadixCache(RadixCache):
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _walk_path(self, ns_root: TreeNode, key: tuple[int, ...]
-                   ) -> tuple[list[HiTreeNode], int]:
-        """Matched nodes from ``ns_root`` along ``key`` (the last split so it ends at the match),
-        each touched; returns (path, matched length)."""
-        now = next(self._clock)
-        node, pos = ns_root, 0
-        path: list[HiTreeNode] = []
-        while pos < len(key):
-            child = node.children.get(self._child_key(key, pos))
-            if child is None:
-                break
-            common = self._common_len(child.key, key, pos)
-            ends_inside = common < len(child.key)
-            if ends_inside:
-                child = self._split(child, common)
-            child.last_access = now
-            path.append(child)  # type: ignore[arg-type]
-            pos += common
-            node = child
-            if ends_inside:
-                break
-        return path, pos
-
     def _split(self, node: TreeNode, split_len: int) -> TreeNode:
         assert isinstance(node, HiTreeNode) and node.parent is not None
         parent = node.parent
