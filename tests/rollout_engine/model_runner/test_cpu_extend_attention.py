@@ -31,7 +31,7 @@ def _batch(gen: torch.Generator, reqs: list[tuple[int, int, int]], hq: int, hkv:
     free = iter(torch.randperm(num_slots, generator=gen).tolist())
     shared: dict[int, list[int]] = {}
     rows, out_loc = [], []
-    for b, (prefix, ext, group) in enumerate(reqs):
+    for prefix, ext, group in reqs:
         if group and group in shared:
             head = shared[group][:prefix]
         else:
