@@ -61,6 +61,8 @@ class RadixCache(BasePrefixCache):
     `allocator` needs only `free(slots: torch.Tensor)`; every call passes whole pages.
     """
 
+    node_cls: type[TreeNode] = TreeNode   # the class of the nodes this tree makes
+
     def __init__(self, allocator: object, page_size: int = 1) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -95,18 +97,10 @@ class RadixCache(BasePrefixCache):
     def insert(
         self, token_ids: Sequence[int], slots: torch.Tensor, namespace: CacheNamespace
     ) -> int:
-        if slots.dim() != 1 or slots.numel() != len(token_ids):
-            raise ValueError(
-                f"insert needs one slot per token: got {len(token_ids)} tokens and slots of "
-                f"shape {tuple(slots.shape)}"
-            )
-        key = self._page_aligned(token_ids)
-        if not key:
+        start = self._insert_start(token_ids, slots, namespace)
+        if start is None:
             return 0
-        ns_root = self.root.children.get(namespace)
-        if ns_root is None:
-            ns_root = TreeNode((), empty_slots(), self.root)
-            self.root.children[namespace] = ns_root
+        key, ns_root = start
         node, prefix_len, _ = self._walk(ns_root, key)
         if prefix_len < len(key):
             leaf = TreeNode(
@@ -313,6 +307,24 @@ class RadixCache(BasePrefixCache):
             if node_key[i : i + ps] != key[start + i : start + i + ps]:
                 return i
         return n - n % ps
+
+    def _insert_start(self, token_ids: Sequence[int], slots: torch.Tensor,
+                      namespace: CacheNamespace) -> Optional[tuple[tuple[int, ...], TreeNode]]:
+        """An insert's page-aligned key and namespace root (made if new; its node class is
+        ``node_cls``), or None when no whole page is given. Raises on a slot count mismatch."""
+        if slots.dim() != 1 or slots.numel() != len(token_ids):
+            raise ValueError(
+                f"insert needs one slot per token: got {len(token_ids)} tokens and slots of "
+                f"shape {tuple(slots.shape)}"
+            )
+        key = self._page_aligned(token_ids)
+        if not key:
+            return None
+        ns_root = self.root.children.get(namespace)
+        if ns_root is None:
+            ns_root = self.node_cls((), empty_slots(), self.root)
+            self.root.children[namespace] = ns_root
+        return key, ns_root
 
     def _walk(
         self, ns_root: TreeNode, key: tuple[int, ...]

@@ -56,6 +56,8 @@ class HiTreeNode(TreeNode):
 class HiRadixCache(RadixCache):
     """Radix cache whose evicted pages live on in host memory (and storage, if given)."""
 
+    node_cls = HiTreeNode
+
     def __init__(self, allocator: object, host: HostKVPool, write_policy: str = "write_through",
                  storage: Optional[StorageTier] = None, page_size: int = 1,
                  flush_storage: bool = False) -> None:
@@ -98,7 +100,7 @@ class HiRadixCache(RadixCache):
         if ns_root is None:
             if self.storage is None:
                 return MatchResult(empty_slots(), self.root)
-            ns_root = HiTreeNode((), empty_slots(), self.root)
+            ns_root = self.node_cls((), empty_slots(), self.root)
             self.root.children[namespace] = ns_root
         path, pos = self._walk_path(ns_root, key)
         self._pinned = {id(n) for n in path}   # host eviction keeps this path meanwhile
@@ -150,16 +152,10 @@ class HiRadixCache(RadixCache):
                namespace: CacheNamespace) -> int:
         """As RadixCache.insert; host-only nodes on the path take the caller's fresh slots
         (their KV was just recomputed), so P is the device prefix before them."""
-        if slots.dim() != 1 or slots.numel() != len(token_ids):
-            raise ValueError(f"insert needs one slot per token: got {len(token_ids)} tokens and "
-                             f"slots of shape {tuple(slots.shape)}")
-        key = self._page_aligned(token_ids)
-        if not key:
+        start = self._insert_start(token_ids, slots, namespace)
+        if start is None:
             return 0
-        ns_root = self.root.children.get(namespace)
-        if ns_root is None:
-            ns_root = HiTreeNode((), empty_slots(), self.root)
-            self.root.children[namespace] = ns_root
+        key, ns_root = start
         path, pos = self._walk_path(ns_root, key)
         device = _device_prefix(path)
         present = sum(len(n.key) for n in device)
