@@ -150,11 +150,11 @@ def _one_pass_rows(logits: torch.Tensor, sb: SamplingBatch, mask: Optional[Token
     # whose cut is on the penalised logits
     ok = ~truncated | (sb.top_ps >= 1)
     if sb.penalties is not None:
-        capped = sb.top_ks < logits.shape[1]
-        for rows_of in (sb.penalties.rows, sb.penalties.banned[0]
-                        if sb.penalties.banned is not None else None):
-            if rows_of is not None and rows_of.numel():
-                ok[rows_of] &= ~capped[rows_of] | greedy_rows(sb)[rows_of]
+        penalised = torch.zeros_like(ok)
+        penalised[sb.penalties.rows] = True
+        if sb.penalties.banned is not None:
+            penalised[sb.penalties.banned[0]] = True
+        ok &= ~(penalised & truncated)
     if mask is not None and mask.rows:
         ok[torch.tensor(mask.rows, dtype=torch.int64)] = False
     rows = ok.nonzero().squeeze(1)
