@@ -194,15 +194,18 @@ class Engine:
                                  torch_empty_cache: bool = False, keep_pause: bool = False,
                                  recapture_cuda_graph: bool = False, token_step: int = 0,
                                  manifest: Optional[dict[str, Any]] = None,
-                                 pp_rank: Optional[int] = None) -> tuple[bool, str]:
+                                 pp_rank: Optional[int] = None, selector: Optional[str] = None,
+                                 draft_model_path: Optional[str] = None) -> tuple[bool, str]:
         """Reload every weight from a checkpoint directory; ``weight_version`` is left
-        unchanged unless given (SGLang)."""
+        unchanged unless given (SGLang). ``selector`` / ``draft_model_path``: a STANDALONE
+        draft's refit (``speculative/draft_refit.py``)."""
         return self._update("update_weights_from_disk", model_path=model_path,
                             load_format=load_format, weight_version=weight_version,
                             flush_cache=flush_cache, abort_all_requests=abort_all_requests,
                             is_async=is_async, torch_empty_cache=torch_empty_cache,
                             keep_pause=keep_pause, recapture_cuda_graph=recapture_cuda_graph,
-                            token_step=token_step, manifest=manifest, pp_rank=pp_rank)
+                            token_step=token_step, manifest=manifest, pp_rank=pp_rank,
+                            selector=selector, draft_model_path=draft_model_path)
 
     def update_weights_from_tensor(self, named_tensors: Any, load_format: Optional[str] = None,
                                    flush_cache: bool = True,
@@ -210,7 +213,8 @@ class Engine:
                                    abort_all_requests: bool = False,
                                    disable_draft_model: Optional[bool] = None,
                                    torch_empty_cache: bool = False,
-                                   pp_rank: Optional[int] = None) -> tuple[bool, str]:
+                                   pp_rank: Optional[int] = None,
+                                   selector: Optional[str] = None) -> tuple[bool, str]:
         """``named_tensors``: (name, tensor) pairs, a FlattenedBucket (or a list of them) for
         ``load_format="flattened_bucket"``, or already-serialized payload strings. Tensors travel
         as handles (shared memory / CUDA IPC); keep them unmodified until this returns. A
@@ -226,7 +230,8 @@ class Engine:
                             load_format=load_format, flush_cache=flush_cache,
                             weight_version=weight_version, abort_all_requests=abort_all_requests,
                             disable_draft_model=disable_draft_model,
-                            torch_empty_cache=torch_empty_cache, pp_rank=pp_rank)
+                            torch_empty_cache=torch_empty_cache, pp_rank=pp_rank,
+                            selector=selector)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
@@ -244,7 +249,8 @@ class Engine:
                                         weight_version: Optional[str] = None, *,
                                         abort_all_requests: bool = False,
                                         torch_empty_cache: bool = False,
-                                        pp_rank: Optional[int] = None) -> tuple[bool, str]:
+                                        pp_rank: Optional[int] = None,
+                                        selector: Optional[str] = None) -> tuple[bool, str]:
         """Receive one broadcast from rank 0 of ``group_name``: the tensors (or, with
         ``load_format="flattened_bucket"``, their bytes back to back) in the declared
         ``dtypes`` (names or torch dtypes); floating ones are cast into the parameters."""
@@ -253,7 +259,8 @@ class Engine:
                             shapes=[list(s) for s in shapes], group_name=group_name,
                             load_format=load_format, flush_cache=flush_cache,
                             weight_version=weight_version, abort_all_requests=abort_all_requests,
-                            torch_empty_cache=torch_empty_cache, pp_rank=pp_rank)
+                            torch_empty_cache=torch_empty_cache, pp_rank=pp_rank,
+                            selector=selector)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group"
                                      ) -> tuple[bool, str]:

@@ -35,15 +35,16 @@ DISK_FIELDS = {
     "model_path": REQUIRED, "load_format": None, "abort_all_requests": False,
     "weight_version": None, "is_async": False, "torch_empty_cache": False, "keep_pause": False,
     "recapture_cuda_graph": False, "token_step": 0, "flush_cache": True, "manifest": None,
-    "pp_rank": None}
+    "pp_rank": None, "selector": None, "draft_model_path": None}
 TENSOR_FIELDS = {
     "serialized_named_tensors": REQUIRED, "load_format": None, "flush_cache": True,
     "abort_all_requests": False, "weight_version": None, "disable_draft_model": None,
-    "torch_empty_cache": False, "pp_rank": None}
+    "torch_empty_cache": False, "pp_rank": None, "selector": None}
 DISTRIBUTED_FIELDS = {
     "names": REQUIRED, "dtypes": REQUIRED, "shapes": REQUIRED,
     "group_name": "weight_update_group", "flush_cache": True, "abort_all_requests": False,
-    "weight_version": None, "load_format": None, "torch_empty_cache": False, "pp_rank": None}
+    "weight_version": None, "load_format": None, "torch_empty_cache": False, "pp_rank": None,
+    "selector": None}
 INIT_GROUP_FIELDS = {
     "master_address": REQUIRED, "master_port": REQUIRED, "rank_offset": REQUIRED,
     "world_size": REQUIRED, "group_name": "weight_update_group", "backend": "nccl"}

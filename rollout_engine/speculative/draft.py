@@ -10,8 +10,9 @@ radix-cache hit is a hit for both.
 
 Sleep and wake: ``SaverWithDraft`` releases and restores the draft's weights and KV with the
 target's tags; draft weights that come back without a CPU backup are reloaded from the draft's
-checkpoint (a fixed draft needs no refit). Refits address the target only: the draft is not
-refit (a stale draft costs acceptance, not exactness).
+checkpoint (its startup one or its last disk refit's). Refits reach the draft by SGLang's
+``selector`` and a ``draft.`` name prefix (``draft_refit.py``); a stale draft costs acceptance,
+never exactness.
 
 Drafting is greedy (the draft's argmax, ``num_steps`` decode steps): each proposal is a point
 mass, so ``verify.py``'s rule is exact rejection sampling whatever the draft is; a bad or stale

@@ -36,6 +36,7 @@ from rollout_engine.scheduler.batch import ScheduleBatch, build_sampling_batch, 
 from rollout_engine.scheduler.request import Req
 from rollout_engine.scheduler.scheduler import Message, Scheduler
 from rollout_engine.speculative.draft import DraftModel, SaverWithDraft, TargetWithDraft
+from rollout_engine.speculative.draft_refit import DraftRLControl
 from rollout_engine.speculative.ngram import NgramProposer
 from rollout_engine.speculative.options import SpecOptions
 from rollout_engine.speculative.verify import accept_walk, verify_forward_batch, verify_uniforms
@@ -69,6 +70,7 @@ class SpeculativeScheduler(Scheduler):
             self.runner = TargetWithDraft(self.runner, self.draft)  # type: ignore[assignment]
             self.memory_saver = SaverWithDraft(  # type: ignore[assignment]
                 self.memory_saver, self.draft, config.enable_weights_cpu_backup)
+            self.rl = DraftRLControl(self, self.draft)   # refits address the draft too
         self.stats.update({name: 0 for name in SPEC_STATS})
 
     def handle(self, msg: Message) -> Optional[ControlResult]:
