@@ -55,7 +55,9 @@ class EngineResult:
 @dataclass(frozen=True)
 class FleetReport:
     """A fleet call: wall `seconds` for all engines, `bytes` sent once by the trainer (refits),
-    and one `EngineResult` per engine, in the fleet's order."""
+    and one `EngineResult` per engine, in the fleet's order. In a successful refit an engine's
+    `seconds` run from the start of the push (after any group formation) to its last update
+    call's answer: how long that engine took to receive and apply the new weights."""
 
     action: str
     seconds: float
@@ -132,6 +134,7 @@ class RolloutFleet:
             transport, bucket_bytes, master_address, master_port, backend, self.timeout_s)
         self.syncer: Optional[WeightSyncer] = None
         self.members: list[int] = []     # the engines the current syncer (group) was made for
+        self.timed: list[TimedEngine] = []   # those engines, as the syncer calls them
         self.version: Optional[str] = None   # the version the fleet serves (None: not refitted)
         self.closed = False
 
@@ -164,6 +167,12 @@ class RolloutFleet:
             else:
                 results.append(EngineResult(i, True, elapsed, answer=f.result()))
         return results
+
+    def call(self, action: str, call: Callable[[Any], Any]) -> FleetReport:
+        """`call(engine)` on every live engine at once (a thread each, bounded by `timeout_s`),
+        e.g. ``fleet.call("flush", lambda e: e.flush_cache())``; raises FleetError naming the
+        engines that failed, with every engine's answer in its report."""
+        return self._checked(action, call)
 
     def _checked(self, action: str, call: Callable[[Any], Any]) -> FleetReport:
         self._check_open()
@@ -220,14 +229,18 @@ class RolloutFleet:
             self.version = self._agreed_version()
         error: Optional[BaseException] = None
         moved = 0
+        push_start = start
         try:
-            moved = self._syncer().sync(model_or_named_tensors, version).bytes
+            syncer = self._syncer()
+            push_start = time.perf_counter()
+            moved = syncer.sync(model_or_named_tensors, version).bytes
         except Exception as e:  # noqa: BLE001 - reported per engine below
             error = e
         seconds = time.perf_counter() - start
         if error is None:
             self.version = version
-            results = [EngineResult(i, True, seconds, version=version) for i in self.members]
+            results = [EngineResult(i, True, t.seconds_since(push_start, seconds),
+                                    version=version) for i, t in zip(self.members, self.timed)]
             return self._refit_report(results, seconds, moved, version)
         return self._after_failed_refit(error, seconds, version)
 
@@ -244,14 +257,14 @@ class RolloutFleet:
             raise FleetRefitError("no engine is left in the fleet", FleetReport("refit", 0, []))
         if self.syncer is None or self.members != live:
             self._drop_syncer()
-            self.syncer = WeightSyncer([self.engines[i] for i in live],
-                                       transport=self._make_transport())
-            self.members = live
+            timed = [TimedEngine(self.engines[i]) for i in live]
+            self.syncer = WeightSyncer(timed, transport=self._make_transport())
+            self.members, self.timed = live, timed
         return self.syncer
 
     def _drop_syncer(self) -> None:
         """Tear the syncer down (destroying the group on the engines that still answer)."""
-        syncer, self.syncer, self.members = self.syncer, None, []
+        syncer, self.syncer, self.members, self.timed = self.syncer, None, [], []
         if syncer is None:
             return
         try:
@@ -336,6 +349,36 @@ class RolloutFleet:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+UPDATE_METHODS = ("update_weights_from_distributed", "update_weights_from_tensor",
+                  "update_weights_from_disk")
+
+
+class TimedEngine:
+    """An engine as the fleet's syncer sees it: the same methods, and the time its last
+    weight-update call answered (a refit's per-engine seconds)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.answered: Optional[float] = None
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.engine, name)
+        if name not in UPDATE_METHODS:
+            return attr
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            result = attr(*args, **kwargs)
+            self.answered = time.perf_counter()
+            return result
+        return timed
+
+    def seconds_since(self, start: float, default: float) -> float:
+        """Seconds from `start` to the last update answer (`default` if none came since)."""
+        if self.answered is None or self.answered < start:
+            return default
+        return self.answered - start
 
 
 def _with_version(result: EngineResult) -> EngineResult:
