@@ -36,7 +36,11 @@ def _spec_metrics(metric: Any, stats: dict[str, Any]) -> None:
             ("spec_draft_tokens", "Proposed (draft) tokens verified."),
             ("spec_accepted_tokens", "Proposed tokens the target accepted."),
             ("spec_off_steps", "Decode forwards of batches that switched speculation off "
-                               "(too many requests, or a grammar request).")):
+                               "(too many requests, or a grammar request)."),
+            ("spec_off_low_accept_rows", "Request decode steps without proposals because the "
+                                         "request's acceptance was low."),
+            ("spec_off_low_accept_steps", "Decode forwards whose every request was switched "
+                                          "off for low acceptance.")):
         metric(f"{name}_total", "counter", help_text, int(stats.get(name) or 0))
     metric("spec_accept_length", "gauge",
            "Mean tokens per request per verify forward (accepted proposals + 1).",

@@ -6,7 +6,7 @@ appear only at the JSON edge.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from rollout_engine.sampling_params import SamplingParams
@@ -58,6 +58,7 @@ class SpecDecodeCounts:
     accepted_tokens: int = 0
     draft_tokens: int = 0
     accept_histogram: list[int] = field(default_factory=list)
+    off_low_accept: int = 0    # decode steps without proposals: its acceptance was too low
 
     def record(self, drafted: int, accepted: int) -> None:
         self.verify_ct += 1
@@ -66,6 +67,10 @@ class SpecDecodeCounts:
         if len(self.accept_histogram) <= accepted:
             self.accept_histogram.extend([0] * (accepted + 1 - len(self.accept_histogram)))
         self.accept_histogram[accepted] += 1
+
+    def snapshot(self) -> SpecDecodeCounts:
+        """A copy that later steps do not change (what one output carries)."""
+        return replace(self, accept_histogram=list(self.accept_histogram))
 
     def meta_info(self, completion_tokens: int) -> dict[str, Any]:
         """SGLang's ``meta_info`` keys: ``spec_accept_length`` is completion tokens per verify
@@ -79,7 +84,8 @@ class SpecDecodeCounts:
                                      if self.draft_tokens else 0.0),
                 "spec_accept_token_num": self.accepted_tokens,
                 "spec_draft_token_num": self.draft_tokens,
-                "spec_accept_histogram": list(self.accept_histogram)}
+                "spec_accept_histogram": list(self.accept_histogram),
+                "spec_off_low_accept_ct": self.off_low_accept}
 
 
 @dataclass

@@ -109,9 +109,7 @@ class Req:
             completion_tokens=len(self.output_ids),
             cached_tokens=self.cached_tokens or 0,
             weight_versions=list(self.weight_versions),
-            spec=None if self.spec is None else SpecDecodeCounts(
-                self.spec.verify_ct, self.spec.accepted_tokens, self.spec.draft_tokens,
-                list(self.spec.accept_histogram)),
+            spec=None if self.spec is None else self.spec.snapshot(),
         )
         if self.return_logprob:
             out.output_logprobs = self.output_logprobs[start:]

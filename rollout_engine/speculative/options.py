@@ -8,7 +8,9 @@ and MTP drafts are not implemented), ``speculative_num_draft_tokens`` (tokens pe
 ``num_draft_tokens = num_steps + 1``, SGLang's rule for chain drafts; STANDALONE defaults to
 3 steps), ``speculative_eagle_topk``
 (1: drafts are one chain), ``speculative_ngram_{min,max}_match_window_size``. Ours:
-``speculative_max_batch_size``, above which a decode batch runs without speculation.
+``speculative_max_batch_size``, above which a decode batch runs without speculation; a request
+whose proposals keep failing stops proposing (``LOW_ACCEPT_MIN``, re-probed every
+``LOW_ACCEPT_PROBE`` steps: ``gate.py``).
 
 No imports from the engine: ``config.py`` calls ``check`` while it is being defined.
 """
@@ -24,6 +26,8 @@ __all__ = ["ALGORITHMS", "SpecOptions", "check", "normalized_algorithm"]
 ALGORITHMS = ("NGRAM", "STANDALONE")
 _NOT_BUILT = ("EAGLE", "EAGLE3", "NEXTN", "DFLASH")
 STANDALONE_NUM_STEPS = 3
+LOW_ACCEPT_MIN = 0.5       # proposals accepted per verify below which a request stops proposing
+LOW_ACCEPT_PROBE = 8       # ... and proposes again after this many plain steps (``gate.py``)
 
 
 def normalized_algorithm(value: Optional[str]) -> Optional[str]:
@@ -82,6 +86,8 @@ class SpecOptions:
     min_window: int
     max_window: int
     max_batch_size: int
+    min_accept: float = LOW_ACCEPT_MIN
+    probe_interval: int = LOW_ACCEPT_PROBE
 
     @property
     def max_proposals(self) -> int:

@@ -8,7 +8,8 @@ forward).
 retraction, stops and outputs are the base class's. One step::
 
     decode batch -> switched off? (too many requests, a grammar row)  -> the plain decode step
-                 -> proposals per request (n-gram or draft; KV slots reserved without evicting)
+                 -> proposals per request (n-gram or draft; KV slots reserved without evicting;
+                    none for a request whose acceptance has been low: gate.py)
                  -> none at all                                       -> the plain decode step
                  -> one EXTEND forward of [last token] + proposals    (verify.py)
                  -> sample every row with the request's own uniforms, accept the agreeing prefix
@@ -37,6 +38,7 @@ from rollout_engine.scheduler.request import Req
 from rollout_engine.scheduler.scheduler import Message, Scheduler
 from rollout_engine.speculative.draft import DraftModel, SaverWithDraft, TargetWithDraft
 from rollout_engine.speculative.draft_refit import DraftRLControl
+from rollout_engine.speculative.gate import AcceptanceGate
 from rollout_engine.speculative.ngram import NgramProposer
 from rollout_engine.speculative.options import SpecOptions
 from rollout_engine.speculative.verify import accept_walk, verify_forward_batch, verify_uniforms
@@ -49,8 +51,11 @@ logger = logging.getLogger(__name__)
 # spec_verify_steps: decode forwards with speculation on; spec_verify_rows: (request, such
 # forward) pairs; spec_verify_tokens: tokens the verify forwards computed; spec_off_steps: decode
 # forwards of batches that switched speculation off
+# spec_off_low_accept_rows / _steps: request-steps / whole batches without proposals because
+# acceptance was low (gate.py)
 SPEC_STATS = ("spec_verify_steps", "spec_verify_rows", "spec_draft_tokens",
-              "spec_accepted_tokens", "spec_verify_tokens", "spec_off_steps")
+              "spec_accepted_tokens", "spec_verify_tokens", "spec_off_steps",
+              "spec_off_low_accept_rows", "spec_off_low_accept_steps")
 
 
 def create_scheduler(config: EngineConfig) -> Scheduler:
@@ -64,6 +69,7 @@ class SpeculativeScheduler(Scheduler):
         super().__init__(config)
         self.spec = options
         self.proposer = NgramProposer(options.min_window, options.max_window)
+        self.gate = AcceptanceGate(options.min_accept, options.probe_interval)
         self.draft: Optional[DraftModel] = None
         if options.algorithm == "STANDALONE":
             self.draft = DraftModel(config, self.runner)
@@ -94,12 +100,16 @@ class SpeculativeScheduler(Scheduler):
             self.stats["spec_off_steps"] += 1
             super().run_batch(batch)
             return
-        self.proposer.forget({r.arrival for r in self.running})
-        drafts = self._proposals(batch.reqs)
+        live = {r.arrival for r in self.running}
+        self.proposer.forget(live)
+        self.gate.forget(live)
+        drafts, num_gated = self._proposals(batch.reqs)
         if not any(drafts):   # nothing to verify: the decode kernel is the cheaper forward
             for req in batch.reqs:
                 self._count(req, 0, 0)
             self.stats["spec_verify_steps"] += 1
+            if num_gated == len(batch.reqs):
+                self.stats["spec_off_low_accept_steps"] += 1
             super().run_batch(batch)
             return
         self._verify(batch.reqs, drafts)
@@ -132,16 +142,30 @@ class SpeculativeScheduler(Scheduler):
             return max(min(num, len(req.slots) - req.kv_len - 1), 0)
         return num if self.kv.reserve(req, need) else 0
 
-    def _proposals(self, reqs: list[Req]) -> list[list[int]]:
-        """Each request's proposals, their KV slots reserved."""
+    def _gated_budget(self, req: Req) -> int:
+        """``_budget``, or 0 while the request's acceptance is low (``gate.py``)."""
+        budget = self._budget(req)
+        if budget and not self.gate.allows(req.arrival):
+            self.stats["spec_off_low_accept_rows"] += 1
+            if req.spec is not None:
+                req.spec.off_low_accept += 1
+            return 0
+        return budget
+
+    def _proposals(self, reqs: list[Req]) -> tuple[list[list[int]], int]:
+        """Each request's proposals, their KV slots reserved; and how many requests the
+        acceptance gate kept from proposing."""
+        before = self.stats["spec_off_low_accept_rows"]
+        budgets = [self._gated_budget(r) for r in reqs]
+        num_gated = self.stats["spec_off_low_accept_rows"] - before
         if self.draft is not None:     # STANDALONE: slots first, then the draft decodes in them
-            budgets = [self._reserve(r, self._budget(r)) for r in reqs]
-            return self.draft.propose(reqs, budgets)
+            budgets = [self._reserve(r, b) for r, b in zip(reqs, budgets)]
+            return self.draft.propose(reqs, budgets), num_gated
         drafts = []
-        for req in reqs:
-            draft = self.proposer.propose(req.arrival, req.all_ids, self._budget(req))
+        for req, budget in zip(reqs, budgets):
+            draft = self.proposer.propose(req.arrival, req.all_ids, budget)
             drafts.append(draft[:self._reserve(req, len(draft))])
-        return drafts
+        return drafts, num_gated
 
     # -- the verify step -----------------------------------------------------------------------
     def _verify(self, reqs: list[Req], drafts: list[list[int]]) -> None:
@@ -164,6 +188,7 @@ class SpeculativeScheduler(Scheduler):
             req.kv_len += appended       # [last token] + the accepted proposals now hold K/V
             accepted = min(got.num_accepted, appended)
             self._count(req, len(draft), accepted)
+            self.gate.record(req.arrival, len(draft), accepted)
             self.stats["decode_tokens"] += appended
             if req.penalty_row is not None:    # proposal-less rows only: one token each
                 counted.append((req.penalty_row, got.tokens[0]))

@@ -53,6 +53,7 @@ def test_a_repeated_prompt_is_drafted_from_the_first_answer(tiny_paths: dict[str
     assert second["output_ids"] == first["output_ids"]
     m = second["meta_info"]
     assert m["spec_accept_token_num"] == m["spec_draft_token_num"] >= 20
+    assert m["spec_off_low_accept_ct"] == 0       # acceptance is high: never switched off
     assert m["spec_verify_ct"] <= 8
 
 

@@ -56,6 +56,7 @@ def test_outputs_equal_the_plain_engine(qwen2_path: str, draft: str) -> None:
         o["meta_info"]["spec_draft_token_num"] for o in greedy_rows)
     if draft == "self":
         assert rate == 1.0      # the target drafting for itself: every greedy proposal holds
+        assert all(o["meta_info"]["spec_off_low_accept_ct"] == 0 for o in greedy_rows)
         # and after a radix hit: the draft's KV at the cached slots is right too
         m = again[0]["meta_info"]
         assert m["spec_accept_token_num"] == m["spec_draft_token_num"] > 0
