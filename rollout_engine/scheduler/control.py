@@ -42,6 +42,8 @@ class ControlHandlers:
     def __init__(self, scheduler: Scheduler) -> None:
         self.s = scheduler
         self.deferred: list[tuple[ControlReq, Deferred]] = []
+        # set by the loop: wakes its wait for messages when a deferred call completes
+        self.wake: Callable[[], None] = lambda: None
         self.throughput = ThroughputMeter()
 
     def dispatch(self, msg: ControlReq) -> ControlResult | None:
@@ -58,6 +60,7 @@ class ControlHandlers:
         result = self._answer(msg, lambda: handler(**msg.kwargs))
         if isinstance(result.result, Deferred):
             self.deferred.append((msg, result.result))
+            result.result.future.add_done_callback(lambda _: self.wake())
             return None
         return result
 
@@ -127,6 +130,7 @@ class ControlHandlers:
             "weights_missing": len(s.rl.missing_weights),
             "flush_pending": s.rl.flush_pending,
             "pending_weight_update_groups": sorted(s.update_groups.pending),
+            "weight_updates_receiving": s.update_groups.receiving(),
             "kv_pool_bytes": s.runner.kv_pool.nbytes(),
             "weight_bytes": s.runner.weight_nbytes(),
             "stats": dict(s.stats),

@@ -17,6 +17,7 @@ import traceback
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_ready
 from typing import Any, Optional
 
 from rollout_engine.config import EngineConfig
@@ -51,7 +52,15 @@ class Channel(ABC):
 
     @abstractmethod
     def recv(self, timeout: Optional[float]) -> Any:
-        """The next message, or None after ``timeout`` seconds (None = wait forever)."""
+        """The next message, or None after ``timeout`` seconds (None = wait forever) or
+        once `wake` was called (from any thread)."""
+
+    def wake(self) -> None:  # noqa: B027 - a frontend's end needs none
+        """End the current (or next) `recv` wait early, with None (the loop's end of a
+        channel; a frontend's end is never woken)."""
+
+
+_WAKE = object()
 
 
 class QueueChannel(Channel):
@@ -63,24 +72,46 @@ class QueueChannel(Channel):
 
     def recv(self, timeout: Optional[float]) -> Any:
         try:
-            return self.inbox.get(timeout=timeout) if timeout != 0 else self.inbox.get_nowait()
+            msg = self.inbox.get(timeout=timeout) if timeout != 0 else self.inbox.get_nowait()
         except queue.Empty:
             return None
+        return None if msg is _WAKE else msg
+
+    def wake(self) -> None:
+        self.inbox.put(_WAKE)
 
 
 class PipeChannel(Channel):
     def __init__(self, conn: Any) -> None:
         self.conn = conn
         self.lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()   # `wake` writes a byte; `recv` waits on both
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
 
     def send(self, msg: Any) -> None:
         with self.lock:
             self.conn.send(msg)
 
     def recv(self, timeout: Optional[float]) -> Any:
-        if timeout is not None and not self.conn.poll(timeout):
-            return None
+        if not self.conn.poll(0):
+            if timeout == 0:
+                return None
+            ready = wait_ready([self.conn, self._wake_r], timeout)
+            if self._wake_r in ready:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            if self.conn not in ready:
+                return None
         return self.conn.recv()
+
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"w")
+        except BlockingIOError:
+            pass   # the pipe is full: a wake is already pending
 
 
 def run_loop(config: EngineConfig, chan: Channel) -> None:
@@ -93,12 +124,13 @@ def run_loop(config: EngineConfig, chan: Channel) -> None:
         chan.send(SchedulerDied(f"scheduler failed to start: {type(e).__name__}: {e}\n"
                                 f"{traceback.format_exc()}"))
         return
+    scheduler.control.wake = chan.wake
     chan.send(SchedulerReady(scheduler.control.rpc_get_server_info()
                              | {"pid": os.getpid(), "vocab_size": scheduler.vocab_size,
                                 "eos_token_ids": sorted(scheduler.eos_ids)}))
     try:
         while True:
-            idle_wait = 0.02 if scheduler.control.deferred else 0.5  # a rendezvous may end
+            idle_wait = 0.5   # a deferred call's completion wakes the wait (control.wake)
             msg = chan.recv(timeout=0 if scheduler.has_work and scheduler.can_run else idle_wait)
             while msg is not None:
                 if isinstance(msg, Shutdown):

@@ -114,6 +114,7 @@ class RLControl:
     def rpc_release_memory_occupation(self, tags: Optional[list[str]] = None) -> dict[str, Any]:
         tags = _tags(tags)
         s = self.s
+        self._refuse_while_receiving("release_memory_occupation")
         holding = [r.rid for r in s.active_reqs()]
         if holding:
             raise BusyError(f"cannot release memory while {len(holding)} request(s) hold KV; "
@@ -192,6 +193,7 @@ class RLControl:
                                      torch_empty_cache: bool = False, keep_pause: bool = False,
                                      **sglang_flags: Any) -> dict[str, Any]:
         """``sglang_flags``: is_async, recapture_cuda_graph, token_step, manifest, pp_rank."""
+        self._refuse_while_receiving("update_weights_from_disk")
         if load_format not in (None, "auto", "safetensors"):
             raise ValueError(f"load_format: {load_format!r} is not supported for disk "
                              "(None, 'auto', 'safetensors')")
@@ -220,6 +222,7 @@ class RLControl:
                                        torch_empty_cache: bool = False,
                                        **sglang_flags: Any) -> dict[str, Any]:
         """``sglang_flags``: disable_draft_model (no draft model here), pp_rank."""
+        self._refuse_while_receiving("update_weights_from_tensor")
         model = self.s.runner.model
         self._before_update(abort_all_requests, weight_version=weight_version,
                             flush_cache=flush_cache, torch_empty_cache=torch_empty_cache,
@@ -254,17 +257,41 @@ class RLControl:
                                             weight_version: Optional[str] = None,
                                             abort_all_requests: bool = False,
                                             torch_empty_cache: bool = False,
-                                            **sglang_flags: Any) -> dict[str, Any]:
+                                            **sglang_flags: Any) -> Deferred:
         """Receive the broadcast in the declared ``dtypes``, then load (floating tensors are
-        cast into the parameters). ``sglang_flags``: pp_rank. The broadcast is drained before
-        anything is refused, so a refused update never leaves the trainer hanging."""
-        received = self.s.update_groups.receive(list(names), list(dtypes), shapes, group_name,
-                                                load_format)
-        self._before_update(abort_all_requests, weight_version=weight_version,
-                            flush_cache=flush_cache, torch_empty_cache=torch_empty_cache,
-                            **sglang_flags)
-        return self._apply(lambda: load_weights(self.s.runner.model, received),
-                           weight_version, flush_cache, torch_empty_cache)
+        cast into the parameters). ``sglang_flags``: pp_rank. The receives are posted and the
+        call returns to the loop: the update is applied (in the order the calls came) once
+        all of it has arrived, while the loop keeps serving and posts the next call's receives
+        (a bucketed trainer's next bucket arrives while this one is applied). The broadcast is
+        drained before anything is refused, so a refused update never leaves the trainer
+        hanging."""
+        groups = self.s.update_groups
+        previous = groups.in_flight[-1] if groups.in_flight else None
+        receipt = groups.post(list(names), list(dtypes), shapes, group_name, load_format,
+                              after=previous)
+
+        def finish(done: Future) -> dict[str, Any]:
+            try:
+                received = done.result()
+                self._before_update(abort_all_requests, weight_version=weight_version,
+                                    flush_cache=flush_cache, torch_empty_cache=torch_empty_cache,
+                                    **sglang_flags)
+                return self._apply(lambda: self._load_broadcast(received, sglang_flags),
+                                   weight_version, flush_cache, torch_empty_cache)
+            finally:
+                groups.settle(receipt)
+
+        return Deferred(receipt.future, finish)
+
+    def _load_broadcast(self, received: list[tuple[str, torch.Tensor]],
+                        sglang_flags: dict[str, Any]) -> LoadReport:
+        """Load a received broadcast (a speculative engine also routes draft weights)."""
+        return load_weights(self.s.runner.model, received)
+
+    def _refuse_while_receiving(self, what: str) -> None:
+        if self.s.update_groups.receiving():
+            raise BusyError(f"{what}: a distributed weight update is still being received; "
+                            "wait for its answer")
 
     def rpc_destroy_weights_update_group(self, group_name: str = "weight_update_group"
                                          ) -> dict[str, Any]:

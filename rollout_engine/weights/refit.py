@@ -29,6 +29,7 @@ from rollout_engine.protocol.weight_broadcast import (
     join_update_group,
     unflatten,
 )
+from rollout_engine.scheduler.control import BusyError
 from rollout_engine.weights.disk_reader import load_checkpoint
 from rollout_engine.weights.loader import LoadReport, load_weights
 
@@ -166,7 +167,8 @@ class WeightUpdateGroups:
         self.tp_rank = tp_rank   # one rank per engine today (no tensor parallelism)
         self.groups: dict[str, UpdateGroup] = {}
         self.pending: dict[str, Future] = {}
-        self.staging: dict[str, StagingBuffer] = {}   # one reused receive buffer per group
+        self.staging: dict[str, StagingBuffer] = {}   # reused receive buffers per group
+        self.in_flight: list[Receipt] = []   # posted updates not yet applied or refused
 
     def start_init(self, master_address: str, master_port: int, rank_offset: int,
                    world_size: int, group_name: str, backend: str, timeout_s: float
@@ -227,6 +229,9 @@ class WeightUpdateGroups:
             future.set_exception(e)
 
     def destroy(self, group_name: str) -> None:
+        if self.in_flight:
+            raise BusyError("a weight update is being received; wait for its answer before "
+                            "destroying the group")
         if group_name in self.pending:
             raise ValueError(f"group_name: {group_name!r} is still being joined; wait for "
                              "init_weights_update_group to return")
@@ -237,16 +242,31 @@ class WeightUpdateGroups:
         group.shutdown()
 
     def release_buffers(self) -> None:
-        """Free every group's receive buffer (the weights are being released); the next
-        update allocates it again."""
+        """Free every group's receive buffers (the weights are being released); the next
+        update allocates them again (a slot an update is receiving into stays)."""
         for staging in self.staging.values():
             staging.release()
 
     def receive(self, names: list[str], dtypes: list[Any], shapes: list[list[int]],
                 group_name: str, load_format: Optional[str]) -> list[tuple[str, torch.Tensor]]:
-        """Receive the trainer's broadcast (rank 0) in the dtypes it declares (load_weights
-        casts floating ones afterwards). Always drains the whole broadcast, even for a bad
-        update, so the trainer never hangs; validation happens afterwards."""
+        """`post` and wait: the received (name, tensor) pairs (views into the group's staging
+        buffer, valid until the next update on that group)."""
+        receipt = self.post(names, dtypes, shapes, group_name, load_format)
+        try:
+            return receipt.wait()
+        finally:
+            self.settle(receipt)
+
+    def post(self, names: list[str], dtypes: list[Any], shapes: list[list[int]],
+             group_name: str, load_format: Optional[str],
+             after: Optional[Receipt] = None) -> Receipt:
+        """Post the receives of the trainer's broadcast (rank 0) in the dtypes it declares
+        (load_weights casts floating ones afterwards) and return at once: the `Receipt`'s
+        future completes once every byte has arrived (after `after`'s, so updates complete in
+        the order they were posted). The scheduler keeps running meanwhile, and posts the
+        next update's receives while this one is applied (that is the pipeline). The whole
+        broadcast is always drained, even for an update refused afterwards, so the trainer
+        never hangs; only a malformed announcement (no byte count) is refused before."""
         group = self.groups.get(group_name)
         if group is None:
             still = " yet (its init_weights_update_group has not returned)" \
@@ -265,48 +285,123 @@ class WeightUpdateGroups:
         staging = self.staging.setdefault(group_name, StagingBuffer(self.device))
         if load_format == "flattened_bucket":   # SGLang's bucket: bytes back to back
             _, nbytes = flat_layout(torch_dtypes, shapes_t)
-            buf = staging.take(nbytes)
-            group.broadcast(buf).wait()
-            return list(zip(names, unflatten(buf, torch_dtypes, shapes_t)))
-        # one broadcast per tensor, all posted at once (as SGLang does), each received into
-        # its own aligned slice of the reused buffer
-        offsets, nbytes = aligned_layout(torch_dtypes, shapes_t)
-        buf = staging.take(nbytes)
-        out = []
-        works = []
-        for name, dtype, shape, (start, end) in zip(names, torch_dtypes, shapes_t, offsets):
-            t = buf[start:end].view(dtype).view(shape)
-            works.append(group.broadcast(t))
-            out.append((name, t))
-        for work in works:
-            work.wait()
-        return out
+            slot = staging.take(nbytes)
+            buf = staging.buffer(slot)[:nbytes]
+            works = [group.broadcast(buf)]
+            named = list(zip(names, unflatten(buf, torch_dtypes, shapes_t)))
+        else:
+            # one broadcast per tensor, all posted at once (as SGLang does), each received
+            # into its own aligned slice of the reused buffer
+            offsets, nbytes = aligned_layout(torch_dtypes, shapes_t)
+            slot = staging.take(nbytes)
+            buf = staging.buffer(slot)
+            named, works = [], []
+            for name, dtype, shape, (start, end) in zip(names, torch_dtypes, shapes_t, offsets):
+                t = buf[start:end].view(dtype).view(shape)
+                works.append(group.broadcast(t))
+                named.append((name, t))
+        receipt = Receipt(named, works, lambda: staging.give(slot), self.device, after)
+        self.in_flight.append(receipt)
+        return receipt
+
+    def settle(self, receipt: Receipt) -> None:
+        """Forget a receipt whose update was applied or refused (its slot is free again)."""
+        receipt.done()
+        if receipt in self.in_flight:
+            self.in_flight.remove(receipt)
+
+    def receiving(self) -> int:
+        """Updates posted and not yet settled."""
+        return len(self.in_flight)
+
+
+class Receipt:
+    """One ``update_weights_from_distributed`` call's broadcast being received into a staging
+    slot. A waiter thread completes `future` (with the (name, tensor) pairs, or the receive's
+    error) once every byte arrived and `after` completed; `done` frees the slot."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], works: list[Any],
+                 free: Any, device: torch.device, after: Optional[Receipt]) -> None:
+        self.named, self.works = named, works
+        self._free: Any = free
+        self.future: Future = Future()
+        threading.Thread(target=self._wait_all, args=(device, after), daemon=True,
+                         name="weight-update-receive").start()
+
+    def _wait_all(self, device: torch.device, after: Optional[Receipt]) -> None:
+        try:
+            for work in self.works:
+                work.wait()   # the group's timeout bounds each (a dead trainer raises)
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
+            if after is not None:
+                after.future.exception()   # in order: an earlier update is applied first
+            self.future.set_result(self.named)
+        except BaseException as e:  # noqa: BLE001 - handed to the scheduler thread
+            self.future.set_exception(e)
+
+    def wait(self) -> list[tuple[str, torch.Tensor]]:
+        return self.future.result()
+
+    def done(self) -> None:
+        if self._free is not None:
+            self._free()
+            self._free = None
 
 
 class StagingBuffer:
-    """A weight-update group's receive buffer, allocated once and reused by every update
-    (grown when one needs more, never shrunk): a broadcast lands here, is validated, and only
-    then copied into the parameters, so a broadcast cut off halfway (the trainer died, a size
-    mismatch) leaves the weights untouched. Reuse also spares each refit the page faults of
-    fresh memory. The caller must be done with the previous `take` before the next."""
+    """A weight-update group's receive buffers ("slots"), allocated once and reused by every
+    update (grown when one needs more, never shrunk): a broadcast lands in a slot, is
+    validated, and only then copied into the parameters, so a broadcast cut off halfway (the
+    trainer died, a size mismatch) leaves the weights untouched. Reuse also spares each refit
+    the page faults of fresh memory. Updates in flight at once (received while an earlier one
+    is applied) take different slots; a pipelined trainer keeps two busy."""
+
+    MAX_SLOTS = 4
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.buffer: Optional[torch.Tensor] = None
+        self.slots: list[Optional[torch.Tensor]] = []
+        self.busy: set[int] = set()
 
-    def take(self, num_bytes: int) -> torch.Tensor:
-        """The first `num_bytes` of the buffer (1-D uint8)."""
-        if self.buffer is None or self.buffer.numel() < num_bytes:
-            self.buffer = None   # free the small one first
-            self.buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
-        return self.buffer[:num_bytes]
+    def take(self, num_bytes: int) -> int:
+        """A free slot holding at least `num_bytes` (grown or added if needed)."""
+        free = [i for i in range(len(self.slots)) if i not in self.busy]
+        if not free:
+            if len(self.slots) >= self.MAX_SLOTS:
+                raise BusyError(f"{len(self.busy)} weight updates of this group are still "
+                                "being received or applied; wait for their answers")
+            self.slots.append(None)
+            free = [len(self.slots) - 1]
+        fits = [i for i in free if self._size(i) >= num_bytes]
+        index = fits[0] if fits else free[0]
+        if self._size(index) < num_bytes:
+            self.slots[index] = None   # free the small one first
+            self.slots[index] = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+        self.busy.add(index)
+        return index
+
+    def buffer(self, index: int) -> torch.Tensor:
+        buf = self.slots[index]
+        assert buf is not None
+        return buf
+
+    def give(self, index: int) -> None:
+        self.busy.discard(index)
+
+    def _size(self, index: int) -> int:
+        buf = self.slots[index]
+        return 0 if buf is None else buf.numel()
 
     @property
     def num_bytes(self) -> int:
-        return 0 if self.buffer is None else self.buffer.numel()
+        return sum(self._size(i) for i in range(len(self.slots)))
 
     def release(self) -> None:
-        self.buffer = None
+        """Free the slots no update is using."""
+        for i in range(len(self.slots)):
+            if i not in self.busy:
+                self.slots[i] = None
 
 
 STAGING_ALIGN = 64

@@ -16,14 +16,17 @@ shapes once) and each tensor is its own broadcast straight from the trainer's me
 `load_format=None`). With it, runs of tensors of at most `bucket_bytes` are packed back to
 back (SGLang's `FlattenedTensorBucket` layout, which the engine recomputes from names, dtypes
 and shapes), one broadcast and one engine call per bucket, pipelined over two reused send
-buffers:
+buffers with two calls outstanding (`MAX_IN_FLIGHT`):
 
-    trainer:  pack 0 -> A | pack 1 -> B         | wait call 0 | pack 2 -> A | wait call 1 ...
-    engine:               | receive 0, apply 0  | receive 1, apply 1        | ...
+    trainer:  pack 0 -> A | call 0, pack 1 -> B | call 1, wait sent 0, pack 2 -> A | ...
+    engine:               | receive 0           | receive 1, apply 0 | receive 2, apply 1 ...
 
-A tensor bigger than a bucket is broadcast as it is (packing it would only copy it). The
-engine receives each call into one reused buffer and copies it into its parameters only once
-the whole call has arrived, so a broadcast cut off halfway changes no weight.
+Our engine posts a call's receives as soon as the call arrives and applies it once it has all
+of it, while the next call is being received (an engine that handles one call at a time, as
+SGLang's does, still works: the second call waits in its queue). A tensor bigger than a bucket
+is broadcast as it is (packing it would only copy it). The engine receives each call into a
+reused buffer and copies it into its parameters only once the whole call has arrived, so a
+broadcast cut off halfway changes no weight.
 """
 
 from __future__ import annotations
@@ -196,29 +199,36 @@ class DistributedTransport(WeightTransport):
         slot_bytes = max((_group_bytes(g) for g in groups
                           if _own_bytes(g, self.bucket_bytes) is None), default=0)
         moved = num_packed = 0
-        in_flight: Optional[Call] = None
+        in_flight: list[Call] = []   # oldest first; at most MAX_IN_FLIGHT
+        slot_user: dict[int, Call] = {}   # send slot -> the last call that broadcast from it
         try:
             for index, bucket in enumerate(groups):
                 last = index == len(groups) - 1
                 send = _own_bytes(bucket, self.bucket_bytes)
                 if send is None:
-                    # packed while the previous call is in flight; this slot's last bucket
-                    # (num_packed - 2) was received and applied before that call started
-                    send = _pack(bucket, self.buffers.slot(num_packed, slot_bytes, self.device))
+                    slot = num_packed % BucketBuffers.NUM_SLOTS
+                    user = slot_user.get(slot)
+                    if user is not None:   # its bytes must have left before we overwrite them
+                        _sent(user, self.timeout_s)
+                    send = _pack(bucket, self.buffers.slot(slot, slot_bytes, self.device))
                     num_packed += 1
-                if in_flight is not None:
-                    self._wait(in_flight)
-                in_flight = self._start(engines, bucket, [send], "flattened_bucket",
-                                        version if last else step_version(version, index), last)
+                if len(in_flight) >= MAX_IN_FLIGHT:
+                    self._wait(in_flight.pop(0))
+                call = self._start(engines, bucket, [send], "flattened_bucket",
+                                   version if last else step_version(version, index), last)
+                in_flight.append(call)
+                if _own_bytes(bucket, self.bucket_bytes) is None:
+                    slot_user[(num_packed - 1) % BucketBuffers.NUM_SLOTS] = call
                 moved += send.numel()
-            if in_flight is not None:
-                self._wait(in_flight)
+            while in_flight:
+                self._wait(in_flight.pop(0))
         except BaseException:
-            if in_flight is not None and not in_flight.settled:
-                try:   # never leave a call (or a send buffer in use) behind
-                    self._wait(in_flight)
-                except BaseException:  # noqa: BLE001 - the first failure is the one raised
-                    pass
+            for call in in_flight:   # never leave a call (or a send buffer in use) behind
+                if not call.settled:
+                    try:
+                        self._wait(call)
+                    except BaseException:  # noqa: BLE001 - the first failure is the one raised
+                        pass
             raise
         return moved
 
@@ -260,10 +270,21 @@ class Call:
     settled: bool = False
 
 
+MAX_IN_FLIGHT = 2
+"""Bucket calls outstanding at once: the engine receives bucket k+1 while it applies bucket k
+(it posts a call's receives as soon as the call arrives), and the trainer packs the next one
+meanwhile."""
+
 DRAIN_WAIT_S = 5.0
 """How long a refused update's broadcasts may take to finish: an engine that refuses after
 receiving has drained them (rank 0's side completes a moment later); one that refused before
 never will, and the group is out of step."""
+
+
+def _sent(call: Call, timeout_s: float) -> None:
+    """Wait until rank 0's broadcasts of `call` completed (its send buffer may be refilled);
+    a failed broadcast is raised by that call's `_wait`."""
+    _all_done(call.works, timeout_s)
 
 
 def _all_done(works: list[Any], timeout_s: float) -> bool:
