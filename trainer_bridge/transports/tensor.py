@@ -18,11 +18,13 @@ on the trainer side and far fewer handles (one per bucket). They are packed into
 buffers per device (`BucketBuffers`; on CPU born in shared memory, so the serializer sends them
 as they are), pipelined:
 
-    trainer:  pack 0 -> slot 0 | pack 1 -> slot 1 | wait call 0 | pack 2 -> slot 0 | ...
-    engines:                   | apply call 0 (slot 0)   | apply call 1 (slot 1)    | ...
+    trainer:  pack 0 -> slot 0 | call 0, pack 1 -> slot 1 | call 1, wait call 0, pack 2 -> slot 0
+    engines:                   | apply call 0 (slot 0)    | apply call 1 (slot 1) | apply 2 ...
 
-A slot is refilled only after the engine call that read it has returned (engines copy out of
-the buffer during the call), so reuse never shows an engine half-written or stale bytes. A
+Two calls are outstanding (`MAX_IN_FLIGHT`), so an engine finds the next bucket queued when it
+has applied one. A slot is refilled only after the engine call that read it has returned
+(engines copy out of the buffer during the call), so reuse never shows an engine half-written
+or stale bytes. Unpacked handle groups are pipelined the same way. A
 tensor bigger than `bucket_bytes` (a bucket of its own) is not packed: its bucket is its own
 bytes, sent as the unbucketed path sends them.
 """
@@ -46,6 +48,9 @@ from trainer_bridge.transports.base import (
 )
 
 __all__ = ["BucketBuffers", "TensorTransport", "handle_groups"]
+
+MAX_IN_FLIGHT = 2
+"""Bucket calls outstanding per sync: an engine finds bucket k+1 queued when it has applied k."""
 
 
 def shared_buffer(num_bytes: int, device: torch.device) -> torch.Tensor:
@@ -96,9 +101,9 @@ class BucketBuffers:
 
 
 class TensorTransport(WeightTransport):
-    """Each call goes to all engines at once (a thread per engine). Buckets are pipelined over
-    two persistent buffers (module docstring): bucket k+1 is packed while the engines apply
-    bucket k, and each engine call still runs only after the previous one returned."""
+    """Each call goes to all engines at once (a thread per engine). Buckets are pipelined
+    (module docstring): two calls outstanding, bucket k+1 packed (into the slot whose last
+    reader has returned) while the engines apply bucket k."""
 
     name = "tensor"
 
@@ -122,39 +127,60 @@ class TensorTransport(WeightTransport):
             call_all(self._start(engines, tensors, None, version, True), self.timeout_s)
             return nbytes(tensors)
         packs = self.pack if self.pack is not None else any(t.is_cuda for _, t in tensors)
-        if not packs:
+        if not packs:   # handles into the trainer's own memory: nothing is reused
             groups = handle_groups(tensors, self.bucket_bytes)
-            for index, group in enumerate(groups):
-                last = index == len(groups) - 1
-                call_all(self._start(engines, group, None,
-                                     version if last else step_version(version, index), last),
-                         self.timeout_s)
+            self._pipeline(lambda index, group: group, groups, None, engines, version)
             return nbytes(tensors)
         plans = self.plan(tensors)
         own = [_as_own_bucket(p, self.bucket_bytes) for p in plans]
         # each slot is sized once for every bucket it packs
         slot_bytes = _largest_by_device([p for p, o in zip(plans, own) if o is None])
-        in_flight: list[Future[Any]] = []
-        num_packed = 0
+        slot_reader: dict[int, list[Future[Any]]] = {}   # slot -> the call that last read it
+        num_packed = [0]
+
+        def fill(index: int, plan: BucketPlan) -> FlattenedBucket:
+            bucket = own[index]
+            if bucket is not None:
+                return bucket
+            slot = num_packed[0] % BucketBuffers.NUM_SLOTS
+            if slot in slot_reader:   # engines copy out during the call: refill after it
+                call_all(slot_reader.pop(slot), self.timeout_s)
+            num_packed[0] += 1
+            return plan.fill(self.buffers.slot(slot, slot_bytes[plan.device], plan.device))
+
+        def started(index: int, calls: list[Future[Any]]) -> None:
+            if own[index] is None:
+                slot_reader[(num_packed[0] - 1) % BucketBuffers.NUM_SLOTS] = calls
+
+        self._pipeline(fill, plans, "flattened_bucket", engines, version, started)
+        return sum(plan.num_bytes for plan in plans)
+
+    def _pipeline(self, payload_of: Callable[[int, Any], Any], buckets: Sequence[Any],
+                  load_format: Optional[str], engines: Sequence[Any], version: str,
+                  started: Optional[Callable[[int, list[Future[Any]]], None]] = None) -> None:
+        """One call per bucket, `MAX_IN_FLIGHT` outstanding: each engine takes bucket k+1 from
+        its queue as soon as it has applied bucket k (no round trip between them), while the
+        trainer prepares the one after. Calls of one engine run in the order sent."""
+        in_flight: list[list[Future[Any]]] = []
         try:
-            for index, (plan, bucket) in enumerate(zip(plans, own)):
-                if bucket is None:
-                    # this slot's last reader was packed bucket num_packed-2, whose call
-                    # returned before the call now in flight started
-                    bucket = plan.fill(self.buffers.slot(num_packed, slot_bytes[plan.device],
-                                                         plan.device))
-                    num_packed += 1
-                call_all(in_flight, self.timeout_s)
-                last = index == len(plans) - 1
-                in_flight = self._start(engines, bucket, "flattened_bucket",
-                                        version if last else step_version(version, index), last)
-            call_all(in_flight, self.timeout_s)
+            for index, bucket in enumerate(buckets):
+                payload = payload_of(index, bucket)
+                if len(in_flight) >= MAX_IN_FLIGHT:
+                    call_all(in_flight.pop(0), self.timeout_s)
+                last = index == len(buckets) - 1
+                calls = self._start(engines, payload, load_format,
+                                    version if last else step_version(version, index), last)
+                in_flight.append(calls)
+                if started is not None:
+                    started(index, calls)
+            while in_flight:
+                call_all(in_flight.pop(0), self.timeout_s)
         except BaseException:
-            _, still_running = wait(in_flight, timeout=self.timeout_s)
+            pending = [f for calls in in_flight for f in calls]
+            _, still_running = wait(pending, timeout=self.timeout_s)
             if still_running:  # an engine may still read the buffers: never refill them
                 self.buffers.release()
             raise
-        return sum(plan.num_bytes for plan in plans)
 
     def plan(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[BucketPlan]:
         """The buckets `push` sends for `named_tensors` (one engine call each)."""
