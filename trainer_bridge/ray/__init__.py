@@ -1,0 +1,11 @@
+"""Rollout engines as Ray actors (the optional extra ``ray``: ``pip install -e ".[ray]"``).
+
+Importing this package does not import Ray; creating a fleet does.
+"""
+
+from trainer_bridge.ray.config import RayFleetConfig
+from trainer_bridge.ray.engine import ENGINE_METHODS, EngineActor, EngineActorDiedError, RayEngine
+from trainer_bridge.ray.fleet import RayRolloutFleet, start_local_ray
+
+__all__ = ["ENGINE_METHODS", "EngineActor", "EngineActorDiedError", "RayEngine",
+           "RayFleetConfig", "RayRolloutFleet", "start_local_ray"]
