@@ -173,9 +173,24 @@ class BasePrefixCache(ABC):
         once per admission attempt, never by ordering). Single tier: just `match_prefix`."""
         return self.match_prefix(token_ids, namespace)
 
-    def prefetch(self, token_ids: Sequence[int], namespace: CacheNamespace) -> None:
-        """A request for `token_ids` arrived: a cache with a slow tier may start reading its
-        part of the prefix in the background (a hint; `load_back` decides what is used)."""
+    def prefetch(self, rid: str, token_ids: Sequence[int], namespace: CacheNamespace) -> None:
+        """Request `rid` for `token_ids` arrived: a cache with a slow tier may start reading
+        its part of the prefix in the background (`load_back` decides what is used)."""
+        return None
+
+    def prefetch_pending(self, rid: str) -> bool:
+        """True while request `rid` should wait aside for its background reads (by the
+        cache's prefetch policy) while the requests behind it are admitted; the first False
+        ends the cache's tracking of it."""
+        return False
+
+    def wait_prefetch(self, timeout: float) -> None:
+        """Block until a pending prefetch may have progressed, at most `timeout` seconds
+        (the scheduler has nothing else to run)."""
+        return None
+
+    def forget_prefetch(self, rid: str) -> None:
+        """Request `rid` left the queue without being admitted (aborted)."""
         return None
 
     def on_admit(self, match: MatchResult) -> None:

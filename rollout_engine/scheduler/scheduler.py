@@ -112,7 +112,7 @@ class Scheduler:
                 self.by_rid[msg.rid] = req
                 return None
             self.by_rid[msg.rid] = req
-            self.kv.tree.prefetch(req.all_ids, self.namespace_of(req))   # HiCache L3 reads
+            self.kv.tree.prefetch(msg.rid, req.all_ids, self.namespace_of(req))  # L3 reads
             self.waiting.append(req)
             return None
         if isinstance(msg, AbortReq):
@@ -160,6 +160,8 @@ class Scheduler:
             self.run_batch(batch)
         elif len(self.grammars) and self.can_run:
             self.grammars.wait(timeout=0.01)   # only compiles to wait for: do not spin
+        elif self.waiting and self.can_run:
+            self.kv.tree.wait_prefetch(timeout=0.01)   # only storage reads to wait for
         self.rl.on_idle()  # runs a flush a refit deferred, once no request holds KV
         out, self.outbox = self.outbox, []
         for o in out:   # never computed (refused, aborted while queued): the serving version
@@ -216,6 +218,8 @@ class Scheduler:
             too_big = self._never_fits(req)
             if too_big is not None:
                 self._refuse_waiting(req, too_big, admitted)
+                continue
+            if self.kv.tree.prefetch_pending(req.rid):   # waits aside for its storage reads
                 continue
             # match again: reserving KV for an earlier candidate may have evicted the node the
             # ordering match points to; between here and admit() nothing evicts (lower cache
@@ -407,6 +411,7 @@ class Scheduler:
             if req.state == ReqState.WAITING:
                 if not self.grammars.remove(req):   # else it was waiting for its grammar
                     self.waiting.remove(req)
+                    self.kv.tree.forget_prefetch(req.rid)
                 self._retire(req)
             else:
                 self._finish(req)

@@ -133,12 +133,23 @@ class HiRadixCache(RadixCache):
                            host_hit_len=sum(len(n.key) for n in loaded) - from_storage,
                            storage_hit_len=from_storage)
 
-    def prefetch(self, token_ids: Sequence[int], namespace: CacheNamespace) -> None:
-        """A request arrived: start reading the storage blocks after what the tree holds for
-        it (read-only walk: nothing is touched or split)."""
+    def prefetch(self, rid: str, token_ids: Sequence[int], namespace: CacheNamespace) -> None:
+        """Request ``rid`` arrived: start reading the storage blocks after what the tree holds
+        for it (read-only walk: nothing is touched or split)."""
         if self.storage is not None:
             key = self._page_aligned(token_ids)
-            self.storage.prefetch(namespace, key, self._held_len(key, namespace))
+            self.storage.prefetch(rid, namespace, key, self._held_len(key, namespace))
+
+    def prefetch_pending(self, rid: str) -> bool:
+        return self.storage is not None and self.storage.prefetch_pending(rid)
+
+    def wait_prefetch(self, timeout: float) -> None:
+        if self.storage is not None:
+            self.storage.wait_prefetch(timeout)
+
+    def forget_prefetch(self, rid: str) -> None:
+        if self.storage is not None:
+            self.storage.forget_prefetch(rid)
 
     def on_admit(self, match: MatchResult) -> None:
         self.stats.device_hit_tokens += (match.matched_len - match.host_hit_len

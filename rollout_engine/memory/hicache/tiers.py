@@ -12,10 +12,13 @@ A fetch reads the consecutive blocks after a match (the first one may start befo
 its leading rows are skipped) into fresh host slots as one host-only node.
 
 Prefetch (SGLang's policies): a request's arrival queues its blocks after what the tree holds
-on the prefetch thread (``prefetch.py``); admission then takes what is staged and, by policy:
-``best_effort`` nothing more (never waits); ``wait_complete`` waits for the request's job and
-reads any block still missing itself; ``timeout`` waits for the job and reads missing blocks
-only until SGLang's deadline (``base + per_ki_token * tokens / 1024`` seconds) has passed.
+on the prefetch threads (``prefetch.py``). While ``prefetch_pending`` says so, the scheduler
+leaves the request waiting aside and admits the ones behind it; once it is admitted, the fetch
+takes what is staged. By policy: ``best_effort`` never pending (admission takes what is staged
+by then); ``wait_complete`` pending until the job is done (a block staging dropped meanwhile
+is read at admission); ``timeout`` pending until the job is done or SGLang's deadline has
+passed (``base + per_ki_token * tokens / 1024`` seconds after the job was queued), then only
+what is staged. A caller that fetches without asking first (tests) waits for the job there.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from rollout_engine.memory.hicache.host_pool import HostKVPool
-from rollout_engine.memory.hicache.prefetch import Prefetcher
+from rollout_engine.memory.hicache.prefetch import Prefetcher, PrefetchJob
 from rollout_engine.memory.hicache.storage import HiCacheStorage, StorageWriter, block_keys
 from rollout_engine.memory.prefix_cache import CacheNamespace
 from rollout_engine.memory.radix_cache import TreeNode
@@ -38,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = ["PREFETCH_POLICIES", "StorageTier"]
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+_MAX_TRACKED = 4096   # requests whose prefetch is tracked at once
 
 
 class StorageTier:
@@ -69,6 +73,7 @@ class StorageTier:
         self.num_fetches = 0
         self.fetch_seconds = 0.0
         self.blocks_submitted = 0
+        self._jobs: dict[str, PrefetchJob] = {}   # rid -> its prefetch, until admission
 
     # -- keys -------------------------------------------------------------------------------------
     def identity(self, namespace: CacheNamespace) -> Optional[bytes]:
@@ -115,13 +120,46 @@ class StorageTier:
                 self.blocks_submitted += 1
 
     # -- reads ------------------------------------------------------------------------------------
-    def prefetch(self, namespace: CacheNamespace, key: tuple[int, ...], held: int) -> None:
-        """Queue the blocks of ``key`` after its first ``held`` tokens (what the tree holds)."""
+    def prefetch(self, rid: str, namespace: CacheNamespace, key: tuple[int, ...],
+                 held: int) -> None:
+        """Queue the blocks of ``key`` after its first ``held`` tokens (what the tree holds)
+        as request ``rid``'s job."""
+        self._jobs.pop(rid, None)
         ident = self.identity(namespace)
         B = self.block_tokens
         first, total = held // B, len(key) // B
-        if ident is not None and first < total:
-            self.prefetcher.submit(block_keys(ident, key, B, total)[first:])
+        if ident is None or first >= total:
+            return
+        self._jobs[rid] = self.prefetcher.submit(block_keys(ident, key, B, total)[first:],
+                                                 (total - first) * B)
+        while len(self._jobs) > _MAX_TRACKED:   # callers that never ask (bounded all the same)
+            del self._jobs[next(iter(self._jobs))]
+
+    def prefetch_pending(self, rid: str) -> bool:
+        """True while the policy has request ``rid`` wait for its reads before admission; the
+        first False forgets the job (SGLang's check_prefetch_progress)."""
+        job = self._jobs.get(rid)
+        if job is None:
+            return False
+        if self.prefetch_policy == "best_effort" or job.done.is_set() or (
+                self.prefetch_policy == "timeout" and time.monotonic() >= self._deadline(job)):
+            del self._jobs[rid]
+            return False
+        return True
+
+    def wait_prefetch(self, timeout: float) -> None:
+        """Until some tracked job is done, or ``timeout`` seconds (nothing else can run)."""
+        for job in self._jobs.values():
+            if not job.done.is_set():
+                job.done.wait(timeout)
+                return
+
+    def forget_prefetch(self, rid: str) -> None:
+        self._jobs.pop(rid, None)
+
+    def _deadline(self, job: PrefetchJob) -> float:
+        base, per_ki = self.timeout
+        return job.submitted + base + per_ki * job.num_tokens / 1024
 
     def fetch_after(self, cache: HiRadixCache, namespace: CacheNamespace, parent: TreeNode,
                     key: tuple[int, ...], pos: int) -> Optional[HiTreeNode]:
@@ -137,7 +175,7 @@ class StorageTier:
         if parent.key and parent.host_value is None:  # type: ignore[attr-defined]
             if not cache._backup(parent):  # type: ignore[arg-type]
                 return None
-        blocks = self._read(block_keys(ident, key, B, total)[first:], len(key) - pos, t0)
+        blocks = self._read(block_keys(ident, key, B, total)[first:], len(key) - pos)
         if not blocks:
             return None
         end = (first + len(blocks)) * B
@@ -155,19 +193,22 @@ class StorageTier:
         self.fetch_seconds += time.perf_counter() - t0
         return cache.attach_host_node(parent, key[pos:end], host_slots)
 
-    def _read(self, keys: list[str], num_tokens: int, t0: float) -> list[bytes]:
+    def _read(self, keys: list[str], num_tokens: int) -> list[bytes]:
         """The leading run of ``keys`` available under the prefetch policy."""
         policy = self.prefetch_policy
         base, per_ki = self.timeout
-        deadline = t0 + base + per_ki * num_tokens / 1024
         job = self.prefetcher.job_of(keys[-1])
-        if job is not None and policy != "best_effort":
-            job.done.wait(None if policy == "wait_complete" else max(0.0, deadline - t0))
+        now = time.monotonic()
+        deadline = (self._deadline(job) if job is not None
+                    else now + base + per_ki * num_tokens / 1024)
+        if job is not None and policy != "best_effort" and not job.done.is_set():
+            # only a caller that did not ask prefetch_pending first gets here with a job running
+            job.done.wait(None if policy == "wait_complete" else max(0.0, deadline - now))
         blocks: list[bytes] = []
         for key in keys:
             data = self.prefetcher.take(key)
             if data is None and (policy == "wait_complete"
-                                 or policy == "timeout" and time.perf_counter() < deadline):
+                                 or policy == "timeout" and time.monotonic() < deadline):
                 data = self.storage.get(key) if self.storage.exists(key) else None
             if data is None:
                 break
