@@ -232,3 +232,17 @@ def test_an_engine_without_a_draft_refuses_draft_updates(paths: dict[str, str]) 
         assert not ok and "no draft model" in msg
         ok, msg = eng.update_weights_from_tensor(tensors(paths["w2"]), selector="target")
         assert ok, msg
+
+
+def test_http_routes_carry_the_draft_fields(engine: Any, paths: dict[str, str],
+                                            reference: list[dict[str, Any]]) -> None:
+    from tests.rollout_engine.engines import app_client
+
+    for client in app_client(engine):
+        r = client.post("/update_weights_from_disk", json={"model_path": paths["w1"],
+                                                            "selector": "everything"})
+        assert r.status_code == 400 and "selector: must be" in r.json()["message"]
+        r = client.post("/update_weights_from_disk", json={"model_path": paths["w2"],
+                                                            "draft_model_path": paths["w2"]})
+        assert r.status_code == 200 and r.json()["success"], r.text
+    assert_equal(generate(engine), reference)
