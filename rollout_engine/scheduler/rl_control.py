@@ -80,6 +80,7 @@ class RLControl:
     def __init__(self, scheduler: Scheduler) -> None:
         self.s = scheduler
         self.mapped: Optional[refit.MappedStorages] = None  # trainer shm kept mapped (1st refit)
+        self.shadow: Optional[ShadowWeights] = None   # spare weights a broadcast lands in
         self.num_refits = 0
         self.generation = 0                 # bumped by every weight change; keys the KV cache
         self.missing_weights: set[str] = set()  # not written since a wake without backup
@@ -132,6 +133,8 @@ class RLControl:
             if self.mapped is not None:
                 self.mapped.clear()   # a sleeping engine pins none of the trainer's shm
             s.update_groups.release_buffers()   # nor a broadcast receive buffer
+            if self.shadow is not None:
+                self.shadow.release()           # nor spare parameter storage
         return {"released": sorted(s.memory_saver.released), "bytes_freed": freed,
                 "seconds": time.perf_counter() - t0}
 
@@ -267,21 +270,55 @@ class RLControl:
         hanging."""
         groups = self.s.update_groups
         previous = groups.in_flight[-1] if groups.in_flight else None
-        receipt = groups.post(list(names), list(dtypes), shapes, group_name, load_format,
-                              after=previous)
+        plan = self._in_place_plan(names, dtypes, shapes, load_format, sglang_flags)
+        try:
+            receipt = groups.post(list(names), list(dtypes), shapes, group_name, load_format,
+                                  after=previous, into=None if plan is None else plan.views)
+        except BaseException:
+            if plan is not None:
+                self.shadow.abort(plan)
+            raise
 
         def finish(done: Future) -> dict[str, Any]:
+            committed = False
             try:
                 received = done.result()
                 self._before_update(abort_all_requests, weight_version=weight_version,
                                     flush_cache=flush_cache, torch_empty_cache=torch_empty_cache,
                                     **sglang_flags)
-                return self._apply(lambda: self._load_broadcast(received, sglang_flags),
-                                   weight_version, flush_cache, torch_empty_cache)
+                if plan is None:
+                    load = lambda: self._load_broadcast(received, sglang_flags)  # noqa: E731
+                else:
+                    load = lambda: self.shadow.commit(plan)  # noqa: E731
+                result = self._apply(load, weight_version, flush_cache, torch_empty_cache)
+                committed = True
+                return result
             finally:
+                if plan is not None and not committed:
+                    self.shadow.abort(plan)
                 groups.settle(receipt)
 
         return Deferred(receipt.future, finish)
+
+    def _in_place_plan(self, names: list[str], dtypes: list[Any], shapes: list[list[int]],
+                       load_format: Optional[str], sglang_flags: dict[str, Any]
+                       ) -> Optional[InPlacePlan]:
+        """Receive an unbucketed update straight into spare parameter storage
+        (`weights/shadow.py`) when it is a plain target update the model takes as announced;
+        None: staged and copied. Malformed announcements are left to ``post`` to refuse."""
+        if (load_format is not None or sglang_flags.get("selector") not in (None, "target", "all")
+                or self.s.device.type != "cpu" or "weights" in self.s.memory_saver.released):
+            return None
+        try:
+            torch_dtypes = [refit.declared_dtype(d) for d in dtypes]
+            shapes_t = [tuple(int(d) for d in s) for s in shapes]
+        except (ValueError, TypeError):
+            return None
+        if not len(names) == len(torch_dtypes) == len(shapes_t):
+            return None
+        if self.shadow is None:
+            self.shadow = ShadowWeights(self.s.runner.model)
+        return self.shadow.plan(list(names), torch_dtypes, shapes_t)
 
     def _load_broadcast(self, received: list[tuple[str, torch.Tensor]],
                         sglang_flags: dict[str, Any]) -> LoadReport:

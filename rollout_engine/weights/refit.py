@@ -259,14 +259,17 @@ class WeightUpdateGroups:
 
     def post(self, names: list[str], dtypes: list[Any], shapes: list[list[int]],
              group_name: str, load_format: Optional[str],
-             after: Optional[Receipt] = None) -> Receipt:
+             after: Optional[Receipt] = None,
+             into: Optional[list[torch.Tensor]] = None) -> Receipt:
         """Post the receives of the trainer's broadcast (rank 0) in the dtypes it declares
         (load_weights casts floating ones afterwards) and return at once: the `Receipt`'s
         future completes once every byte has arrived (after `after`'s, so updates complete in
         the order they were posted). The scheduler keeps running meanwhile, and posts the
         next update's receives while this one is applied (that is the pipeline). The whole
         broadcast is always drained, even for an update refused afterwards, so the trainer
-        never hangs; only a malformed announcement (no byte count) is refused before."""
+        never hangs; only a malformed announcement (no byte count) is refused before.
+        ``into``: per-tensor receives (``load_format`` None) land in these tensors, one per
+        name, instead of a staging slot (`ShadowWeights`)."""
         group = self.groups.get(group_name)
         if group is None:
             still = " yet (its init_weights_update_group has not returned)" \
@@ -282,6 +285,15 @@ class WeightUpdateGroups:
         for name, shape in zip(names, shapes_t):
             if any(d < 0 for d in shape):
                 raise ValueError(f"shapes: weight {name!r} has a negative dimension {shape}")
+        if into is not None:
+            if load_format is not None or len(into) != len(names) or any(
+                    tuple(t.shape) != shape or t.dtype != dtype
+                    for t, dtype, shape in zip(into, torch_dtypes, shapes_t)):
+                raise ValueError("into: one tensor of each announced shape and dtype")
+            works = [group.broadcast(t) for t in into]
+            receipt = Receipt(list(zip(names, into)), works, None, self.device, after)
+            self.in_flight.append(receipt)
+            return receipt
         staging = self.staging.setdefault(group_name, StagingBuffer(self.device))
         if load_format == "flattened_bucket":   # SGLang's bucket: bytes back to back
             _, nbytes = flat_layout(torch_dtypes, shapes_t)
