@@ -36,6 +36,7 @@ from rollout_engine.scheduler.request import ReqState
 from rollout_engine.weights import refit
 from rollout_engine.weights.disk_reader import PartialLoadError
 from rollout_engine.weights.loader import LoadReport, load_weights, read_weight, weight_names
+from rollout_engine.weights.shadow import InPlacePlan, ShadowWeights
 
 if TYPE_CHECKING:
     from rollout_engine.scheduler.scheduler import Scheduler
