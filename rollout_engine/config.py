@@ -93,6 +93,8 @@ class EngineConfig:
     # process model / serving
     scheduler_mode: str = "process"
     dp_size: int = 1                     # scheduler replicas behind one frontend (rollout_engine/dp)
+    tp_size: int = 1                     # tensor-parallel ranks, a process each (parallel/)
+    dist_timeout: Optional[int] = None   # s a TP collective may take (None: watchdog_timeout)
     load_balance_method: str = "auto"    # dp/dispatch.py: round_robin, total_requests, ...
     host: str = "127.0.0.1"
     port: int = 30000
@@ -158,6 +160,7 @@ class EngineConfig:
             bad("attention_backend", f"must be one of {sorted(map(str, _BACKENDS))}")
         if self.dp_size < 1:
             bad("dp_size", f"must be >= 1, got {self.dp_size}")
+        _check_tp(self, bad)
         if self.load_balance_method not in LOAD_BALANCE_METHODS:
             bad("load_balance_method", f"must be one of {list(LOAD_BALANCE_METHODS)}, "
                 f"got {self.load_balance_method!r}")
@@ -228,6 +231,29 @@ class EngineConfig:
         for secret in ("api_key", "admin_api_key"):
             d[secret] = None if d[secret] is None else "***"
         return d
+
+
+def _check_tp(c: EngineConfig, bad: Any) -> None:
+    """Tensor parallelism: a size that shards this model, and the features it combines with."""
+    from rollout_engine.parallel.context import check_tp_size
+    from rollout_engine.weights.loader import read_hf_config
+
+    if c.tp_size < 1:
+        bad("tp_size", f"must be >= 1, got {c.tp_size}")
+    if c.dist_timeout is not None and c.dist_timeout <= 0:
+        bad("dist_timeout", f"must be > 0 seconds, got {c.dist_timeout}")
+    if c.tp_size == 1:
+        return
+    why = check_tp_size(c.tp_size, read_hf_config(str(c.model_path)))
+    if why is not None:
+        bad("tp_size", why)
+    if c.scheduler_mode != "process":
+        bad("scheduler_mode", "tp_size > 1 runs every rank in its own process: use 'process'")
+    for name, on in (("dp_size", c.dp_size > 1), ("speculative_algorithm",
+                     c.speculative_algorithm is not None),
+                     ("enable_hierarchical_cache", c.enable_hierarchical_cache)):
+        if on:
+            bad(name, f"is not supported with tp_size > 1 yet (got tp_size={c.tp_size})")
 
 
 _WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")

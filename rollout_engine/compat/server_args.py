@@ -46,9 +46,9 @@ SGLANG_VERSIONS = ("0.5.9", "0.5.23")
 
 # why a flag is accepted only at its default (the tag after "default:")
 UNSUPPORTED = {
-    "1gpu": "rollout_engine serves one model replica on one device: tensor, pipeline, "
-            "expert and context parallelism are not implemented; run one server per GPU (with "
-            "sglang-router in front)",
+    "1gpu": "rollout_engine shards a model only by tensor parallelism (--tp-size) on one "
+            "node: pipeline, expert and context parallelism are not implemented; run one "
+            "server per replica (with sglang-router in front)",
     "pd": "prefill/decode disaggregation is not implemented",
     "lora": "LoRA adapters are not implemented",
     "quant": "quantized weights and KV caches are not implemented (the model runs in --dtype)",

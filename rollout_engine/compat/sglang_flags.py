@@ -109,7 +109,7 @@ disaggregation_mode                          str     'null'               defaul
 disaggregation_prefill_pp                    int     1                    default
 disaggregation_transfer_backend              str     'mooncake'           default
 dist_init_addr                               str     None                 ignore:launch
-dist_timeout                                 int     None                 ignore:launch
+dist_timeout                                 int     None                 ours
 dllm_algorithm                               str     None                 default
 dllm_algorithm_config                        str     None                 default
 dllm_fdfo                                    bool    True                 default
@@ -548,7 +548,7 @@ tool_call_parser                             str     None                 defaul
 tool_server                                  str     None                 default
 torch_compile_max_bs                         int     32                   ignore:perf
 torchao_config                               str     ''                   default:quant
-tp_size                                      int     1                    default:1gpu
+tp_size                                      int     1                    ours
 trace_modules                                str     'request'            ignore:log
 triton_attention_num_kv_splits               int     8                    ignore:perf
 triton_attention_reduce_in_fp32              switch  False                ignore:perf

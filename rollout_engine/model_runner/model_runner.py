@@ -1,8 +1,14 @@
-"""ModelRunner: owns the model, the KV pool and the attention backend; ForwardBatch -> logits."""
+"""ModelRunner: owns the model, the KV pool and the attention backend; ForwardBatch -> logits.
+
+With tensor parallelism (``tp``: passed, or installed for rank 0, rollout_engine/parallel) it
+holds one rank's shard of the weights and a KV pool of that rank's KV heads, and rank 0 sends
+each forward's inputs to the other ranks before running its own part.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -15,6 +21,7 @@ from rollout_engine.model_runner.forward_batch import ForwardBatch
 from rollout_engine.models.layers import compute_inv_freq
 from rollout_engine.models.llama import ModelArch
 from rollout_engine.models.registry import build_model
+from rollout_engine.parallel.context import TPContext, current_tp
 from rollout_engine.weights.loader import iter_safetensors, load_weights, read_hf_config
 
 logger = logging.getLogger(__name__)
@@ -23,17 +30,20 @@ _CPU_DEFAULT_KV_TOKENS = 32768
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: Optional[TPContext] = None) -> None:
         self.config = config
-        self.device = config.resolved_device()
+        self.tp = tp if tp is not None else current_tp()
+        self.device = config.resolved_device() if self.tp is None else self.tp.group.device
         self.dtype = config.resolved_dtype()
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
+        elif self.device.type == "cpu" and self.tp is not None:   # the ranks share the cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp.size))
         self.hf_config = read_hf_config(config.model_path)
         self.arch = ModelArch.from_hf_config(self.hf_config)
         self.context_len = config.context_length or self.arch.max_position_embeddings
         with torch.device("meta"):
-            model = build_model(self.arch)
+            model = build_model(self.arch, self.tp)
         model = model.to_empty(device=self.device).to(self.dtype)
         # meta -> empty left the RoPE buffer uninitialised; it stays float32 whatever the dtype
         model.rotary.inv_freq = compute_inv_freq(
@@ -42,10 +52,15 @@ class ModelRunner:
         for p in self.model.parameters():
             p.requires_grad_(False)
         load_weights(self.model, iter_safetensors(config.model_path), require_all=True)
-        self.max_total_num_tokens = self._kv_capacity()
+        num_kv_heads = self.arch.num_kv_heads
+        if self.tp is not None:   # this rank's KV heads
+            num_kv_heads = self.tp.kv_heads(self.arch.num_heads, self.arch.num_kv_heads)[1]
+        self.max_total_num_tokens = self._kv_capacity(num_kv_heads)
+        if self.tp is not None:   # every rank's pool holds as many slots
+            self.max_total_num_tokens = self.tp.group.min_int(self.max_total_num_tokens)
         self.max_running_requests = config.max_running_requests or 512
         self.kv_pool = KVPool(self.max_total_num_tokens, self.arch.num_layers,
-                              self.arch.num_kv_heads, self.arch.head_dim, self.dtype, self.device)
+                              num_kv_heads, self.arch.head_dim, self.dtype, self.device)
         self.req_to_token = ReqToTokenPool(self.max_running_requests + 8, self.context_len + 8,
                                            self.device)
         self.attn_backend = create_attention_backend(config.resolved_attention_backend(),
@@ -53,16 +68,20 @@ class ModelRunner:
         self.graphs = create_decode_graphs(
             self.model, self.kv_pool, self.req_to_token, device=self.device,
             attention_backend=config.resolved_attention_backend(),
-            disabled=config.disable_cuda_graph,
+            disabled=config.disable_cuda_graph or self.tp is not None,  # not captured with tp
             max_bs=min(config.cuda_graph_max_bs, self.max_running_requests))
+        if self.tp is not None and self.tp.leader is not None:
+            # rank 0: every forward first sends its inputs to the other ranks (TP=1 keeps the
+            # plain method: no per-step cost)
+            self.forward = self._forward_leader  # type: ignore[method-assign]
 
-    def _kv_capacity(self) -> int:
+    def _kv_capacity(self, num_kv_heads: int) -> int:
         ps = self.config.page_size
         if self.config.max_total_tokens is not None:
             tokens = self.config.max_total_tokens
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            per_token = (2 * self.arch.num_layers * self.arch.num_kv_heads * self.arch.head_dim
+            per_token = (2 * self.arch.num_layers * num_kv_heads * self.arch.head_dim
                          * torch.empty((), dtype=self.dtype).element_size())
             tokens = int(free * self.config.mem_fraction_static) // per_token
         else:
@@ -81,6 +100,16 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model(fb.input_ids, fb.positions, fb)
         return self.model.compute_logits(hidden[fb.logits_indices])
+
+    def _forward_leader(self, fb: ForwardBatch) -> torch.Tensor:
+        assert self.tp is not None
+        leader = self.tp.leader
+        leader.send_forward(fb, self.req_to_token.table)
+        try:
+            return ModelRunner.forward(self, fb)
+        except RuntimeError as e:   # a collective failed: name the rank that is gone
+            leader.raise_if_rank_died(e)
+            raise
 
     def to_device(self, values: list[int], dtype: Optional[torch.dtype] = torch.int64
                   ) -> torch.Tensor:

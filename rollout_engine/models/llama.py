@@ -4,6 +4,11 @@ Tokens of all requests in a batch are flattened to ``[T, hidden]``; attention is
 backend in ``ForwardBatch`` which writes this step's K/V into the pool and attends over each
 request's slots. Projections are fused (qkv, gate_up); ``weight_map`` says where every Hugging
 Face parameter name lands so loading and refitting use the same table.
+
+With tensor parallelism (``tp``, rollout_engine/parallel) a rank builds only its part: its q and
+KV heads in ``qkv_proj``, its rows of ``gate_up_proj`` and of the vocabulary, its columns of
+``o_proj`` / ``down_proj`` (row-parallel: summed over the ranks); ``tp_shards`` says which slice
+of each full checkpoint tensor that is. Without ``tp`` the modules are exactly the plain ones.
 """
 
 from __future__ import annotations
@@ -21,6 +26,12 @@ from rollout_engine.models.layers import (
     RotaryEmbedding,
     linear_fp32_out,
     silu_mul,
+)
+from rollout_engine.parallel.context import Shard, TPContext
+from rollout_engine.parallel.layers import (
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_logits,
 )
 
 
@@ -83,14 +94,18 @@ class ModelArch:
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, layer_id: int) -> None:
+    def __init__(self, arch: ModelArch, layer_id: int, tp: Optional[TPContext] = None) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = (
             arch.num_heads, arch.num_kv_heads, arch.head_dim)
-        q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        if tp is not None:   # this rank's heads
+            self.num_heads = tp.split(arch.num_heads)[1]
+            self.num_kv_heads = tp.kv_heads(arch.num_heads, arch.num_kv_heads)[1]
+        q, kv = self.num_heads * arch.head_dim, self.num_kv_heads * arch.head_dim
         self.qkv_proj = MergedLinear(arch.hidden_size, [q, kv, kv], bias=arch.qkv_bias)
-        self.o_proj = Linear(q, arch.hidden_size, bias=arch.o_bias)
+        self.o_proj = (Linear(q, arch.hidden_size, bias=arch.o_bias) if tp is None
+                       else RowParallelLinear(q, arch.hidden_size, arch.o_bias, tp))
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scaling = arch.head_dim ** -0.5
@@ -109,23 +124,24 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, tp: Optional[TPContext] = None) -> None:
         super().__init__()
-        i = arch.intermediate_size
+        i = arch.intermediate_size if tp is None else tp.split(arch.intermediate_size)[1]
         self.gate_up_proj = MergedLinear(arch.hidden_size, [i, i], bias=arch.mlp_bias)
-        self.down_proj = Linear(i, arch.hidden_size, bias=arch.mlp_bias)
+        self.down_proj = (Linear(i, arch.hidden_size, bias=arch.mlp_bias) if tp is None
+                          else RowParallelLinear(i, arch.hidden_size, arch.mlp_bias, tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, layer_id: int) -> None:
+    def __init__(self, arch: ModelArch, layer_id: int, tp: Optional[TPContext] = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, layer_id)
+        self.self_attn = Attention(arch, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
+        self.mlp = MLP(arch, tp)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], cos: torch.Tensor,
                 sin: torch.Tensor, fb: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,15 +162,21 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The decoder plus LM head; also serves Qwen2 (qkv bias) and Qwen3 (q/k norm)."""
 
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, tp: Optional[TPContext] = None) -> None:
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.tp = tp
+        vocab_rows = arch.vocab_size   # this rank's, padded, with tp
+        if tp is None:
+            self.embed_tokens: nn.Module = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
+            vocab_rows = tp.vocab(arch.vocab_size)[2]
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling)
         self.lm_head = (None if arch.tie_word_embeddings
-                        else Linear(arch.hidden_size, arch.vocab_size, bias=False))
+                        else Linear(arch.hidden_size, vocab_rows, bias=False))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: Any) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``."""
@@ -166,8 +188,11 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits (computed from 16-bit weights without a 16-bit rounding)."""
+        """Float32 logits (computed from 16-bit weights without a 16-bit rounding). With tp,
+        the whole vocabulary's on rank 0 and None on the others."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.tp is not None:
+            return vocab_parallel_logits(hidden, weight, self.tp, self.arch.vocab_size)
         return linear_fp32_out(hidden, weight)
 
     # -- weights ------------------------------------------------------------------------------
@@ -178,10 +203,13 @@ class LlamaForCausalLM(nn.Module):
         def whole(name: str, p: nn.Parameter) -> None:
             table[name] = (p, 0, p.shape[0] if p.dim() else 0)
 
-        whole("model.embed_tokens.weight", self.embed_tokens.weight)
+        # with tp the vocabulary's rows end before the padding
+        vocab_rows = self.arch.vocab_size if self.tp is None else self.tp.vocab(
+            self.arch.vocab_size)[1]
+        table["model.embed_tokens.weight"] = (self.embed_tokens.weight, 0, vocab_rows)
         whole("model.norm.weight", self.norm.weight)
         if self.lm_head is not None:
-            whole("lm_head.weight", self.lm_head.weight)
+            table["lm_head.weight"] = (self.lm_head.weight, 0, vocab_rows)
         for i, layer in enumerate(self.layers):
             pre = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
@@ -207,6 +235,38 @@ class LlamaForCausalLM(nn.Module):
                 whole(f"{pre}self_attn.q_norm.weight", attn.q_norm.weight)
                 whole(f"{pre}self_attn.k_norm.weight", attn.k_norm.weight)
         return table
+
+    def tp_shards(self) -> dict[str, Shard]:
+        """HF name -> the slice of the full checkpoint tensor this rank holds, for every
+        sharded weight (none without tp; norms and row-parallel biases are whole)."""
+        tp, a = self.tp, self.arch
+        if tp is None:
+            return {}
+        d, h, i_full = a.head_dim, a.hidden_size, a.intermediate_size
+        q0, qn = tp.split(a.num_heads)
+        k0, kn = tp.kv_heads(a.num_heads, a.num_kv_heads)
+        i0, i_n = tp.split(i_full)
+        v0, vn, _ = tp.vocab(a.vocab_size)
+        shards = {"model.embed_tokens.weight": Shard(0, v0, vn, (a.vocab_size, h))}
+        if self.lm_head is not None:
+            shards["lm_head.weight"] = Shard(0, v0, vn, (a.vocab_size, h))
+        kinds = [("weight", (h,))] + ([("bias", ())] if a.qkv_bias else [])
+        mlp_kinds = [("weight", (h,))] + ([("bias", ())] if a.mlp_bias else [])
+        for layer in range(a.num_layers):
+            pre = f"model.layers.{layer}."
+            for kind, rest in kinds:
+                shards[f"{pre}self_attn.q_proj.{kind}"] = Shard(0, q0 * d, qn * d,
+                                                                (a.num_heads * d, *rest))
+                for proj in ("k_proj", "v_proj"):
+                    shards[f"{pre}self_attn.{proj}.{kind}"] = Shard(
+                        0, k0 * d, kn * d, (a.num_kv_heads * d, *rest))
+            for kind, rest in mlp_kinds:
+                for proj in ("gate_proj", "up_proj"):
+                    shards[f"{pre}mlp.{proj}.{kind}"] = Shard(0, i0, i_n, (i_full, *rest))
+            shards[f"{pre}self_attn.o_proj.weight"] = Shard(1, q0 * d, qn * d,
+                                                            (h, a.num_heads * d))
+            shards[f"{pre}mlp.down_proj.weight"] = Shard(1, i0, i_n, (h, i_full))
+        return shards
 
     @staticmethod
     def ignored_weight(name: str) -> bool:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import nn
 
 from rollout_engine.models.llama import LlamaForCausalLM, ModelArch
+from rollout_engine.parallel.context import TPContext
 
 # Qwen2 and Qwen3 differ from Llama only in flags that ModelArch reads from the config
 # (qkv bias, q/k norm), so one class serves all three.
@@ -19,9 +22,10 @@ def supported_architectures() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def build_model(arch: ModelArch) -> nn.Module:
+def build_model(arch: ModelArch, tp: Optional[TPContext] = None) -> nn.Module:
+    """The model of ``arch``; with ``tp``, one tensor-parallel rank's part of it."""
     cls = _REGISTRY.get(arch.architecture)
     if cls is None:
         raise ValueError(f"architecture {arch.architecture!r} is not supported; supported: "
                          f"{', '.join(supported_architectures())}")
-    return cls(arch)
+    return cls(arch) if tp is None else cls(arch, tp=tp)

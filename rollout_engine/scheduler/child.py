@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Optional
+from typing import Any, Optional
 
 from rollout_engine.config import EngineConfig
 
@@ -28,6 +28,7 @@ class ChildStart:
 
     config: EngineConfig
     sys_path: list[str]
+    tp: Any = None   # a tensor-parallel rank > 0: parallel.launch.TPStart
 
 
 def exit_with_parent(parent_pid: int) -> threading.Thread:
@@ -61,8 +62,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=start.config.log_level.upper())
     from rollout_engine.scheduler.loop import PipeChannel, run_loop
 
+    if start.tp is not None:   # tensor-parallel rank > 0, a child of rank 0
+        from rollout_engine.parallel.launch import run_worker
+
+        return run_worker(start.config, conn, start.tp)
     try:
-        run_loop(start.config, PipeChannel(conn))
+        if start.config.tp_size > 1:   # rank 0: starts the other ranks (rollout_engine/parallel)
+            from rollout_engine.parallel.launch import run_leader
+
+            run_leader(start.config, PipeChannel(conn))
+        else:
+            run_loop(start.config, PipeChannel(conn))
     except Exception:  # noqa: BLE001 - reported to the frontend by run_loop
         return 1
     return 0

@@ -15,6 +15,9 @@ parallel (shards and pieces of one shard alike).
 safetensors' layout: an 8-byte little-endian header length N, N bytes of JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": ...}``, then the
 data; offsets count from the end of the header.
+
+With tensor parallelism a rank reads only its slice of each sharded tensor: a slice of rows is
+one byte range of the file (read directly), a slice of columns is copied from the mapping.
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ from typing import Optional
 
 import torch
 
+from rollout_engine.parallel.context import Shard
 from rollout_engine.protocol.bucket import copy_into
 from rollout_engine.weights.loader import (
     LoadReport,
+    agreed,
     iter_safetensors,
     load_weights,
     plan_targets,
@@ -116,15 +121,19 @@ def read_header(path: str) -> Optional[list[Entry]]:
 
 def load_checkpoint(model: torch.nn.Module, model_path: str) -> LoadReport:
     """Refit ``model`` from the safetensors files of ``model_path`` (module docstring)."""
-    entries: list[Entry] = []
+    entries: Optional[list[Entry]] = []
     for path in safetensors_files(model_path):
-        shard = read_header(path)
-        if shard is None:   # an exotic dtype: the library's reader, one tensor at a time
-            return load_weights(model, list(iter_safetensors(model_path)))
-        entries.extend(shard)
+        part = read_header(path)
+        if part is None:   # an exotic dtype: the library's reader, one tensor at a time
+            entries = None
+            break
+        entries.extend(part)
+    if entries is None:
+        return load_weights(model, list(iter_safetensors(model_path)))
     by_name = {e.name: e for e in entries}
-    targets = plan_targets(model, [(e.name, e.shape, e.dtype) for e in entries])
-    jobs = [job for name, dst in targets for job in _jobs(by_name[name], dst)]
+    with agreed(model):   # every rank checked its part before any writes
+        targets = plan_targets(model, [(e.name, e.shape, e.dtype) for e in entries])
+    jobs = [job for name, dst, shard in targets for job in _jobs(by_name[name], dst, shard)]
     files = _Files()
     try:
         with torch.no_grad():
@@ -138,13 +147,13 @@ def load_checkpoint(model: torch.nn.Module, model_path: str) -> LoadReport:
     except OSError as e:
         raise PartialLoadError(f"reading the checkpoint failed after writing began ({e}); "
                                "the weights it names must be written again",
-                               frozenset(n for n, _ in targets)) from None
+                               frozenset(n for n, _, _ in targets)) from None
     finally:
         files.close()
-    num_bytes = sum(dst.numel() * dst.element_size() for _, dst in targets)
-    num_cast = sum(by_name[n].dtype != dst.dtype for n, dst in targets)
+    num_bytes = sum(dst.numel() * dst.element_size() for _, dst, _ in targets)
+    num_cast = sum(by_name[n].dtype != dst.dtype for n, dst, _ in targets)
     return LoadReport(num_tensors=len(targets), num_bytes=num_bytes,
-                      names=frozenset(n for n, _ in targets), num_cast=num_cast)
+                      names=frozenset(n for n, _, _ in targets), num_cast=num_cast)
 
 
 class _Files:
@@ -180,6 +189,7 @@ class _Job:
     dst: torch.Tensor      # preadv: 1-D uint8 bytes of the parameter; copy: the typed view
     offset: int            # in the file
     direct: bool
+    shard: Optional[Shard] = None   # copy: the slice of the file's tensor that goes to dst
 
     def run(self, files: _Files) -> None:
         if self.direct:
@@ -194,16 +204,24 @@ class _Job:
         raw = files.mapped(self.entry.path)[self.offset:self.offset + self.entry.nbytes]
         if raw.storage_offset() % self.entry.dtype.itemsize:
             raw = raw.clone()   # misaligned in the file: view it from an aligned copy
-        copy_into(self.dst, raw.view(self.entry.dtype).view(self.entry.shape))
+        src = raw.view(self.entry.dtype).view(self.entry.shape)
+        copy_into(self.dst, src if self.shard is None else self.shard.of(src))
 
 
-def _jobs(entry: Entry, dst: torch.Tensor) -> list[_Job]:
-    """Read `entry` into `dst`: straight into its bytes (pieces of <= PIECE_BYTES) when the
-    dtypes match and `dst` is contiguous, else one copy_ from the mapping."""
-    if entry.nbytes == 0:
+def _jobs(entry: Entry, dst: torch.Tensor, shard: Optional[Shard] = None) -> list[_Job]:
+    """Read `entry` (or its `shard`) into `dst`: straight into its bytes (pieces of <=
+    PIECE_BYTES) when the dtypes match, `dst` is contiguous and the bytes are one range of the
+    file (all of it, or a slice of rows), else one copy_ from the mapping."""
+    if entry.nbytes == 0 or dst.numel() == 0:
         return []
+    offset, nbytes = entry.offset, entry.nbytes
+    if shard is not None:
+        if shard.dim != 0:
+            return [_Job(entry, dst, entry.offset, direct=False, shard=shard)]
+        row_bytes = entry.nbytes // entry.shape[0]
+        offset, nbytes = entry.offset + shard.start * row_bytes, shard.length * row_bytes
     if entry.dtype != dst.dtype or not dst.is_contiguous():
-        return [_Job(entry, dst, entry.offset, direct=False)]
+        return [_Job(entry, dst, entry.offset, direct=False, shard=shard)]
     flat = dst.reshape(-1).view(torch.uint8)
-    return [_Job(entry, flat[start:start + PIECE_BYTES], entry.offset + start, direct=True)
-            for start in range(0, entry.nbytes, PIECE_BYTES)]
+    return [_Job(entry, flat[start:start + PIECE_BYTES], offset + start, direct=True)
+            for start in range(0, nbytes, PIECE_BYTES)]

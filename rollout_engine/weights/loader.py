@@ -8,6 +8,11 @@ dtypes follow SGLang (its weight loaders end in ``param.data.copy_(loaded_weight
 tensor of another floating dtype is cast by the copy itself (bf16 from a trainer into an fp32
 engine, an fp32 master into a bf16 one), with no temporary; any other mismatch (integer, bool,
 complex, float <-> int) is refused, naming the weight.
+
+Tensor parallelism: incoming tensors are always the full checkpoint tensors; a rank's model
+says which slice of each it holds (``tp_shards``), and that slice is what is checked against
+the full shape and copied. Every rank checks its update, then all agree (``tp.commit``) before
+any writes, so a refused update leaves every rank's weights as they were.
 """
 
 from __future__ import annotations
@@ -16,11 +21,12 @@ import json
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from safetensors import safe_open
 
+from rollout_engine.parallel.context import Shard
 from rollout_engine.protocol.bucket import copy_all
 
 
@@ -80,30 +86,59 @@ def load_weights(
     require_all: every parameter must be covered (the first load).
     Raises ValueError naming the first bad tensor; nothing has been written then.
     """
-    checked = list(named_tensors)
-    for name, tensor in checked:
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"weight {name!r}: expected a tensor, got {type(tensor).__name__}")
-    targets = plan_targets(model, [(n, tuple(t.shape), t.dtype) for n, t in checked],
-                           require_all=require_all)
+    with agreed(model):
+        checked = list(named_tensors)
+        for name, tensor in checked:
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"weight {name!r}: expected a tensor, got "
+                                 f"{type(tensor).__name__}")
+        targets = plan_targets(model, [(n, tuple(t.shape), t.dtype) for n, t in checked],
+                               require_all=require_all)
     by_name = dict(checked)   # names are unique once plan_targets accepted them
-    with torch.no_grad():
-        copy_all((dst, by_name[name].detach()) for name, dst in targets)  # casts if dtypes differ
-    num_bytes = sum(dst.numel() * dst.element_size() for _, dst in targets)
-    num_cast = sum(by_name[name].dtype != dst.dtype for name, dst in targets)
+    with torch.no_grad():   # casts if dtypes differ
+        copy_all((dst, _source(by_name[name].detach(), shard)) for name, dst, shard in targets)
+    num_bytes = sum(dst.numel() * dst.element_size() for _, dst, _ in targets)
+    num_cast = sum(by_name[name].dtype != dst.dtype for name, dst, _ in targets)
     return LoadReport(num_tensors=len(targets), num_bytes=num_bytes,
-                      names=frozenset(n for n, _ in targets), num_cast=num_cast)
+                      names=frozenset(n for n, _, _ in targets), num_cast=num_cast)
+
+
+def _source(tensor: torch.Tensor, shard: Optional[Shard]) -> torch.Tensor:
+    return tensor if shard is None else shard.of(tensor)
+
+
+class agreed:
+    """``with agreed(model): check...``: with tensor parallelism, every rank's checks end in
+    one agreement (``tp.commit``) before anything is written: an error raised inside is every
+    rank's refusal, another rank's refusal is raised here. Without it, nothing happens."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        tp = getattr(model, "tp", None)
+        self.commit = None if tp is None else tp.commit
+
+    def __enter__(self) -> agreed:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self.commit is not None:
+            self.commit.agree(None if exc is None else f"{type(exc).__name__}: {exc}")
+
+
+Target = tuple[str, torch.Tensor, Optional[Shard]]
 
 
 def plan_targets(model: torch.nn.Module, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
-                 *, require_all: bool = False) -> list[tuple[str, torch.Tensor]]:
+                 *, require_all: bool = False) -> list[Target]:
     """Check ``(hf_name, shape, dtype)`` of every incoming tensor against ``model`` and return
-    (name, destination view in the parameter) for each one to copy, in order. Skips ignored
-    weights and a tied checkpoint's ``lm_head.weight``. Raises ValueError naming the first bad
-    tensor (unknown, twice, wrong shape, uncastable dtype; with ``require_all``, missing)."""
+    (name, destination view in the parameter, the slice of the incoming tensor that goes there:
+    None for all of it) for each one to copy, in order. Skips ignored weights and a tied
+    checkpoint's ``lm_head.weight``. Raises ValueError naming the first bad tensor (unknown,
+    twice, wrong shape, uncastable dtype; with ``require_all``, missing)."""
     table = model.weight_map()  # type: ignore[operator]
     ignored = getattr(model, "ignored_weight", lambda name: False)
-    targets: list[tuple[str, torch.Tensor]] = []
+    shards: dict[str, Shard] = (model.tp_shards()  # type: ignore[operator]
+                                if getattr(model, "tp", None) is not None else {})
+    targets: list[Target] = []
     seen: set[str] = set()
     for name, shape, dtype in specs:
         if ignored(name):
@@ -116,7 +151,10 @@ def plan_targets(model: torch.nn.Module, specs: Iterable[tuple[str, tuple[int, .
             raise ValueError(f"weight {name!r} appears twice in one update")
         seen.add(name)
         param, row0, rows = table[name]
+        shard = shards.get(name)
         expected = (rows, *param.shape[1:]) if param.dim() else ()
+        if shard is not None:
+            expected = shard.full_shape
         if tuple(shape) != tuple(expected):
             raise ValueError(f"weight {name!r}: shape {tuple(shape)} does not match the "
                              f"model's {tuple(expected)}")
@@ -124,7 +162,7 @@ def plan_targets(model: torch.nn.Module, specs: Iterable[tuple[str, tuple[int, .
             raise ValueError(f"weight {name!r}: dtype {dtype} does not match the "
                              f"model's {param.dtype} (only floating-point weights are cast)")
         targets.append((name, param.data if param.dim() == 0 else
-                        param.data.narrow(0, row0, rows)))
+                        param.data.narrow(0, row0, rows), shard))
     if require_all:
         missing = sorted(set(table) - seen)
         if missing:

@@ -52,6 +52,7 @@ from trainer_bridge.transports.base import (
     call_all,
     checked,
     spawn,
+    start_call,
     step_version,
 )
 from trainer_bridge.transports.tensor import BucketBuffers
@@ -72,16 +73,19 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def engine_ranks(engine: Any) -> int:
     """How many ranks an engine takes in a weight-update group: its data-parallel replicas
-    (each receives the broadcast; SGLang's DP ranks do the same), 1 for a plain engine."""
+    times its tensor-parallel ranks (each receives the broadcast, as SGLang's do), 1 for a
+    plain engine."""
     config = getattr(engine, "config", None)
     dp_size = getattr(config, "dp_size", None)
     if isinstance(dp_size, int):
-        return dp_size
+        return dp_size * int(getattr(config, "tp_size", 1))
     try:
         info = engine.get_server_info()
     except Exception:  # noqa: BLE001 - a peer without server info is one rank
         return 1
-    return int(info.get("dp_size") or 1) if isinstance(info, dict) else 1
+    if not isinstance(info, dict):
+        return 1
+    return int(info.get("dp_size") or 1) * int(info.get("tp_size") or 1)
 
 
 def rank_offsets(engines: Sequence[Any]) -> list[int]:
@@ -241,9 +245,9 @@ class DistributedTransport(WeightTransport):
         names = [n for n, _ in tensors]
         dtypes = [dtype_to_str(t.dtype) for _, t in tensors]
         shapes = [list(t.shape) for _, t in tensors]
-        calls = [spawn(checked, e, "update_weights_from_distributed", names, dtypes, shapes,
-                       group_name=self.group_name, load_format=load_format, flush_cache=last,
-                       weight_version=version) for e in engines]
+        calls = [start_call(e, "update_weights_from_distributed", names, dtypes, shapes,
+                            group_name=self.group_name, load_format=load_format,
+                            flush_cache=last, weight_version=version) for e in engines]
         assert self.group is not None
         return Call(calls, [self.group.broadcast(t) for t in sends])
 

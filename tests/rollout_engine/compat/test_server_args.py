@@ -183,8 +183,9 @@ def test_sglang_spellings_are_converted() -> None:
 
 
 @pytest.mark.parametrize("argv,named", [
-    (["--tp-size", "2"], "--tp-size 2: rollout_engine serves one model replica"),
-    (["--tensor-parallel-size", "4"], "--tp-size 4"),
+    (["--pp-size", "2"], "--pp-size 2: rollout_engine shards a model only by tensor "
+                         "parallelism"),
+    (["--expert-parallel-size", "4"], "--ep-size 4"),
     (["--nnodes", "2"], "--nnodes 2"),
     (["--enable-lora"], "--enable-lora True: LoRA adapters are not implemented"),
     (["--quantization", "fp8"], "--quantization 'fp8'"),
@@ -214,7 +215,8 @@ def test_a_flag_sglang_lacks_too_is_unrecognized(capsys: pytest.CaptureFixture[s
 def test_help_lists_our_flags_and_hides_sglangs() -> None:
     text = build_parser().format_help()
     assert "--mem-fraction-static" in text and "--scheduler-mode" in text
-    assert "--enable-nccl-nvls" not in text and "--tp-size TP_SIZE" not in text
+    assert "--enable-nccl-nvls" not in text and "--pp-size PP_SIZE" not in text
+    assert "--tp-size TP_SIZE" in text   # ours (tensor parallelism)
     assert "python -m sglang.launch_server" in text
 
 
@@ -234,7 +236,7 @@ def test_slime_and_verl_server_args_build_an_engine_config(qwen2_path: str) -> N
 
 
 @pytest.mark.parametrize("kwargs,named", [
-    ({"tp_size": 2}, "--tp-size 2"), ({"pp_size": 2}, "--pp-size 2"),
+    ({"ep_size": 2}, "--ep-size 2"), ({"pp_size": 2}, "--pp-size 2"),
     ({"skip_tokenizer_init": True, "lora_paths": ["a=/lora"]}, "--lora-paths ['a=/lora']"),
     ({"kv_cache_dtype": "fp8_e5m2"}, "--kv-cache-dtype 'fp8_e5m2'"),
 ])

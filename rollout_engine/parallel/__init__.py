@@ -1,0 +1,10 @@
+"""Tensor parallelism (``--tp-size N``): one scheduler process per rank (issue 14 item 1).
+
+    group.py    the ranks' process group (gloo on CPU, nccl on GPU) and its collectives
+    shard.py    which slice of every weight and head a rank holds
+    layers.py   row-parallel linear, vocab-parallel embedding and LM head
+    wire.py     what rank 0 sends the other ranks: forward inputs, control ops, their answers
+    leader.py   rank 0's side: the other ranks' pipes, mirrored control calls, liveness
+    worker.py   the other ranks: a model shard and its KV pool, driven by rank 0
+    launch.py   starting the ranks (rank 0 starts the others) and the group
+"""
