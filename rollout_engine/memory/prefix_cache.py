@@ -169,9 +169,15 @@ class BasePrefixCache(ABC):
     # ---- lower tiers (HiCache); a single-tier cache keeps these defaults ----------------------
 
     def load_back(self, token_ids: Sequence[int], namespace: CacheNamespace) -> MatchResult:
-        """`match_prefix`, extended by what lower tiers hold and copied into device slots (called
-        once per admission attempt, never by ordering). Single tier: just `match_prefix`."""
+        """`match_prefix`, extended by what lower tiers hold and given device slots, their copy
+        queued until `commit_loads` (called once per admission attempt, never by ordering).
+        Single tier: just `match_prefix`."""
         return self.match_prefix(token_ids, namespace)
+
+    def commit_loads(self) -> None:
+        """Finish the copies `load_back` queued into device slots (one bulk copy per step);
+        the scheduler calls it before every forward."""
+        return None
 
     def prefetch(self, rid: str, token_ids: Sequence[int], namespace: CacheNamespace) -> None:
         """Request `rid` for `token_ids` arrived: a cache with a slow tier may start reading

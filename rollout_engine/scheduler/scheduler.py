@@ -156,6 +156,7 @@ class Scheduler:
         """Run one batch (prefill if anything can be admitted, else decode)."""
         self._admit_compiled()
         batch = None if not self.can_run else (self.schedule_prefill() or self.schedule_decode())
+        self.kv.tree.commit_loads()   # the step's lower-tier hits reach the device in one copy
         if batch is not None:
             self.run_batch(batch)
         elif len(self.grammars) and self.can_run:

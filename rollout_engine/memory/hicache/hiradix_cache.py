@@ -11,9 +11,10 @@ and ``host_value`` (host slots, or None). Two closures keep every path loadable:
 
 Device eviction takes unlocked device leaves (no child on the device): a node with a host copy
 keeps its place in the tree (value None), one without is removed (``write_back`` copies it to
-the host first). ``load_back`` (at admission) copies a match's host-only nodes into fresh device
+the host first). ``load_back`` (at admission) gives a match's host-only nodes fresh device
 slots, after fetching the blocks that follow from storage (``tiers.StorageTier``), so the
-prefill starts from the whole hit. Write policies, as SGLang's: ``write_through`` backs a node up
+prefill starts from the whole hit; the copies of all of a step's admissions are queued and done
+in bulk by ``commit_loads`` before the forward (``transfers.py``). Write policies, as SGLang's: ``write_through`` backs a node up
 when it is inserted, ``write_through_selective`` once an admitted request matches it a second
 time (its hit count reaches 2), ``write_back`` only when the device evicts it.
 
@@ -72,6 +73,7 @@ class HiRadixCache(RadixCache):
         self.flush_storage_on_reset = flush_storage   # reset also deletes our L3 blocks
         self.stats = HiCacheStats()
         self._pinned: set[int] = set()     # host-only nodes a load in progress must keep
+        self._loads = transfers.PendingLoads()   # this step's host -> device copies
 
     # ---- matching ---------------------------------------------------------------------------
 
@@ -150,6 +152,13 @@ class HiRadixCache(RadixCache):
     def forget_prefetch(self, rid: str) -> None:
         if self.storage is not None:
             self.storage.forget_prefetch(rid)
+
+    def queue_load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
+        self._loads.add(host_slots, device_slots)
+
+    def commit_loads(self) -> None:
+        """Copy every load queued since the last commit, in bulk (before any forward)."""
+        self._loads.commit(self)
 
     def on_admit(self, match: MatchResult) -> None:
         self.stats.device_hit_tokens += (match.matched_len - match.host_hit_len
@@ -239,6 +248,7 @@ class HiRadixCache(RadixCache):
         return freed
 
     def reset(self) -> None:
+        self._loads = transfers.PendingLoads()   # their slots are freed unread
         super().reset()
         self.host.allocator.reset()
         if self.storage is not None:
@@ -350,6 +360,11 @@ class HiRadixCache(RadixCache):
     def _is_host_leaf(self, node: TreeNode) -> bool:
         return (bool(node.key) and node.parent is not None and node.value is None
                 and not node.children and id(node) not in self._pinned)
+
+    def _free(self, freed: list[torch.Tensor]) -> None:
+        if self._loads and freed and self._loads.overlaps(torch.cat(freed)):
+            self.commit_loads()   # a queued copy must land before its slots change hands
+        super()._free(freed)
 
     def _detach(self, node: TreeNode, freed: list[torch.Tensor]) -> int:
         """Unlink an unlocked childless node; its host slots are freed now, its device slots

@@ -20,8 +20,8 @@ class HiCacheStats:
     host_evicted_tokens: int = 0
     bytes_to_host: int = 0
     bytes_to_device: int = 0
-    num_loads: int = 0
-    load_seconds: float = 0.0
+    num_loads: int = 0              # bulk host -> device copies (at most one per step)
+    load_seconds: float = 0.0       # slot allocation at admission + the bulk copies
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)

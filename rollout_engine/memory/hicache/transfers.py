@@ -1,7 +1,14 @@
 """Moves between the tiers of a HiRadixCache: device -> host backups, host -> device loads,
 and host eviction. Functions over the cache (its tree state stays in one class); callers hold
 the invariants of ``hiradix_cache.py``: host-held nodes closed under ancestors, the nodes of a
-load in progress pinned (``cache._pinned``) so host eviction cannot take them."""
+load in progress pinned (``cache._pinned``) so host eviction cannot take them.
+
+Loads are bulk, once per step: each admission's ``load`` only allocates device slots and queues
+its copy; ``PendingLoads.commit`` copies every queued row in one gather from the host buffer
+and one scatter per layer and K/V. On CUDA the rows go through pinned memory with a
+non-blocking copy; copies are not overlapped with the forward layer by layer (SGLang's
+layer-wise load): on CPU there is no copy engine to overlap with, a copy takes the same cores
+the forward would use."""
 
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ from rollout_engine.memory.radix_cache import TreeNode
 if TYPE_CHECKING:
     from rollout_engine.memory.hicache.hiradix_cache import HiRadixCache, HiTreeNode
 
-__all__ = ["alloc_host", "backup", "evict_host", "load"]
+__all__ = ["PendingLoads", "alloc_host", "backup", "evict_host", "load"]
 
 
 def backup(cache: HiRadixCache, node: HiTreeNode) -> bool:
@@ -76,8 +83,9 @@ def evict_host(cache: HiRadixCache, num_tokens: int) -> int:
 
 def load(cache: HiRadixCache, device: list[HiTreeNode],
          hosts: list[HiTreeNode]) -> list[HiTreeNode]:
-    """Copy ``hosts`` (host-only, in path order) into fresh device slots, as many whole nodes
-    as the pool has room for; the device prefix is locked meanwhile."""
+    """Give ``hosts`` (host-only, in path order) fresh device slots, as many whole nodes as
+    the pool has room for, and queue their copy (``cache.queue_load``: one bulk copy per step,
+    before the forward); the device prefix is locked meanwhile."""
     t0 = time.perf_counter()
     anchor = device[-1] if device else None
     if anchor is not None:
@@ -86,21 +94,56 @@ def load(cache: HiRadixCache, device: list[HiTreeNode],
     short = sum(len(n.key) for n in hosts) - allocator.available_size()  # type: ignore
     if short > 0:
         cache.evict(short)
-    loaded = []
+    room = allocator.available_size()  # type: ignore
+    loaded: list[HiTreeNode] = []
+    num_tokens = 0
     for node in hosts:
-        pages = allocator.allocate(len(node.key) // cache.page_size)  # type: ignore
-        if pages is None:
+        if num_tokens + len(node.key) > room:
             break
-        slots = torch.tensor(pages, dtype=torch.int64)
-        assert node.host_value is not None
-        cache.stats.bytes_to_device += cache.host.load(node.host_value, slots)
-        node.value = slots
-        cache._evictable_size += len(node.key)
         loaded.append(node)
+        num_tokens += len(node.key)
+    if loaded:
+        pages = allocator.allocate(num_tokens // cache.page_size)  # type: ignore
+        assert pages is not None, "the allocator had room and refused it"
+        slots = torch.tensor(pages, dtype=torch.int64)
+        start = 0
+        for node in loaded:
+            node.value = slots[start:start + len(node.key)]
+            start += len(node.key)
+        cache._evictable_size += num_tokens
+        cache.queue_load(torch.cat([n.host_value for n in loaded]), slots)  # type: ignore
+        cache.version += 1
     if anchor is not None:
         cache.dec_lock_ref(anchor)
-    if loaded:
-        cache.version += 1
+    cache.stats.load_seconds += time.perf_counter() - t0
+    return loaded
+
+
+class PendingLoads:
+    """Host -> device copies queued by the step's admissions, done as one gather and one
+    scatter per layer (``commit``). Until then the device slots hold no valid KV: the cache
+    commits before it frees any of them, and the scheduler before every forward."""
+
+    def __init__(self) -> None:
+        self.host: list[torch.Tensor] = []
+        self.device: list[torch.Tensor] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.host)
+
+    def add(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
+        self.host.append(host_slots)
+        self.device.append(device_slots)
+
+    def overlaps(self, freed: torch.Tensor) -> bool:
+        return bool(self.device) and bool(torch.isin(freed, torch.cat(self.device)).any())
+
+    def commit(self, cache: HiRadixCache) -> None:
+        if not self.host:
+            return
+        t0 = time.perf_counter()
+        host_slots, device_slots = torch.cat(self.host), torch.cat(self.device)
+        self.host, self.device = [], []
+        cache.stats.bytes_to_device += cache.host.load(host_slots, device_slots)
         cache.stats.num_loads += 1
         cache.stats.load_seconds += time.perf_counter() - t0
-    return loaded

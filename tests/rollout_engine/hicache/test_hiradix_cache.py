@@ -57,6 +57,8 @@ def test_write_through_evicts_to_host_and_loads_back_the_same_bytes():
     pool.k_buffers[0].zero_()
     match = cache.load_back(tokens, NS)
     assert match.matched_len == 16 and match.host_hit_len == 16
+    assert not _kv_matches(pool, match.slots, tokens)   # queued: copied at the commit
+    cache.commit_loads()
     assert _kv_matches(pool, match.slots, tokens)
     cache.check_integrity()
 
@@ -68,7 +70,9 @@ def test_write_back_copies_only_on_eviction():
     assert cache.host_size() == 0
     cache.evict(8)
     assert cache.host_size() == 8
-    assert _kv_matches(pool, cache.load_back(tokens, NS).slots, tokens)
+    match = cache.load_back(tokens, NS)
+    cache.commit_loads()
+    assert _kv_matches(pool, match.slots, tokens)
     cache.check_integrity()
 
 
@@ -144,7 +148,9 @@ def test_random_operations_keep_every_invariant(policy, seed, storage, tmp_path)
         op = rng.random()
         if op < 0.4:
             match = cache.load_back(tokens, NS)
-            assert _kv_matches(pool, match.slots, tokens[:match.matched_len])
+            if rng.random() < 0.5:   # else the copy stays queued across later operations
+                cache.commit_loads()
+                assert _kv_matches(pool, match.slots, tokens[:match.matched_len])
             if rng.random() < 0.5 and match.matched_len:
                 cache.inc_lock_ref(match.node)
                 locked.append(match.node)
@@ -161,6 +167,11 @@ def test_random_operations_keep_every_invariant(policy, seed, storage, tmp_path)
         else:
             cache.evict(rng.randrange(2, 12))
         cache.check_integrity()
+        if rng.random() < 0.3:   # every device node holds its tokens' KV once copies land
+            cache.commit_loads()
+            for node in cache._iter_nodes():
+                if node.key and node.value is not None:
+                    assert _kv_matches(pool, node.value, list(node.key))
     assert cache.stats.bytes_to_device > 0        # host-only nodes were loaded back
     for node in locked:
         cache.dec_lock_ref(node)
@@ -186,6 +197,7 @@ def test_pinned_host_tier_round_trip_cuda():
     cache.insert(tokens, slots, NS)
     cache.evict(16)
     match = cache.load_back(tokens, NS)
+    cache.commit_loads()
     assert match.host_hit_len == 16
     assert torch.equal(pool.k_buffers[1][match.slots.cuda()], want)
     cache.check_integrity()

@@ -58,6 +58,7 @@ def test_wait_complete_reads_synchronously_without_a_prefetch(tmp_path):
     pool, _, cache = _cache(tmp_path, "wait_complete")
     match = cache.load_back(TOKENS, NS)
     assert match.matched_len == 20 and match.storage_hit_len == 20
+    cache.commit_loads()
     assert torch.equal(pool.k_buffers[1][match.slots], want)
     cache.check_integrity()
     cache.close()
@@ -72,6 +73,7 @@ def test_best_effort_uses_only_what_the_prefetch_staged(tmp_path):
     cache.flush_storage()                                         # the worker has read them
     match = cache.load_back(TOKENS, NS)
     assert match.storage_hit_len == 20
+    cache.commit_loads()
     assert torch.equal(pool.k_buffers[1][match.slots], want)
     cache.close()
 
@@ -137,6 +139,7 @@ def test_pending_while_a_slow_read_runs_by_policy(tmp_path, policy, timeout, pen
     if pending:                                          # admitted once done: every block
         match = cache.load_back(TOKENS, NS)
         assert match.storage_hit_len == 20
+        cache.commit_loads()
         assert torch.equal(pool.k_buffers[1][match.slots], want)
     cache.check_integrity()
     cache.close()
