@@ -74,6 +74,7 @@ class ModelRunner:
             # rank 0: every forward first sends its inputs to the other ranks (TP=1 keeps the
             # plain method: no per-step cost)
             self.forward = self._forward_leader  # type: ignore[method-assign]
+            self.tp.leader.model = self.model   # weight reads join the slices by its shards
 
     def _kv_capacity(self, num_kv_heads: int) -> int:
         ps = self.config.page_size

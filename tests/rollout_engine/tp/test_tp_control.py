@@ -1,0 +1,131 @@
+"""--tp-size 2 beyond parity: one KV head replicated on both ranks (a model with fewer KV heads
+than ranks), an update one rank refuses changes no rank, weight reads return whole weights,
+a retracted request resumes as it would have run, bad sizes are refused up front, and a killed
+rank fails the request in flight at once with an error naming it (last: it ends the engine)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from rollout_engine.config import EngineConfig
+from rollout_engine.entrypoints.launch_server import parse_args
+from rollout_engine.protocol.tensor_payload import serialize_named_tensors
+from rollout_engine.weights.loader import iter_safetensors
+from tests.rollout_engine.engines import thread_engine
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0.0}
+PROMPTS = [[1, 2, 3], [9, 30, 200, 11, 300, 17], list(range(40, 60))]
+FLAGS = {"max_total_tokens": 1024}
+
+
+@pytest.fixture(scope="module")
+def one_kv_head() -> str:
+    """4 query heads, 1 KV head: each of 2 ranks keeps a copy of the KV head."""
+    from rollout_engine.testing.tiny_model import tiny_model_path
+
+    return str(tiny_model_path("qwen2", num_kv_heads=1))
+
+
+def _rollouts(engine: Any, max_new_tokens: int = 8) -> list[tuple[list[int], list[float]]]:
+    outs = engine.generate(input_ids=PROMPTS, return_logprob=True,
+                           sampling_params={**GREEDY, "max_new_tokens": max_new_tokens})
+    return [(o["output_ids"], [lp for lp, *_ in o["meta_info"]["output_token_logprobs"]])
+            for o in outs]
+
+
+def _same(rows: list[Any], want: list[Any]) -> None:
+    assert [ids for ids, _ in rows] == [ids for ids, _ in want]
+    assert max(abs(a - b) for (_, x), (_, y) in zip(rows, want) for a, b in zip(x, y)) <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def one_rank(one_kv_head: str) -> list[Any]:
+    for eng in thread_engine(one_kv_head, **FLAGS):
+        return _rollouts(eng)
+    raise AssertionError("unreachable")
+
+
+@pytest.fixture(scope="module")
+def tp2(one_kv_head: str) -> Iterator[Any]:
+    from rollout_engine import Engine
+
+    eng = Engine(model_path=one_kv_head, tp_size=2, dtype="float32", device="cpu", **FLAGS)
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
+
+
+def test_a_replicated_kv_head_matches_one_rank(tp2, one_rank):
+    _same(_rollouts(tp2), one_rank)
+
+
+def test_an_update_one_rank_refuses_changes_no_rank(tp2, one_rank, one_kv_head):
+    good = list(iter_safetensors(one_kv_head))
+    bad = [(n, t[:-1] if n == "model.norm.weight" else t) for n, t in good]
+    ok, message = tp2.update_weights_from_tensor(
+        [serialize_named_tensors(good), serialize_named_tensors(bad)])   # one per rank
+    assert not ok
+    assert "tensor-parallel rank 1" in message and "model.norm.weight" in message
+    ok, message = tp2.update_weights_from_tensor([serialize_named_tensors(good)] * 3)
+    assert not ok and "one payload per tensor-parallel rank (2) or one for all, got 3" in message
+    _same(_rollouts(tp2), one_rank)   # neither rank wrote anything
+    assert tp2.check_integrity()["tp_ranks"][0]["tp_rank"] == 1
+
+
+def test_weight_reads_join_every_ranks_slice(tp2, one_kv_head):
+    full = dict(iter_safetensors(one_kv_head))
+    for name, rows in (("model.layers.0.self_attn.o_proj.weight", 3),   # columns split
+                       ("model.layers.1.mlp.gate_proj.weight", 100),    # rows: 64 a rank
+                       ("model.layers.0.self_attn.k_proj.weight", 100),  # replicated
+                       ("model.embed_tokens.weight", 2)):
+        got = torch.tensor(tp2.get_weights_by_name(name, truncate_size=rows))
+        assert torch.equal(got, full[name][:rows].float()), name
+
+
+def test_a_retracted_request_resumes_as_it_would_have_run(tp2, one_rank):
+    stream = tp2.generate(input_ids=PROMPTS[2], sampling_params=GREEDY, stream=True)
+    next(stream)
+    assert tp2.pause_generation(mode="retract")["mode"] == "retract"
+    tp2.continue_generation()
+    *_, last = stream
+    assert last["output_ids"] == one_rank[2][0]
+
+
+def test_sizes_that_cannot_shard_are_refused(one_kv_head):
+    with pytest.raises(ValueError, match=r"tp_size: must divide num_attention_heads \(4\)"):
+        EngineConfig(model_path=one_kv_head, tp_size=3)
+    with pytest.raises(ValueError, match="scheduler_mode: tp_size > 1 runs every rank"):
+        EngineConfig(model_path=one_kv_head, tp_size=2, scheduler_mode="thread")
+    with pytest.raises(ValueError, match="dp_size: is not supported with tp_size > 1"):
+        EngineConfig(model_path=one_kv_head, tp_size=2, dp_size=2)
+    assert EngineConfig.from_kwargs(model_path=one_kv_head, tp_size=2).tp_size == 2
+    assert parse_args(["--model-path", "/m", "--tensor-parallel-size", "2",
+                       "--dist-timeout", "60"]) == {
+        "model_path": "/m", "tp_size": 2, "dist_timeout": 60}
+
+
+def test_a_killed_rank_fails_the_request_in_flight_at_once(tp2):
+    """Runs last in this module: it takes the module's engine down."""
+    from rollout_engine.request_state import SchedulerDeadError
+
+    pids = tp2.tm.server_info["tp_pids"]
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    stream = tp2.generate(input_ids=[1, 2, 3], stream=True,
+                          sampling_params={**GREEDY, "max_new_tokens": 1000, "ignore_eos": True})
+    next(stream)
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(SchedulerDeadError, match=r"tensor-parallel rank 1 \(pid \d+\) is gone"):
+        for _ in stream:
+            pass
+    assert time.monotonic() - start < 10
+    with pytest.raises(SchedulerDeadError, match="tensor-parallel rank 1"):
+        tp2.generate(input_ids=[1, 2], sampling_params=GREEDY)
