@@ -302,6 +302,12 @@ class TokenizerManager:
         ``watchdog_timeout``). The call carries that deadline: if the scheduler has not started
         it by then it is cancelled; if it had, it runs to the end, and its late answer is
         logged and counted in ``control_stats``."""
+        return self.start_call(method, timeout, **kwargs)()
+
+    def start_call(self, method: str, timeout: Optional[float] = None, **kwargs: Any
+                   ) -> Callable[[], ControlResult]:
+        """`call`, split: send the call now (calls sent one after another reach the scheduler
+        in that order) and return a function that waits for its result."""
         self.check_alive()
         wait_s = timeout if timeout is not None else self.config.watchdog_timeout
         call_id = next(self.call_ids)
@@ -310,21 +316,26 @@ class TokenizerManager:
         with self.lock:
             self.calls[call_id] = (event, box)
         self.host.chan.send(ControlReq(method, kwargs, call_id, deadline=time.time() + wait_s))
-        if not event.wait(wait_s):
-            with self.lock:
-                gave_up = self.calls.pop(call_id, None) is not None
+
+        def wait() -> ControlResult:
+            if not event.wait(wait_s):
+                with self.lock:
+                    gave_up = self.calls.pop(call_id, None) is not None
+                    if gave_up:
+                        self.timed_out_calls[call_id] = method
+                        self.control_stats["timed_out"] += 1
                 if gave_up:
-                    self.timed_out_calls[call_id] = method
-                    self.control_stats["timed_out"] += 1
-            if gave_up:
-                return ControlResult(call_id, False, status=504, message=(
-                    f"{method} timed out after {wait_s:g} s and may have run: one the scheduler "
-                    "had started runs to completion, one it had not is cancelled; check "
-                    "get_weight_version / get_server_info before retrying"))
-            event.wait()   # the answer arrived as we gave up: the receiver is handing it over
-        result = box[0]
-        self._mirror(method, result)
-        return result
+                    return ControlResult(call_id, False, status=504, message=(
+                        f"{method} timed out after {wait_s:g} s and may have run: one the "
+                        "scheduler had started runs to completion, one it had not is "
+                        "cancelled; check get_weight_version / get_server_info before "
+                        "retrying"))
+                event.wait()   # the answer arrived as we gave up: the receiver hands it over
+            result = box[0]
+            self._mirror(method, result)
+            return result
+
+        return wait
 
     def _mirror(self, method: str, result: ControlResult) -> None:
         """Keep the frontend's view of sleep / stale weights in step with the scheduler's."""

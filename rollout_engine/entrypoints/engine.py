@@ -7,7 +7,8 @@ import asyncio
 import importlib.metadata
 import json
 import os
-from collections.abc import AsyncIterator, Iterator
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Optional, Union
 
 from rollout_engine.compat.fields import GENERATE_REQUEST, Treatment
@@ -32,6 +33,11 @@ def rollout_engine_version() -> str:
         return "0+unknown"
 
 
+SENDABLE_CALLS = ("update_weights_from_disk", "update_weights_from_tensor",
+                  "update_weights_from_distributed")
+"""The calls `Engine.send_call` sends without waiting for their answers."""
+
+
 class Engine:
     """``Engine(model_path=..., **flags)``; the flags are ``EngineConfig`` fields or the names
     of SGLang's ``ServerArgs``, as ``sgl.Engine(**server_args)`` takes them (``tp_size=1``,
@@ -41,6 +47,7 @@ class Engine:
         self.config = EngineConfig.from_kwargs(**kwargs)
         self.tm = TokenizerManager(self.config)
         self.tokenizer = self.tm.tokenizer
+        self._sending = threading.local()   # send_call's collector of sent calls
 
     # -- generation ------------------------------------------------------------------------------
     def _submit(self, prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: Any,
@@ -181,10 +188,34 @@ class Engine:
         return _raise_for(self._call("resume_memory_occupation", tags=tags))
 
     def _update(self, method: str, **kwargs: Any) -> tuple[bool, str]:
-        r = self._call(method, **kwargs)
+        sending = getattr(self._sending, "box", None)
+        if sending is not None:        # inside send_call: send now, answer later
+            sending.append(self.tm.start_call(method, **kwargs))
+            return True, "sent"
+        return self._update_answer(self._call(method, **kwargs))
+
+    @staticmethod
+    def _update_answer(r: ControlResult) -> tuple[bool, str]:
         if r.success:
             return True, f"updated to weight_version {r.result['weight_version']}"
         return False, r.message
+
+    def send_call(self, method: str, *args: Any, **kwargs: Any) -> Callable[[], tuple[bool, str]]:
+        """Send one weight-update call (``update_weights_from_disk`` / ``_tensor`` /
+        ``_distributed``, same arguments) now, in the caller's thread, and return a function
+        that waits for its answer. Calls sent one after another reach the scheduler in that
+        order, so a trainer may send bucket k+1 before bucket k is answered
+        (``trainer_bridge.transports.base.start_call``)."""
+        if method not in SENDABLE_CALLS:
+            raise ValueError(f"method: send_call takes one of {SENDABLE_CALLS}, got {method!r}")
+        box: list[Callable[[], ControlResult]] = []
+        self._sending.box = box
+        try:
+            getattr(self, method)(*args, **kwargs)
+        finally:
+            self._sending.box = None
+        waiter = box[0]
+        return lambda: self._update_answer(waiter())
 
     # The update methods take every field of SGLang's *ReqInput (extras keyword-only): the
     # scheduler honours what it can and refuses the rest naming the field (rl_control).

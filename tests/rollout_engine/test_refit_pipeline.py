@@ -145,3 +145,21 @@ def test_a_trainer_that_dies_mid_pipeline_changes_nothing(w1_w2, make_engine):
     assert box["c"][0], box
     assert engine.get_weights_by_name(NORM, truncate_size=1) == norm[:1].tolist()
     pg.shutdown()
+
+
+def test_send_call_sends_now_and_answers_later_in_order(w1_w2, make_engine):
+    """`Engine.send_call`: calls sent back to back without waiting reach the scheduler in the
+    order sent (the last version wins), and each waiter returns what the method returns."""
+    engine = make_engine(w1_w2[0], scheduler_mode="process")
+    w2 = dict(iter_safetensors(w1_w2[1]))
+    waiters = [engine.send_call("update_weights_from_tensor", [(NORM, w2[NORM] + i)],
+                                weight_version=f"v{i}") for i in range(6)]
+    answers = [w() for w in waiters]
+    assert answers == [(True, f"updated to weight_version v{i}") for i in range(6)]
+    assert engine.get_weight_version() == "v5"
+    assert engine.get_weights_by_name(NORM, truncate_size=2) == (w2[NORM] + 5)[:2].tolist()
+    bad = engine.send_call("update_weights_from_tensor", [("nope", w2[NORM])])
+    ok, message = bad()
+    assert not ok and "nope" in message, message
+    with pytest.raises(ValueError, match="send_call"):
+        engine.send_call("generate", [1, 2])
