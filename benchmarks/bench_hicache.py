@@ -18,8 +18,15 @@ Outputs are checked identical across configurations (greedy).
 
     python benchmarks/bench_hicache.py --quick   # 8 conversations x 3 turns
     python benchmarks/bench_hicache.py           # full
+    python benchmarks/bench_hicache.py --profile # where TTFT goes (off vs L2, in-process)
 
 The last line printed is the L2-vs-off throughput ratio and TTFT p50 ratio.
+
+``--profile`` drives the scheduler in this process (the same workload, each turn's burst queued
+before the first step) and splits every configuration's wall time into decode forwards,
+prefill forwards and HiCache work (admission: matching, L3 fetch, device slots; the bulk
+host -> device copies; the device -> host backups done while a batch is processed). Its "floor" is each request's TTFT minus the HiCache work done in its
+turn before its first token: the TTFT L2 would have if every hit cost nothing but its forward.
 """
 
 from __future__ import annotations
@@ -34,6 +41,10 @@ from typing import Any, Optional
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
+
+# in-process runs (--profile) need what the engine's child process gets (scheduler/loop.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
 
 import common  # noqa: E402
 import torch  # noqa: E402
@@ -115,12 +126,9 @@ def run_turns(engine: Any, wl: Workload, histories: list[list[int]], turns: rang
     }
 
 
-def make_engine(model_dir: str, threads: int, pool: int, tier: str,
-                storage_dir: Optional[str] = None) -> Any:
+def tier_flags(tier: str, storage_dir: Optional[str]) -> dict[str, Any]:
     """``tier``: off | l2 | l2+l3 (host tier 8x the pool: the whole working set fits) |
     l2_small | l2_small+l3 (host tier 2x the pool: half of it fits, the rest is in L3)."""
-    from rollout_engine import Engine
-
     flags: dict[str, Any] = {}
     if tier != "off":
         flags.update(enable_hierarchical_cache=True,
@@ -129,17 +137,112 @@ def make_engine(model_dir: str, threads: int, pool: int, tier: str,
     if tier.endswith("+l3"):
         flags.update(hicache_storage_backend="file", hicache_storage_dir=storage_dir,
                      hicache_storage_prefetch_policy="wait_complete")
+    return flags
+
+
+def make_engine(model_dir: str, threads: int, pool: int, tier: str,
+                storage_dir: Optional[str] = None) -> Any:
+    from rollout_engine import Engine
+
     eng = Engine(model_path=model_dir, dtype="float32", device="cpu", num_threads=threads,
-                 max_total_tokens=pool, max_running_requests=64, random_seed=0, **flags)
+                 max_total_tokens=pool, max_running_requests=64, random_seed=0,
+                 **tier_flags(tier, storage_dir))
     eng.generate(input_ids=[[5, 6, 7, 8] * 4] * 2,
                  sampling_params={"max_new_tokens": 4, "ignore_eos": True})
     eng.flush_cache()
     return eng
 
 
+def profile_tier(model_dir: str, threads: int, pool: int, tier: str, wl: Workload
+                 ) -> dict[str, Any]:
+    """One configuration in this process: TTFT per request (burst queued, then stepped) and
+    seconds per kind of work; see the module docstring."""
+    from rollout_engine.config import EngineConfig
+    from rollout_engine.protocol.messages import GenerateReq
+    from rollout_engine.sampling_params import SamplingParams
+    from rollout_engine.scheduler.scheduler import Scheduler
+
+    s = Scheduler(EngineConfig(model_path=model_dir, dtype="float32", device="cpu",
+                               num_threads=threads, max_total_tokens=pool,
+                               max_running_requests=64, random_seed=0, scheduler_mode="thread",
+                               **tier_flags(tier, None)))
+    secs = {"decode_s": 0.0, "prefill_s": 0.0, "hicache_s": 0.0}
+    nested = [0.0]   # HiCache seconds inside the running call (backups inside run_batch)
+    tree = s.kv.tree
+
+    def timed(fn: Any, kind: Any) -> Any:
+        def call(*a: Any) -> Any:
+            t0, inner0 = time.perf_counter(), nested[0]
+            out = fn(*a)
+            took = time.perf_counter() - t0
+            k = kind(a) if callable(kind) else kind
+            secs[k] += took - (nested[0] - inner0)    # the nested HiCache part is counted
+            if k == "hicache_s":
+                nested[0] = inner0 + took             # callers subtract all of it
+            return out
+        return call
+
+    s.schedule_prefill = timed(s.schedule_prefill, "hicache_s")   # matching, fetch, slots
+    s.run_batch = timed(s.run_batch, lambda a: "decode_s" if a[0].mode.name == "DECODE"
+                        else "prefill_s")
+    if hasattr(tree, "commit_loads") and hasattr(tree, "_backup"):
+        tree.commit_loads = timed(tree.commit_loads, "hicache_s")   # bulk host -> device
+        tree._backup = timed(tree._backup, "hicache_s")             # device -> host copies
+    sp = SamplingParams.from_dict({"max_new_tokens": wl.new, "temperature": 0,
+                                   "ignore_eos": True})
+    histories = [list(o) for o in wl.openings]
+    ttft: list[float] = []
+    floor: list[float] = []
+    t_all = time.perf_counter()
+    for turn in range(wl.turns):
+        prompts = [h + wl.user_msgs[c][turn] for c, h in enumerate(histories)]
+        t0, hicache0 = time.perf_counter(), secs["hicache_s"]
+        for c, ids in enumerate(prompts):
+            s.handle(GenerateReq(rid=f"{turn}-{c}", input_ids=ids, seed=0, sampling_params=sp,
+                                 stream=True))
+        outs: dict[str, list[int]] = {}
+        finished: set[str] = set()
+        while len(finished) < len(prompts):
+            for o in s.step().outputs:
+                if o.rid not in outs and o.token_ids:
+                    ttft.append(time.perf_counter() - t0)
+                    floor.append(ttft[-1] - (secs["hicache_s"] - hicache0))
+                outs.setdefault(o.rid, []).extend(o.token_ids)
+                if o.finished_reason is not None:
+                    finished.add(o.rid)
+        for c in range(len(prompts)):
+            histories[c] = prompts[c] + outs[f"{turn}-{c}"]
+    wall = time.perf_counter() - t_all
+    s.shutdown()
+    return {"wall_s": wall, "ttft_p50_s": common.p50(ttft), "ttft_floor_p50_s": common.p50(floor),
+            **secs, "other_s": wall - sum(secs.values()),
+            "forward_passes": s.stats["forward_passes"], "prefill_tokens": s.stats["prefill_tokens"]}
+
+
+def profile(model_dir: str, threads: int, pool: int, wl: Workload, quick: bool) -> None:
+    res = {tier: profile_tier(model_dir, threads, pool, tier, wl) for tier in ("off", "l2")}
+    keys = ["wall_s", "ttft_p50_s", "ttft_floor_p50_s", "decode_s", "prefill_s", "hicache_s",
+            "other_s"]
+    print(common.table([[t] + [r[k] for k in keys] for t, r in res.items()], ["config"] + keys))
+    off, l2 = res["off"], res["l2"]
+    ratios = {"ttft_p50_off_over_l2": off["ttft_p50_s"] / l2["ttft_p50_s"],
+              "ttft_p50_off_over_l2_floor": off["ttft_p50_s"] / l2["ttft_floor_p50_s"],
+              "l2_decode_share_of_wall": l2["decode_s"] / l2["wall_s"]}
+    path = common.save_result("hicache_profile_quick" if quick else "hicache_profile",
+                              {"machine": common.machine(), "threads": threads,
+                               "loadavg_1m": os.getloadavg()[0], "results": res,
+                               "ratios": ratios})
+    print(f"saved {path}; L2 decode forwards: {ratios['l2_decode_share_of_wall']:.0%} of its "
+          f"wall (the same decode work as off)")
+    print(f"TTFT p50 off / L2: x{ratios['ttft_p50_off_over_l2']:.2f}; with free HiCache work "
+          f"(floor) at most x{ratios['ttft_p50_off_over_l2_floor']:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="split off's and L2's time into decode / prefill / HiCache work")
     ap.add_argument("--threads", type=int, default=common.DEFAULT_THREADS)
     args = ap.parse_args()
     threads = common.set_threads(args.threads)
@@ -153,6 +256,9 @@ def main() -> None:
     pool = wl.kv_tokens_last_turn() // 4
     print(f"workload: {len(wl.openings)} conversations x {wl.turns} turns, last-turn KV "
           f"{wl.kv_tokens_last_turn()} tokens, device pool {pool} tokens")
+    if args.profile:
+        profile(model_dir, threads, pool, wl, args.quick)
+        return
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench_hicache_") as tmp:
         for tier in ("off", "l2", "l2+l3", "l2_small", "l2_small+l3"):

@@ -1,5 +1,21 @@
 """Hierarchical KV cache (SGLang's HiCache): host tier L2 and storage tier L3 under the radix
-tree. ``create_prefix_cache`` picks the cache the flags ask for."""
+tree. ``create_prefix_cache`` picks the cache the flags ask for.
+
+One scheduler step, as the tiers see it::
+
+    arrival    prefetch(rid)        L3 blocks after what the tree holds: query + io threads
+    admission  prefetch_pending     by policy, the request waits aside; later ones go ahead
+               load_back            L3 blocks -> host; host-only nodes get device slots, copy
+                                    queued (no data moves yet)
+    forward    commit_loads         every queued row of the step: one gather from the host
+                                    buffer, one scatter per layer and K/V, then the forward
+    after      insert / evict       write_through backs new nodes up; eviction keeps backed-up
+                                    nodes host-only
+
+Loads are not overlapped with the forward layer by layer. SGLang does that on CUDA (a copy
+stream fills layer i while layer i - 1 computes); on CPU there is no copy engine, a copy runs
+on the cores the forward needs, so overlapping could only slow both. The bulk copy per step is
+the structure a layer-wise CUDA path would split per layer (``transfers.PendingLoads``)."""
 
 from __future__ import annotations
 
