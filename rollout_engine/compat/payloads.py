@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -50,9 +51,15 @@ def refit_payload_cap(model: nn.Module) -> int:
 
     Room for a float32 trainer refitting a bfloat16 engine (twice the bytes) and for storages
     shared whole under smaller views (a slice of a fused parameter sends its whole storage)."""
-    weight_bytes = sum(t.numel() * t.element_size()
-                       for t in itertools.chain(model.parameters(), model.buffers()))
-    return 4 * weight_bytes + (64 << 20)
+    cap = _CAPS.get(model)
+    if cap is None:   # shapes never change: computed once per model, not once per call
+        weight_bytes = sum(t.numel() * t.element_size()
+                           for t in itertools.chain(model.parameters(), model.buffers()))
+        cap = _CAPS[model] = 4 * weight_bytes + (64 << 20)
+    return cap
+
+
+_CAPS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
 
 def read_refit_payload(data: Any, model: nn.Module, tp_rank: int = 0) -> Any:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -127,6 +128,19 @@ class agreed:
 Target = tuple[str, torch.Tensor, Optional[Shard]]
 
 
+_TABLES: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def weight_table(model: torch.nn.Module) -> dict[str, Any]:
+    """``model.weight_map()`` (HF name -> (parameter, first row, rows)), built once per model:
+    its parameters are fixed objects whose storage refits and sleep replace (``param.data``),
+    so the table stays true, and a bucketed refit's every call need not walk the model."""
+    table = _TABLES.get(model)
+    if table is None:
+        table = _TABLES[model] = model.weight_map()  # type: ignore[operator]
+    return table
+
+
 def plan_targets(model: torch.nn.Module, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
                  *, require_all: bool = False) -> list[Target]:
     """Check ``(hf_name, shape, dtype)`` of every incoming tensor against ``model`` and return
@@ -134,7 +148,7 @@ def plan_targets(model: torch.nn.Module, specs: Iterable[tuple[str, tuple[int, .
     None for all of it) for each one to copy, in order. Skips ignored weights and a tied
     checkpoint's ``lm_head.weight``. Raises ValueError naming the first bad tensor (unknown,
     twice, wrong shape, uncastable dtype; with ``require_all``, missing)."""
-    table = model.weight_map()  # type: ignore[operator]
+    table = weight_table(model)
     ignored = getattr(model, "ignored_weight", lambda name: False)
     shards: dict[str, Shard] = (model.tp_shards()  # type: ignore[operator]
                                 if getattr(model, "tp", None) is not None else {})
@@ -183,7 +197,7 @@ def weight_names(model: torch.nn.Module) -> frozenset[str]:
 
 def read_weight(model: torch.nn.Module, name: str) -> torch.Tensor:
     """The current value of a parameter by its Hugging Face name (a view, not a copy)."""
-    table = model.weight_map()  # type: ignore[operator]
+    table = weight_table(model)
     if name not in table:
         if name == "lm_head.weight":
             name = "model.embed_tokens.weight"

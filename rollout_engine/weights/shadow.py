@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from rollout_engine.weights.loader import LoadReport
+from rollout_engine.weights.loader import LoadReport, weight_table
 
 MIN_COVERAGE = 0.5
 """An update must carry at least this fraction of each touched parameter's rows: below, copying
@@ -61,7 +61,7 @@ class ShadowWeights:
         shape or dtype the model would refuse is staged too: it is refused after draining)."""
         if getattr(self.model, "tp", None) is not None:
             return None
-        table = self.model.weight_map()  # type: ignore[operator]
+        table = weight_table(self.model)
         ignored = getattr(self.model, "ignored_weight", lambda name: False)
         if len(set(names)) != len(names):
             return None
