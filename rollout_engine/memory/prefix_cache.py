@@ -168,10 +168,12 @@ class BasePrefixCache(ABC):
 
     # ---- lower tiers (HiCache); a single-tier cache keeps these defaults ----------------------
 
-    def load_back(self, token_ids: Sequence[int], namespace: CacheNamespace) -> MatchResult:
+    def load_back(self, token_ids: Sequence[int], namespace: CacheNamespace,
+                  rid: Optional[str] = None) -> MatchResult:
         """`match_prefix`, extended by what lower tiers hold and given device slots, their copy
         queued until `commit_loads` (called once per admission attempt, never by ordering).
-        Single tier: just `match_prefix`."""
+        With request `rid`, slow reads are never waited for: they leave `rid` pending
+        (`prefetch_pending`). Single tier: just `match_prefix`."""
         return self.match_prefix(token_ids, namespace)
 
     def commit_loads(self) -> None:

@@ -48,8 +48,9 @@ class KVManager:
     def match_for_admission(self, req: Req, namespace: CacheNamespace,
                             max_len: int) -> MatchResult:
         """``match`` over every cache tier: what lower tiers hold is loaded into device slots
-        (evicting if needed) so the whole hit counts as cached. Only admission calls this."""
-        return self.tree.load_back(req.all_ids[:max_len], namespace)
+        (evicting if needed) so the whole hit counts as cached; storage blocks not read yet
+        leave ``req`` pending instead (``tree.prefetch_pending``). Only admission calls this."""
+        return self.tree.load_back(req.all_ids[:max_len], namespace, rid=req.rid)
 
     def admit(self, req: Req, match: MatchResult, namespace: CacheNamespace) -> bool:
         """Give ``req`` a table row and the matched prefix (locked). False if no row is free."""

@@ -227,6 +227,8 @@ class Scheduler:
             # tiers load their part of the match into device slots here)
             match = self.kv.match_for_admission(req, self.namespace_of(req), policy.match_cap(
                 req, self.kv.page_size))
+            if self.kv.tree.prefetch_pending(req.rid):   # storage reads it started: wait aside
+                continue
             matched = match.matched_len
             if policy.shares_uncached_prefix(req, matched, keys):
                 continue

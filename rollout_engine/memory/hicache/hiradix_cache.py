@@ -91,10 +91,13 @@ class HiRadixCache(RadixCache):
             self._push_leaf(node)
         return MatchResult(_cat([n.value for n in device]), node)
 
-    def load_back(self, token_ids: Sequence[int], namespace: CacheNamespace) -> MatchResult:
+    def load_back(self, token_ids: Sequence[int], namespace: CacheNamespace,
+                  rid: Optional[str] = None) -> MatchResult:
         """The longest match over every tier, made device-resident: host-only nodes (and the
-        blocks storage holds after them) are copied into fresh device slots, as far as the
-        device pool has room. Counts a hit on every device node (selective write-through)."""
+        blocks storage holds after them) get fresh device slots, as far as the device pool has
+        room, their copy queued (``commit_loads``). Counts a hit on every device node
+        (selective write-through). With ``rid`` storage is never waited for: blocks not read
+        yet leave ``rid`` pending (``prefetch_pending``) and are not part of this match."""
         key = self._page_aligned(token_ids)
         if not key:
             return self.match_prefix(token_ids, namespace)
@@ -114,7 +117,7 @@ class HiRadixCache(RadixCache):
             fetched = None
             if self.storage is not None and pos < len(key):
                 fetched = self.storage.fetch_after(self, namespace, path[-1] if path else ns_root,
-                                                   key, pos)
+                                                   key, pos, rid)
                 if fetched is not None:
                     hosts.append(fetched)
                     self._pinned.add(id(fetched))

@@ -114,7 +114,7 @@ class Prefetcher:
                 _, old = self._staged.popitem(last=False)
                 self._staged_bytes -= len(old)
 
-    def _is_staged(self, key: str) -> bool:
+    def is_staged(self, key: str) -> bool:
         with self._lock:
             return key in self._staged
 
@@ -141,7 +141,7 @@ class Prefetcher:
                     return
                 hits = 0
                 for key in job.keys:
-                    if not (self._is_staged(key) or self._exists(key)):
+                    if not (self.is_staged(key) or self._exists(key)):
                         break
                     hits += 1
                 job.num_hits = hits
@@ -159,7 +159,7 @@ class Prefetcher:
                 if job is None:
                     return
                 for key in job.keys[:job.num_hits]:
-                    if self._is_staged(key):
+                    if self.is_staged(key):
                         continue
                     data = self._get(key)
                     if data is None:

@@ -162,10 +162,13 @@ class StorageTier:
         return job.submitted + base + per_ki * job.num_tokens / 1024
 
     def fetch_after(self, cache: HiRadixCache, namespace: CacheNamespace, parent: TreeNode,
-                    key: tuple[int, ...], pos: int) -> Optional[HiTreeNode]:
+                    key: tuple[int, ...], pos: int,
+                    rid: Optional[str] = None) -> Optional[HiTreeNode]:
         """Read the blocks storage holds after ``key[:pos]`` into a new host-only child of
         ``parent`` (backed up first: host-held nodes stay closed under ancestors); None if
-        there is none, or no host room."""
+        there is none, or no host room. With ``rid`` (the scheduler's admission) it never
+        waits: blocks no finished job has read make ``rid`` pending on the job that reads
+        them (a new one if none is), and None is returned for now."""
         t0 = time.perf_counter()
         ident = self.identity(namespace)
         B = self.block_tokens
@@ -175,7 +178,10 @@ class StorageTier:
         if parent.key and parent.host_value is None:  # type: ignore[attr-defined]
             if not cache._backup(parent):  # type: ignore[arg-type]
                 return None
-        blocks = self._read(block_keys(ident, key, B, total)[first:], len(key) - pos)
+        keys = block_keys(ident, key, B, total)[first:]
+        if rid is not None and self._defer(rid, keys, len(key) - pos):
+            return None
+        blocks = self._read(keys, len(key) - pos, wait=rid is None)
         if not blocks:
             return None
         end = (first + len(blocks)) * B
@@ -193,16 +199,32 @@ class StorageTier:
         self.fetch_seconds += time.perf_counter() - t0
         return cache.attach_host_node(parent, key[pos:end], host_slots)
 
-    def _read(self, keys: list[str], num_tokens: int) -> list[bytes]:
-        """The leading run of ``keys`` available under the prefetch policy."""
+    def _defer(self, rid: str, keys: list[str], num_tokens: int) -> bool:
+        """True if admission should not read ``keys`` now: no finished (or, for ``timeout``,
+        timed-out) job has read them; ``rid`` is then pending on the job that will."""
+        if self.prefetch_policy == "best_effort":
+            return False
+        job = self.prefetcher.job_of(keys[-1]) or self.prefetcher.job_of(keys[0])
+        if job is None:
+            if self.prefetcher.is_staged(keys[0]):   # read by a job no longer tracked
+                return False
+            job = self.prefetcher.submit(keys, num_tokens)
+        elif job.done.is_set() or (self.prefetch_policy == "timeout"
+                                   and time.monotonic() >= self._deadline(job)):
+            return False
+        self._jobs[rid] = job
+        return True
+
+    def _read(self, keys: list[str], num_tokens: int, wait: bool = True) -> list[bytes]:
+        """The leading run of ``keys`` available under the prefetch policy (``wait``: for a
+        job still reading them, as a caller that never asks ``prefetch_pending`` needs)."""
         policy = self.prefetch_policy
         base, per_ki = self.timeout
         job = self.prefetcher.job_of(keys[-1])
         now = time.monotonic()
         deadline = (self._deadline(job) if job is not None
                     else now + base + per_ki * num_tokens / 1024)
-        if job is not None and policy != "best_effort" and not job.done.is_set():
-            # only a caller that did not ask prefetch_pending first gets here with a job running
+        if wait and job is not None and policy != "best_effort" and not job.done.is_set():
             job.done.wait(None if policy == "wait_complete" else max(0.0, deadline - now))
         blocks: list[bytes] = []
         for key in keys:

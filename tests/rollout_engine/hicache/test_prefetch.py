@@ -21,14 +21,16 @@ TOKENS = list(range(40, 60))          # 20 tokens: blocks of 4 -> 5 blocks
 
 
 class GatedStorage(FileStorage):
-    """File storage whose reads (``get``) block until ``gate`` is set: a slow L3."""
+    """File storage whose reads (``get``) block until ``gate`` is set: a slow L3 (after 20 s
+    the gate opens by itself, so a caller that blocks on it fails instead of hanging)."""
 
     def __init__(self, directory: str, max_bytes: int) -> None:
         super().__init__(directory, max_bytes)
         self.gate = threading.Event()
 
     def get(self, key):
-        self.gate.wait()
+        if not self.gate.wait(20):
+            self.gate.set()
         return super().get(key)
 
 
@@ -153,4 +155,23 @@ def test_forget_prefetch_drops_a_pending_request(tmp_path):
     cache.forget_prefetch("aborted")
     assert not cache.prefetch_pending("aborted")
     cache.storage.storage.gate.set()
+    cache.close()
+
+
+@pytest.mark.parametrize("policy", ["wait_complete", "timeout"])
+def test_admission_without_a_prefetch_never_waits_for_storage(tmp_path, policy):
+    """The tree lost a prefix after its request arrived (no prefetch covers it): admission
+    (load_back with the rid) starts the reads and leaves the request pending, never blocks."""
+    want = _fill(tmp_path)
+    pool, _, cache = _cache(tmp_path, policy, timeout=(3600.0, 0.0), storage_cls=GatedStorage)
+    match = cache.load_back(TOKENS, NS, rid="late")         # would hang here if it read
+    assert match.storage_hit_len == 0 and cache.prefetch_pending("late")
+    cache.storage.storage.gate.set()
+    cache.flush_storage()
+    assert not cache.prefetch_pending("late")
+    match = cache.load_back(TOKENS, NS, rid="late")
+    assert match.storage_hit_len == 20
+    cache.commit_loads()
+    assert torch.equal(pool.k_buffers[1][match.slots], want)
+    cache.check_integrity()
     cache.close()
