@@ -1,4 +1,5 @@
-"""N-gram speculative decoding, off vs on in one run, batch 1 and 16, on a repetitive workload.
+"""Speculative decoding (n-gram and STANDALONE), off vs on in one run, batch 1 and 16, on a
+repetitive workload.
 
 A random tiny model does not copy, so the benchmark first makes one that does: the tiny qwen2
 (hidden 128, 2 layers, vocab 512) trained briefly (``--train-steps``, ~1 minute on two cores,
@@ -10,9 +11,17 @@ acceptance (accepted proposals per verify, meta_info's spec_accept_length) is re
 comes out, with how far the trained model actually copies (``copy_fraction``: output tokens that
 equal the passage continued periodically).
 
-Each batch size runs both engines (scheduler processes, float32, ``--threads``), alternating
-off / on, best of ``--repeats``; outputs must be token-identical (greedy parity). At batch 16
-the default ``speculative_max_batch_size`` (8) switches speculation off; the ``forced`` row runs
+STANDALONE rows: the draft (DRAFT_MODEL: the target's depth and vocabulary, half its width) is
+trained on the same copy task (``--draft-train-steps``, cached likewise), drafting
+``--draft-steps`` tokens per verify. Its acceptance is real (it learned the copy task too), and
+the row shows what a draft model costs here: each step runs the draft ``--draft-steps`` times
+plus once beside the target's forward (its KV), forwards that on these tiny CPU models cost about
+as much as the target's (per-forward overhead, not FLOPs, dominates), so a draft pays only when
+it is much cheaper than the target.
+
+Each batch size runs every engine (scheduler processes, float32, ``--threads``), alternating
+the order, best of ``--repeats``; outputs must be token-identical (greedy parity). At batch 16
+the default ``speculative_max_batch_size`` (8) switches speculation off; the ``forced`` rows run
 it anyway (``speculative_max_batch_size=16``) to show what it would cost.
 
     python benchmarks/bench_speculative.py --quick
@@ -38,6 +47,10 @@ sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 import common  # noqa: E402
 
 MODEL = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256)
+# the STANDALONE draft: half as wide (a cut to one layer does not copy: the task needs both
+# layers' circuit, and a one-layer draft trained from scratch stayed at chance for 400 steps)
+DRAFT_MODEL = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                   intermediate_size=128)
 TRAIN_LEN = 224          # tokens per training sequence (covers prompt + new tokens below)
 TRAIN_BATCH = 24
 TRAIN_LR = 2e-3
@@ -69,17 +82,52 @@ def train_copy_model(steps: int, seed: int = 0) -> tuple[str, dict[str, Any]]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rollout_engine.testing.tiny_model import cache_root, tiny_model_path
+    from rollout_engine.testing.tiny_model import tiny_model_path
 
     base = tiny_model_path("qwen2", **MODEL)
     key = hashlib.sha256(json.dumps([MODEL, steps, seed, TRAIN_LEN, PASSAGE_LEN, TRAIN_BATCH,
                                      TRAIN_LR, base.name]).encode()).hexdigest()[:12]
-    out = cache_root().parent / "spec_bench" / f"copy-{key}"
-    info_path = out / "train_info.json"
-    if info_path.is_file():
-        return str(out), json.loads(info_path.read_text())
+    out = _bench_dir() / f"copy-{key}"
+    if (out / "train_info.json").is_file():
+        return str(out), json.loads((out / "train_info.json").read_text())
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    info = {**_train(model, steps, seed), "base": base.name, "model": MODEL}
+    _save(model, info, out, str(base))
+    return str(out), info
+
+
+def train_draft_model(steps: int, seed: int = 0) -> tuple[str, dict[str, Any]]:
+    """The STANDALONE draft: a narrower tiny qwen2 (DRAFT_MODEL: half the width, the target's
+    vocabulary and depth) trained on copy_batch as the target was; cached likewise."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollout_engine.testing.tiny_model import tiny_model_path
+
+    base = tiny_model_path("qwen2", **DRAFT_MODEL)
+    key = hashlib.sha256(json.dumps([DRAFT_MODEL, steps, seed, TRAIN_LEN, PASSAGE_LEN,
+                                     TRAIN_BATCH, TRAIN_LR, base.name]).encode()).hexdigest()[:12]
+    out = _bench_dir() / f"draft-{key}"
+    if (out / "train_info.json").is_file():
+        return str(out), json.loads((out / "train_info.json").read_text())
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    info = {**_train(model, steps, seed + 1), "base": base.name, "model": DRAFT_MODEL}
+    _save(model, info, out, str(base))
+    return str(out), info
+
+
+def _bench_dir() -> Any:
+    from rollout_engine.testing.tiny_model import cache_root
+
+    return cache_root().parent / "spec_bench"
+
+
+def _train(model: Any, steps: int, seed: int) -> dict[str, Any]:
+    """``steps`` AdamW steps of next-token loss on the repetitions of copy_batch."""
+    import torch
+
     vocab = model.config.vocab_size
     opt = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
@@ -98,18 +146,21 @@ def train_copy_model(steps: int, seed: int = 0) -> tuple[str, dict[str, Any]]:
         acc = float((logits[mask].argmax(-1) == target[mask]).float().mean())
         if step % 100 == 0 or step == steps - 1:
             print(f"train step {step}: loss {loss:.4f}, copy accuracy {acc:.3f}", flush=True)
-    info = {"steps": steps, "seconds": time.perf_counter() - t0, "final_loss": loss,
-            "final_copy_accuracy": acc, "base": base.name, "model": MODEL}
+    return {"steps": steps, "seconds": time.perf_counter() - t0, "final_loss": loss,
+            "final_copy_accuracy": acc}
+
+
+def _save(model: Any, info: dict[str, Any], out: Any, files_from: str) -> None:
+    """Save ``model`` at ``out`` (atomically), with the tokenizer files of ``files_from``."""
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp), safe_serialization=True)
-    for f in base.iterdir():       # tokenizer and generation config of the base
-        if not (tmp / f.name).exists():
-            shutil.copy(f, tmp / f.name)
+    for f in os.listdir(files_from):     # tokenizer and generation config
+        if not (tmp / f).exists() and f != "train_info.json":
+            shutil.copy(os.path.join(files_from, f), tmp / f)
     (tmp / "train_info.json").write_text(json.dumps(info, indent=2))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
-    return str(out), info
 
 
 def make_workload(batch: int, passage_len: int, cue: int, vocab: int, seed: int
@@ -184,13 +235,15 @@ def bench_batch(engines: dict[str, Any], batch: int, args: argparse.Namespace, v
     for name, eng in engines.items():
         stats = eng.get_server_info()["stats"]
         best[name]["spec_off_steps_total"] = stats.get("spec_off_steps")
+        best[name]["spec_off_low_accept_rows_total"] = stats.get("spec_off_low_accept_rows")
     ratios = {n: best[n]["tok_s"] / best["off"]["tok_s"] for n in best if n != "off"}
     return {"batch": batch, "best": best, "ratio_vs_off": ratios, "outputs_identical": identical}
 
 
-def bench_model(model_dir: str, batch: int, args: argparse.Namespace, vocab: int
-                ) -> dict[str, Any]:
-    """Spec off / on (and forced on above the switch-off batch size) on one model."""
+def bench_model(model_dir: str, batch: int, args: argparse.Namespace, vocab: int,
+                draft_dir: str | None = None) -> dict[str, Any]:
+    """Spec off / n-gram on (and forced on above the switch-off batch size) on one model, and
+    with ``draft_dir`` STANDALONE likewise, all on the same prompts."""
     from rollout_engine import Engine
 
     base = dict(model_path=model_dir, dtype="float32", device="cpu", num_threads=args.threads)
@@ -198,6 +251,12 @@ def bench_model(model_dir: str, batch: int, args: argparse.Namespace, vocab: int
     configs = {"off": base, "on": {**base, **spec}}
     if batch > 8:
         configs["forced"] = {**base, **spec, "speculative_max_batch_size": batch}
+    if draft_dir is not None:
+        draft = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=draft_dir,
+                     speculative_num_steps=args.draft_steps)
+        configs["standalone"] = {**base, **draft}
+        if batch > 8:
+            configs["standalone_forced"] = {**base, **draft, "speculative_max_batch_size": batch}
     engines = {name: Engine(**cfg) for name, cfg in configs.items()}
     try:
         warm, _ = make_workload(batch, args.passage_len, args.cue, vocab, seed=999)
@@ -218,6 +277,9 @@ def main() -> None:
     ap.add_argument("--cue", type=int, default=8)
     ap.add_argument("--num-draft-tokens", type=int, default=8)
     ap.add_argument("--train-steps", type=int, default=300)
+    ap.add_argument("--draft-steps", type=int, default=4,
+                    help="STANDALONE: draft tokens proposed per verify (speculative_num_steps)")
+    ap.add_argument("--draft-train-steps", type=int, default=400)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=common.DEFAULT_THREADS)
     args = ap.parse_args()
@@ -225,8 +287,10 @@ def main() -> None:
         args.batch_sizes, args.new_tokens, args.repeats = [1, 4], 64, 2
     common.set_threads(args.threads)
     model_dir, train_info = train_copy_model(args.train_steps)
+    draft_dir, draft_info = train_draft_model(args.draft_train_steps)
     vocab = json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]
-    results = [bench_model(model_dir, batch, args, vocab) for batch in args.batch_sizes]
+    results = [bench_model(model_dir, batch, args, vocab, draft_dir)
+               for batch in args.batch_sizes]
     # control: the same prompts on the untrained base model, which does not copy: proposals
     # from the prompt are mostly rejected, so this is what speculation costs when it misses
     from rollout_engine.testing.tiny_model import tiny_model_path
@@ -245,13 +309,19 @@ def main() -> None:
     first = results[0]
     goal = "met" if first["ratio_vs_off"]["on"] >= 1.8 else "missed"
     result = {"machine": common.machine(), "model_dir": os.path.basename(model_dir),
-              "train": train_info, "workload": {**vars(args), "vocab": vocab},
+              "train": train_info, "draft_dir": os.path.basename(draft_dir),
+              "draft_train": draft_info, "workload": {**vars(args), "vocab": vocab},
               "results": results, "control_untrained": control, "goal_batch1_1.8x": goal}
     path = common.save_result("bench_speculative_quick" if args.quick else "bench_speculative",
                               result)
     print(f"saved {path}")
     print(f"batch {first['batch']}: spec on / off = {first['ratio_vs_off']['on']:.2f}x "
           f"(accept length {first['best']['on']['accept_length']:.2f}); goal >= 1.8x: {goal}")
+    for r in results:
+        b = r["best"]["standalone"]
+        print(f"batch {r['batch']}: STANDALONE / off = {r['ratio_vs_off']['standalone']:.2f}x "
+              f"(accept length {b['accept_length'] or 0:.2f}, accept rate "
+              f"{b['accept_rate'] or 0:.2f}); outputs identical: {r['outputs_identical']}")
 
 
 if __name__ == "__main__":
