@@ -47,8 +47,9 @@ HELP: dict[str, str] = {
                             "write_through_selective (at the second hit) or write_back (at "
                             "eviction).",
     "hicache_storage_backend": "Storage tier (L3): file (a directory engines may share).",
-    "hicache_storage_prefetch_policy": "Storage reads at admission: best_effort, wait_complete "
-                                       "or timeout (synchronous on CPU).",
+    "hicache_storage_prefetch_policy": "How long a request waits aside for its storage reads "
+                                       "(later requests are admitted meanwhile): best_effort, "
+                                       "wait_complete or timeout.",
     "hicache_storage_dir": "Directory of the file storage tier (default: "
                            "$SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR or /tmp/hicache).",
     "hicache_storage_max_gb": "Size bound of the file storage tier; LRU blocks are deleted.",
