@@ -67,6 +67,7 @@ class TokenizerManager:
                               "cancelled_after_timeout": 0}
         self.stale_reason: Optional[str] = None
         self.call_ids = itertools.count(1)
+        self.mirrored_call = 0   # the newest call whose answer set released / stale
         self.lock = threading.Lock()
         self.dead: Optional[str] = None
         self.released: set[str] = set()     # memory tags released (mirrors the scheduler)
@@ -338,9 +339,18 @@ class TokenizerManager:
         return wait
 
     def _mirror(self, method: str, result: ControlResult) -> None:
-        """Keep the frontend's view of sleep / stale weights in step with the scheduler's."""
+        """Keep the frontend's view of sleep / stale weights in step with the scheduler's: the
+        view of the newest call that reported one (calls in flight together, such as a refit's
+        pipelined buckets, run in order but their answers may be read in any order)."""
         if not result.success or not isinstance(result.result, dict):
             return
+        if not ({"released", "weights_stale"} & result.result.keys()
+                or ("weight_version" in result.result and method.startswith("update_weights"))):
+            return
+        with self.lock:
+            if result.call_id < self.mirrored_call:
+                return
+            self.mirrored_call = result.call_id
         if "released" in result.result:
             self.released = set(result.result["released"])
         if "weights_stale" in result.result:

@@ -15,7 +15,11 @@ EngineAsleepError, ...) come back as themselves, not wrapped by Ray.
 
 from __future__ import annotations
 
+import itertools
 import os
+import threading
+import uuid
+from collections.abc import Callable
 from typing import Any, Optional
 
 from rollout_engine.protocol.tensor_payload import serialize_named_tensors
@@ -29,13 +33,17 @@ ENGINE_METHODS = (
     "update_weights_from_tensor", "init_weights_update_group", "update_weights_from_distributed",
     "destroy_weights_update_group", "get_weights_by_name", "get_weight_version",
     "update_weight_version", "pause_generation", "continue_generation", "abort_request")
-# the weight-update group's calls run one at a time, in the order they were sent, in the
-# actor's concurrency group WEIGHTS (a broadcast's receives must be posted in the trainer's
-# order); everything else runs in the default group, max_concurrency calls at once
+# Weight calls run one at a time in the order their RayEngine sent them (a broadcast's
+# receives must be posted in the trainer's order; a refit's last call must land last), in the
+# actor's concurrency group WEIGHTS. Ray runs a threaded actor's tasks in any order, so each
+# carries its sender's sequence number and waits for its turn: WEIGHTS has threads for the
+# calls a transport keeps in flight (two) to wait while the one before them runs. Everything
+# else runs in the default group, max_concurrency calls at once.
 WEIGHT_METHODS = ("init_weights_update_group", "update_weights_from_distributed",
                   "destroy_weights_update_group", "update_weights_from_tensor",
                   "update_weights_from_disk")
 WEIGHTS = "weights"
+WEIGHTS_THREADS = 4
 
 
 class EngineActor:
@@ -45,6 +53,29 @@ class EngineActor:
         from rollout_engine import Engine
 
         self.engine = Engine(**engine_kwargs)
+        self.turn = threading.Condition()
+        self.next_seq: dict[str, int] = {}   # sender -> the sequence number that runs next
+
+    def call_in_order(self, sender: str, seq: int, wait_s: float, method: str,
+                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """`call` for weight call `seq` of `sender`, once its calls 0 .. seq-1 have run. A call
+        that waits `wait_s` for a predecessor that never comes fails, and the sequence moves
+        past the gap (so the sender's later calls are not stuck behind it)."""
+        with self.turn:
+            if not self.turn.wait_for(lambda: self.next_seq.get(sender, 0) >= seq, wait_s):
+                missing = self.next_seq.get(sender, 0)
+                self.next_seq[sender] = seq + 1
+                self.turn.notify_all()
+                raise TimeoutError(f"{method}: waited {wait_s:g} s for the weight call before "
+                                   f"it (#{missing} of this trainer), which never came")
+            if self.next_seq.get(sender, 0) > seq:   # a gap was skipped past this call
+                raise TimeoutError(f"{method}: arrived after the weight calls after it")
+        try:
+            return self.call(method, args, kwargs)
+        finally:
+            with self.turn:
+                self.next_seq[sender] = seq + 1
+                self.turn.notify_all()
 
     def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """`engine.<method>(*args, **kwargs)` for a method of ENGINE_METHODS."""
@@ -82,6 +113,9 @@ class RayEngine:
 
     def __init__(self, index: int, actor: Any, timeout_s: Optional[float]) -> None:
         self.index, self.actor, self.timeout_s = index, actor, timeout_s
+        self.sender = uuid.uuid4().hex     # this handle's weight calls, numbered in send order
+        self.seq = itertools.count()
+        self.numbering = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:
         if name not in ENGINE_METHODS:
@@ -96,9 +130,19 @@ class RayEngine:
         """Start `method` on the actor; returns its ObjectRef (`result` waits for it)."""
         if method == "update_weights_from_tensor":
             args, kwargs = _serialized(args, kwargs)
-        if method in WEIGHT_METHODS:
-            return self.actor.call.options(concurrency_group=WEIGHTS).remote(method, args, kwargs)
-        return self.actor.call.remote(method, args, kwargs)
+        if method not in WEIGHT_METHODS:
+            return self.actor.call.remote(method, args, kwargs)
+        with self.numbering:
+            return self.actor.call_in_order.options(concurrency_group=WEIGHTS).remote(
+                self.sender, next(self.seq), self.timeout_s or 600.0, method, args, kwargs)
+
+    def send_call(self, method: str, *args: Any, **kwargs: Any) -> Callable[[], Any]:
+        """Send `method` now and return the wait for its answer: calls sent one after another
+        from one thread reach the actor in that order (the transports send a refit's calls
+        so, `transports.base.start_call`; a thread per call could reorder them)."""
+        ref = self.submit(method, *args, **kwargs)
+        timeout = None if method == "generate" else self.timeout_s
+        return lambda: self.result(ref, method, timeout)
 
     def result(self, ref: Any, method: str, timeout: Optional[float]) -> Any:
         import ray

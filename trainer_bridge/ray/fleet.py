@@ -42,7 +42,7 @@ from typing import Any, Optional
 from rollout_engine.dp.dispatch import Load, create_dispatcher
 from trainer_bridge.fleet import FleetError, FleetRefitError, FleetReport, RolloutFleet
 from trainer_bridge.ray.config import RayFleetConfig
-from trainer_bridge.ray.engine import WEIGHTS, EngineActor, RayEngine
+from trainer_bridge.ray.engine import WEIGHTS, WEIGHTS_THREADS, EngineActor, RayEngine
 from trainer_bridge.weight_syncer import SyncReport
 
 __all__ = ["RayRolloutFleet", "start_local_ray"]
@@ -171,7 +171,7 @@ class RayRolloutFleet:
         if c.base_gpu_id is not None:   # every GPU visible: the engine picks its own index
             options["runtime_env"] = {"env_vars": {
                 "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
-        actor_class = ray.remote(concurrency_groups={WEIGHTS: 1})(EngineActor)
+        actor_class = ray.remote(concurrency_groups={WEIGHTS: WEIGHTS_THREADS})(EngineActor)
         return actor_class.options(**options).remote(
             c.engine_kwargs(index, engine_kwargs))
 

@@ -16,7 +16,7 @@ from typing import Any, Optional, TypeVar
 
 import torch
 
-__all__ = ["WeightSyncError", "WeightTransport", "call_all", "checked", "spawn",
+__all__ = ["WeightSyncError", "WeightTransport", "call_all", "checked", "spawn", "start_call",
            "step_version", "with_last"]
 
 T = TypeVar("T")
@@ -78,10 +78,37 @@ def with_last(items: Iterable[T]) -> Iterator[tuple[int, T, bool]]:
 
 def checked(engine: Any, method: str, *args: Any, **kwargs: Any) -> Any:
     """Call `engine.<method>(...)`; a `(False, message)` answer raises WeightSyncError."""
-    result = getattr(engine, method)(*args, **kwargs)
+    return _refused(engine, method, getattr(engine, method)(*args, **kwargs))
+
+
+def _refused(engine: Any, method: str, result: Any) -> Any:
     if isinstance(result, tuple) and len(result) == 2 and result[0] is False:
         raise WeightSyncError(f"{method} failed on {type(engine).__name__}: {result[1]}")
     return result
+
+
+def start_call(engine: Any, method: str, *args: Any, **kwargs: Any) -> Future[Any]:
+    """`checked(engine, method, ...)` in a daemon thread, reaching the engine in call order.
+
+    Calls started one after another on one engine must arrive in that order (a broadcast's
+    receives are matched to rank 0's sends by order; a refit's last call must land last), which
+    a thread per call does not promise. So an engine that can send a call without waiting for
+    its answer (its class has ``send_call(method, ...)`` -> a function that waits for the
+    answer, as `Engine` and `trainer_bridge.ray.RayEngine` do) is sent to here, in the
+    caller's thread, and only the wait runs in the thread. Other engines, and wrappers that
+    merely forward attributes (their own update methods must be the ones called), are called
+    in the thread."""
+    send = getattr(engine, "send_call", None) if callable(
+        getattr(type(engine), "send_call", None)) else None
+    if send is None:
+        return spawn(checked, engine, method, *args, **kwargs)
+    try:
+        answer = send(method, *args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - delivered to the waiter, like a thread's
+        failed: Future[Any] = Future()
+        failed.set_exception(e)
+        return failed
+    return spawn(lambda: _refused(engine, method, answer()))
 
 
 def spawn(fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:

@@ -42,8 +42,7 @@ from trainer_bridge.bucketing import nbytes
 from trainer_bridge.transports.base import (
     WeightTransport,
     call_all,
-    checked,
-    spawn,
+    start_call,
     step_version,
 )
 
@@ -194,8 +193,8 @@ class TensorTransport(WeightTransport):
     def _start(self, engines: Sequence[Any], payload: Any, load_format: Optional[str],
                version: str, last: bool) -> list[Future[Any]]:
         # each engine gets its own serialization: a handle carries one reference per receiver
-        return [spawn(checked, e, "update_weights_from_tensor", payload,
-                      load_format=load_format, flush_cache=last, weight_version=version)
+        return [start_call(e, "update_weights_from_tensor", payload,
+                           load_format=load_format, flush_cache=last, weight_version=version)
                 for e in engines]
 
 
