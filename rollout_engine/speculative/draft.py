@@ -8,6 +8,18 @@ draft forward of the same batch (``TargetWithDraft.forward``), so wherever the t
 valid (prefill, plain decode, the verify forward's accepted positions) the draft's is too, and a
 radix-cache hit is a hit for both.
 
+One exception, for the decode steps that run with speculation off (a batch above
+``speculative_max_batch_size``): there the draft's forward is skipped (``target_only``), which
+would cost as much as the target's on a small model, and the requests fall behind
+(``DraftModel.behind``: from which position their draft KV is missing). The draft catches up in
+one EXTEND over the missing positions (``catch_up``) before it next reads their KV: before the
+next speculating step they are in, and before a finishing request's KV goes into the radix tree.
+So the invariant holds wherever the draft's KV is read or shared::
+
+    positions    0 ........ b ............ kv_len
+    target KV    [ valid                  )
+    draft KV     [ valid    )[ missing    )      catch_up: one draft EXTEND of [b, kv_len)
+
 Sleep and wake: ``SaverWithDraft`` releases and restores the draft's weights and KV with the
 target's tags; draft weights that come back without a CPU backup are reloaded from the draft's
 checkpoint (its startup one or its last disk refit's). Refits reach the draft by SGLang's
@@ -22,6 +34,8 @@ draft (e.g. not refit with the target) lowers acceptance, never changes the outp
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -62,6 +76,48 @@ class DraftModel:
             draft_config.resolved_attention_backend(), self.runner.kv_pool, target.req_to_token)
         self.device = self.runner.device
         self.path = path
+        self.behind: dict[int, int] = {}   # request arrival -> where its draft KV stops
+
+    def fall_behind(self, reqs: list[Req]) -> None:
+        """``reqs`` decode a step without the draft: their draft KV stops at ``kv_len``."""
+        for r in reqs:
+            self.behind.setdefault(r.arrival, r.kv_len)
+
+    def forget(self, reqs: list[Req]) -> None:
+        """``reqs``' draft KV is whole again (an EXTEND with the draft computed what was not
+        taken from the radix tree: a retracted request's recompute)."""
+        for r in reqs:
+            self.behind.pop(r.arrival, None)
+
+    def catch_up(self, reqs: list[Req]) -> int:
+        """One draft EXTEND over the positions of ``reqs`` whose draft KV is missing; returns
+        how many positions it computed."""
+        todo = [(r, self.behind.pop(r.arrival)) for r in reqs if r.arrival in self.behind]
+        todo = [(r, start) for r, start in todo if r.kv_len > start and r.slots]
+        if not todo:
+            return 0
+        ids: list[int] = []
+        positions: list[int] = []
+        out_loc: list[int] = []
+        prefix, seq, ext, last = [], [], [], []
+        for r, start in todo:
+            ids.extend(r.all_ids[start:r.kv_len])
+            positions.extend(range(start, r.kv_len))
+            out_loc.extend(r.slots[start:r.kv_len])
+            prefix.append(start)
+            seq.append(r.kv_len)
+            ext.append(r.kv_len - start)
+            last.append(len(ids) - 1)
+
+        def t(values: list[Any]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        self.runner.forward(ForwardBatch(
+            mode=ForwardMode.EXTEND, input_ids=t(ids), positions=t(positions),
+            out_cache_loc=t(out_loc), req_pool_indices=t([r.req_pool_idx for r, _ in todo]),
+            seq_lens=t(seq), prefix_lens=t(prefix), extend_lens=t(ext), logits_indices=t(last),
+            seq_lens_list=seq, prefix_lens_list=prefix, extend_lens_list=ext))
+        return len(ids)
 
     def reload_weights(self) -> None:
         """Read the draft's weights from its checkpoint again (after a wake without backup)."""
@@ -109,15 +165,28 @@ class DraftModel:
 
 class TargetWithDraft:
     """The target runner, whose every forward is followed by the draft's on the same batch
-    (the KV invariant above); everything else is the target's."""
+    (the KV invariant above) unless inside ``target_only``; everything else is the target's."""
 
     def __init__(self, target: ModelRunner, draft: DraftModel) -> None:
         self.target = target
         self.draft = draft
+        self.skip_draft = False
+
+    @contextmanager
+    def target_only(self) -> Iterator[None]:
+        """Forwards without the draft's (the caller has marked the requests ``fall_behind``)."""
+        if self.skip_draft:
+            raise RuntimeError("target_only does not nest")
+        self.skip_draft = True
+        try:
+            yield
+        finally:
+            self.skip_draft = False
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         logits = self.target.forward(fb)
-        self.draft.forward(fb)
+        if not self.skip_draft:
+            self.draft.forward(fb)
         return logits
 
     def __getattr__(self, name: str) -> Any:

@@ -53,9 +53,11 @@ logger = logging.getLogger(__name__)
 # forwards of batches that switched speculation off
 # spec_off_low_accept_rows / _steps: request-steps / whole batches without proposals because
 # acceptance was low (gate.py)
+# spec_draft_catch_up_tokens: positions the STANDALONE draft computed late (draft.py)
 SPEC_STATS = ("spec_verify_steps", "spec_verify_rows", "spec_draft_tokens",
               "spec_accepted_tokens", "spec_verify_tokens", "spec_off_steps",
-              "spec_off_low_accept_rows", "spec_off_low_accept_steps")
+              "spec_off_low_accept_rows", "spec_off_low_accept_steps",
+              "spec_draft_catch_up_tokens")
 
 
 def create_scheduler(config: EngineConfig) -> Scheduler:
@@ -92,14 +94,30 @@ class SpeculativeScheduler(Scheduler):
             self.proposer.publish(req.all_ids)    # later requests may draft from it
         super()._retire(req)
 
+    def _finish(self, req: Req) -> None:
+        if self.draft is not None:    # the tree takes the draft's KV with the target's
+            if req.req_pool_idx is not None:
+                self.stats["spec_draft_catch_up_tokens"] += self.draft.catch_up([req])
+            self.draft.forget([req])
+        super()._finish(req)
+
     def run_batch(self, batch: ScheduleBatch) -> None:
         if batch.mode != ForwardMode.DECODE:
+            if self.draft is not None:
+                self.draft.forget(batch.reqs)
             super().run_batch(batch)
             return
         if not self._speculates(batch.reqs):
             self.stats["spec_off_steps"] += 1
-            super().run_batch(batch)
+            if self.draft is None:
+                super().run_batch(batch)
+                return
+            self.draft.fall_behind(batch.reqs)      # no draft forward: it would not be read
+            with self.runner.target_only():
+                super().run_batch(batch)
             return
+        if self.draft is not None:
+            self.stats["spec_draft_catch_up_tokens"] += self.draft.catch_up(batch.reqs)
         live = {r.arrival for r in self.running}
         self.proposer.forget(live)
         self.gate.forget(live)

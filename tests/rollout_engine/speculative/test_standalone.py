@@ -110,3 +110,29 @@ def test_sleep_and_wake_take_the_draft_along(qwen2_path: str, backup: bool) -> N
     assert_same(ref, got)
     assert all(o["meta_info"]["spec_accept_token_num"] == o["meta_info"]["spec_draft_token_num"]
                > 0 for o in got)
+
+
+def test_a_batch_above_the_switch_off_skips_the_draft_and_catches_up(qwen2_path: str) -> None:
+    """Above speculative_max_batch_size the draft's forward is skipped; once the batch shrinks
+    (and before a finished request's KV enters the radix tree) the draft computes the missing
+    positions in one EXTEND. The self-draft agreeing on every greedy proposal afterwards, and
+    after a radix hit, shows its KV was made whole."""
+    prompts = repeated_prompts(5, seed=12)
+    params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+              for n in (12, 18, 26, 34, 40)]
+    for plain in thread_engine(qwen2_path):
+        ref = run(plain, prompts, params, return_logprob=True)
+        follow = prompts[4] + ref[4]["output_ids"][:30]   # decoded while the draft was off
+        ref_again = run(plain, [follow], params[:1], return_logprob=True)
+    for spec in thread_engine(qwen2_path, **standalone(qwen2_path),
+                              speculative_max_batch_size=2):
+        got = run(spec, prompts, params, return_logprob=True)
+        again = run(spec, [follow], params[:1], return_logprob=True)   # a radix hit
+        stats = spec.get_server_info()["stats"]
+    assert_same(ref, got)
+    assert_same(ref_again, again)
+    assert stats["spec_off_steps"] > 0 and stats["spec_draft_catch_up_tokens"] > 0
+    for o in [*got[3:], *again]:      # these speculated once the batch was down to two
+        m = o["meta_info"]
+        assert m["spec_accept_token_num"] == m["spec_draft_token_num"] > 0
+    assert again[0]["meta_info"]["cached_tokens"] >= len(follow) - 1
