@@ -31,9 +31,10 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -116,12 +117,31 @@ def _device_backends(backend: str) -> list[tuple[list[str], str]]:
     return [([device], name) for device, name in device_map.items()]
 
 
+def gloo_threads() -> Optional[int]:
+    """Worker threads of a gloo weight-update group: ``ROLLOUT_ENGINE_GLOO_THREADS``, or
+    torch's default (2) when unset."""
+    raw = os.environ.get("ROLLOUT_ENGINE_GLOO_THREADS", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or not 1 <= int(raw) <= 64:
+        raise ValueError(f"ROLLOUT_ENGINE_GLOO_THREADS: must be an integer in [1, 64], got {raw!r}")
+    return int(raw)
+
+
 def _make_backend(name: str, store: Any, rank: int, world_size: int, group_name: str,
                   timeout: datetime.timedelta) -> Any:
     made: Any
     options: Any
     if name == Backend.GLOO:
-        made = dist.ProcessGroupGloo(store, rank, world_size, timeout=timeout)
+        threads = gloo_threads()
+        if threads is None:
+            made = dist.ProcessGroupGloo(store, rank, world_size, timeout=timeout)
+        else:   # more worker threads keep more of a per-tensor broadcast's ops in flight
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            opts._threads = threads
+            opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+            made = dist.ProcessGroupGloo(store, rank, world_size, opts)
         options = made.options
         options.global_ranks_in_group = []
         options.group_name = group_name

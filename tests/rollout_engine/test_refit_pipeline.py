@@ -163,3 +163,16 @@ def test_send_call_sends_now_and_answers_later_in_order(w1_w2, make_engine):
     assert not ok and "nope" in message, message
     with pytest.raises(ValueError, match="send_call"):
         engine.send_call("generate", [1, 2])
+
+
+def test_gloo_threads_knob(monkeypatch):
+    from rollout_engine.protocol.weight_broadcast import gloo_threads
+
+    monkeypatch.delenv("ROLLOUT_ENGINE_GLOO_THREADS", raising=False)
+    assert gloo_threads() is None
+    monkeypatch.setenv("ROLLOUT_ENGINE_GLOO_THREADS", "8")
+    assert gloo_threads() == 8
+    for bad in ("0", "x", "-1", "65"):
+        monkeypatch.setenv("ROLLOUT_ENGINE_GLOO_THREADS", bad)
+        with pytest.raises(ValueError, match="ROLLOUT_ENGINE_GLOO_THREADS"):
+            gloo_threads()
