@@ -16,8 +16,8 @@ from typing import Any, Optional, TypeVar
 
 import torch
 
-__all__ = ["WeightSyncError", "WeightTransport", "call_all", "checked", "spawn", "start_call",
-           "step_version", "with_last"]
+__all__ = ["WeightSyncError", "WeightTransport", "call_all", "checked", "pipeline_depth", "spawn",
+           "start_call", "step_version", "with_last"]
 
 T = TypeVar("T")
 
@@ -87,6 +87,19 @@ def _refused(engine: Any, method: str, result: Any) -> Any:
     return result
 
 
+def _sender(engine: Any) -> Optional[Callable[..., Any]]:
+    """The engine's own ``send_call`` (defined by its class), or None."""
+    return getattr(engine, "send_call", None) if callable(
+        getattr(type(engine), "send_call", None)) else None
+
+
+def pipeline_depth(engines: Sequence[Any], depth: int) -> int:
+    """Calls a bucketed sync may keep outstanding: `depth` when every engine takes calls in
+    the order sent (`start_call` sends through its ``send_call``), else 1 (the next call
+    starts only once the previous one answered, so a thread per call cannot reorder them)."""
+    return depth if all(_sender(e) is not None for e in engines) else 1
+
+
 def start_call(engine: Any, method: str, *args: Any, **kwargs: Any) -> Future[Any]:
     """`checked(engine, method, ...)` in a daemon thread, reaching the engine in call order.
 
@@ -98,8 +111,7 @@ def start_call(engine: Any, method: str, *args: Any, **kwargs: Any) -> Future[An
     caller's thread, and only the wait runs in the thread. Other engines, and wrappers that
     merely forward attributes (their own update methods must be the ones called), are called
     in the thread."""
-    send = getattr(engine, "send_call", None) if callable(
-        getattr(type(engine), "send_call", None)) else None
+    send = _sender(engine)
     if send is None:
         return spawn(checked, engine, method, *args, **kwargs)
     try:

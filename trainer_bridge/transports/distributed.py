@@ -23,7 +23,9 @@ buffers with two calls outstanding (`MAX_IN_FLIGHT`):
 
 Our engine posts a call's receives as soon as the call arrives and applies it once it has all
 of it, while the next call is being received (an engine that handles one call at a time, as
-SGLang's does, still works: the second call waits in its queue). A tensor bigger than a bucket
+SGLang's does, still works: the second call waits in its queue). Two calls are outstanding only
+with engines that take calls in the order sent (``send_call``: `Engine`, `RayEngine`); over HTTP
+each call waits for the previous answer. A tensor bigger than a bucket
 is broadcast as it is (packing it would only copy it). The engine receives each call into a
 reused buffer and copies it into its parameters only once the whole call has arrived, so a
 broadcast cut off halfway changes no weight.
@@ -51,6 +53,7 @@ from trainer_bridge.transports.base import (
     WeightTransport,
     call_all,
     checked,
+    pipeline_depth,
     spawn,
     start_call,
     step_version,
@@ -203,7 +206,8 @@ class DistributedTransport(WeightTransport):
         slot_bytes = max((_group_bytes(g) for g in groups
                           if _own_bytes(g, self.bucket_bytes) is None), default=0)
         moved = num_packed = 0
-        in_flight: list[Call] = []   # oldest first; at most MAX_IN_FLIGHT
+        in_flight: list[Call] = []   # oldest first; at most `depth`
+        depth = pipeline_depth(engines, MAX_IN_FLIGHT)
         slot_user: dict[int, Call] = {}   # send slot -> the last call that broadcast from it
         try:
             for index, bucket in enumerate(groups):
@@ -216,7 +220,7 @@ class DistributedTransport(WeightTransport):
                         _sent(user, self.timeout_s)
                     send = _pack(bucket, self.buffers.slot(slot, slot_bytes, self.device))
                     num_packed += 1
-                if len(in_flight) >= MAX_IN_FLIGHT:
+                if len(in_flight) >= depth:
                     self._wait(in_flight.pop(0))
                 call = self._start(engines, bucket, [send], "flattened_bucket",
                                    version if last else step_version(version, index), last)

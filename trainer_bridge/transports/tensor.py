@@ -42,6 +42,7 @@ from trainer_bridge.bucketing import nbytes
 from trainer_bridge.transports.base import (
     WeightTransport,
     call_all,
+    pipeline_depth,
     start_call,
     step_version,
 )
@@ -161,10 +162,11 @@ class TensorTransport(WeightTransport):
         its queue as soon as it has applied bucket k (no round trip between them), while the
         trainer prepares the one after. Calls of one engine run in the order sent."""
         in_flight: list[list[Future[Any]]] = []
+        depth = pipeline_depth(engines, MAX_IN_FLIGHT)
         try:
             for index, bucket in enumerate(buckets):
                 payload = payload_of(index, bucket)
-                if len(in_flight) >= MAX_IN_FLIGHT:
+                if len(in_flight) >= depth:
                     call_all(in_flight.pop(0), self.timeout_s)
                 last = index == len(buckets) - 1
                 calls = self._start(engines, payload, load_format,
