@@ -109,7 +109,7 @@ class ModelRunner:
         try:
             return ModelRunner.forward(self, fb)
         except RuntimeError as e:   # a collective failed: name the rank that is gone
-            leader.raise_if_rank_died(e)
+            leader.raise_if_rank_died(e)   # raises TPRankDied
             raise
 
     def to_device(self, values: list[int], dtype: Optional[torch.dtype] = torch.int64

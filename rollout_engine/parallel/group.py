@@ -2,9 +2,10 @@
 
 Built straight on a c10d backend (gloo on CPU, nccl on CUDA: the same calls), outside torch's
 process-wide registry, as the weight-update groups are: a colocated trainer's own
-torch.distributed state is never touched. Every collective carries the group's timeout, so a
-rank that stops answering fails the step instead of hanging it; a rank that exits closes its
-connections and fails it at once.
+torch.distributed state is never touched. Every collective of a forward carries ``op_timeout_s``
+(``--dist-timeout``), so a rank that stops answering fails the step instead of hanging it; a
+rank that exits closes its connections and fails it at once. Joining and ``min_int`` (start-up,
+while the ranks load at their own pace) wait up to the group's longer start timeout.
 """
 
 from __future__ import annotations
@@ -23,18 +24,24 @@ _STORE_PREFIX = "rollout_engine_tp/"
 class TPGroup:
     """Rank ``rank`` of ``size``: sum-all-reduce, gather to rank 0, min of an int."""
 
-    def __init__(self, rank: int, size: int, backend: Any, device: torch.device) -> None:
+    def __init__(self, rank: int, size: int, backend: Any, device: torch.device,
+                 op_timeout_s: float) -> None:
         self.rank, self.size = rank, size
         self.backend = backend
         self.device = device
+        self.op_timeout_s = op_timeout_s
+        op_timeout = datetime.timedelta(seconds=op_timeout_s)
+        self._sum_opts = dist.AllreduceOptions()
+        self._sum_opts.timeout = op_timeout
         self._gather_opts = dist.GatherOptions()
         self._gather_opts.rootRank = 0
+        self._gather_opts.timeout = op_timeout
         self._min_opts = dist.AllreduceOptions()
         self._min_opts.reduceOp = dist.ReduceOp.MIN
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks, in place; returns it."""
-        self.backend.allreduce([t]).wait()
+        self.backend.allreduce([t], self._sum_opts).wait()
         return t
 
     def gather_to_first(self, t: torch.Tensor) -> Optional[list[torch.Tensor]]:
@@ -59,8 +66,9 @@ class TPGroup:
 
 
 def join_tp_group(store: Any, rank: int, size: int, device: torch.device,
-                  timeout_s: float) -> TPGroup:
-    """Join the group on ``store`` (rank 0's TCPStore); blocks until every rank has joined."""
+                  timeout_s: float, op_timeout_s: float) -> TPGroup:
+    """Join the group on ``store`` (rank 0's TCPStore); blocks until every rank has joined
+    (at most ``timeout_s``)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     prefixed = dist.PrefixStore(_STORE_PREFIX, store)
     backend: Any
@@ -73,4 +81,4 @@ def join_tp_group(store: Any, rank: int, size: int, device: torch.device,
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         opts._timeout = timeout
         backend = dist.ProcessGroupGloo(prefixed, rank, size, opts)
-    return TPGroup(rank, size, backend, device)
+    return TPGroup(rank, size, backend, device, op_timeout_s)

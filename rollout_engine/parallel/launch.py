@@ -73,9 +73,13 @@ class RankProcess:
 
 
 def collective_timeout(config: EngineConfig) -> float:
-    """Seconds a collective (or a rank's answer) may take: ``dist_timeout``, else the
-    watchdog's."""
+    """Seconds a forward's collective may take: ``dist_timeout``, else the watchdog's."""
     return float(config.dist_timeout or config.watchdog_timeout)
+
+
+def start_timeout(config: EngineConfig) -> float:
+    """Seconds to start (a rank's interpreter, its load) or to answer rank 0 (a refit)."""
+    return max(float(config.watchdog_timeout), collective_timeout(config))
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -90,7 +94,7 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
 
 def run_leader(config: EngineConfig, chan: Channel) -> None:
     """Rank 0: start the others, join the group, run the scheduler loop."""
-    timeout = collective_timeout(config)
+    timeout = start_timeout(config)
     workers: list[RankProcess] = []
     group: Optional[TPGroup] = None
     leader: Optional[Leader] = None
@@ -100,7 +104,7 @@ def run_leader(config: EngineConfig, chan: Channel) -> None:
                               wait_for_workers=False)
         for rank in range(1, config.tp_size):
             workers.append(RankProcess(config, TPStart(rank, config.tp_size, store.port)))
-        leader = Leader(workers, timeout)
+        leader = Leader(workers, timeout, collective_timeout(config))
         group = _join_watching(leader, store, config)
         ctx = TPContext(0, config.tp_size, group, commit=LeaderCommit(leader), leader=leader)
     except Exception as e:  # noqa: BLE001 - reported to the frontend, which raises it
@@ -124,7 +128,7 @@ def _join_watching(leader: Leader, store: Any, config: EngineConfig) -> TPGroup:
     def join() -> None:
         try:
             box.append(join_tp_group(store, 0, config.tp_size, device,
-                                     collective_timeout(config)))
+                                     start_timeout(config), collective_timeout(config)))
         except BaseException as e:  # noqa: BLE001 - raised below
             box.append(e)
 
@@ -152,11 +156,11 @@ def run_worker(config: EngineConfig, conn: Connection, start: TPStart) -> int:
 
     group: Optional[TPGroup] = None
     try:
-        timeout = collective_timeout(config)
+        timeout = start_timeout(config)
         store = dist.TCPStore("127.0.0.1", start.store_port, start.size, is_master=False,
                               timeout=datetime.timedelta(seconds=timeout))
         group = join_tp_group(store, start.rank, start.size, rank_device(config, start.rank),
-                              timeout)
+                              timeout, collective_timeout(config))
         TPWorker(config, TPContext(start.rank, start.size, group), conn).run()
         return 0
     except (EOFError, BrokenPipeError, ConnectionResetError):

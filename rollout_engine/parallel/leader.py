@@ -59,10 +59,13 @@ class _Call:
 class Leader:
     """The other ranks (``workers[i]`` is rank ``i + 1``), seen from rank 0."""
 
-    def __init__(self, workers: Sequence[Any], timeout_s: float) -> None:
-        """``workers``: ``launch.RankProcess`` of ranks 1.. (``proc``, ``conn``, ``pid``)."""
+    def __init__(self, workers: Sequence[Any], timeout_s: float, op_timeout_s: float) -> None:
+        """``workers``: ``launch.RankProcess`` of ranks 1.. (``proc``, ``conn``, ``pid``);
+        ``timeout_s``: the longest a rank may take to answer; ``op_timeout_s``: a forward's
+        collective (``dist_timeout``)."""
         self.workers = list(workers)
         self.timeout_s = timeout_s
+        self.op_timeout_s = op_timeout_s
         self.updates: list[_Call] = []           # weight updates not agreed yet, in call order
         self.methods: dict[int, _Call] = {}      # mirrored calls not answered yet
         self.stash: list[tuple[int, Any]] = []   # messages read while waiting for another
@@ -121,7 +124,7 @@ class Leader:
             if isinstance(msg, kind) and msg.call_id == call_id:
                 return msg
             self.stash.append((rank, msg))
-        self._died(rank, f"it did not answer within {self.timeout_s:g} s (dist_timeout)")
+        self._died(rank, f"it did not answer within {self.timeout_s:g} s")
 
     def check_alive(self) -> None:
         """Raise TPRankDied if a rank has exited or reported a crash (cheap: one poll each)."""
@@ -133,11 +136,17 @@ class Leader:
                 self.stash.append((rank, msg))
 
     def raise_if_rank_died(self, error: BaseException) -> None:
-        """After a failed collective: TPRankDied naming the rank if one is gone."""
+        """After a failed collective: TPRankDied naming the rank if one is gone, else saying
+        that one stopped answering (every rank still runs: stuck, or slower than the
+        timeout)."""
         deadline = time.monotonic() + 2.0   # its exit may lag the closed connection a little
         while time.monotonic() < deadline:
             self.check_alive()
             time.sleep(0.05)
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise TPRankDied(f"a tensor-parallel collective failed ({first}) while every rank "
+                         f"still runs: one is stuck or took longer than {self.op_timeout_s:g} s "
+                         "(dist_timeout); the engine cannot continue: restart it") from error
 
     # -- startup and shutdown ------------------------------------------------------------------
     def wait_ready(self, ready: SchedulerReady) -> SchedulerReady:

@@ -129,3 +129,23 @@ def test_a_killed_rank_fails_the_request_in_flight_at_once(tp2):
     assert time.monotonic() - start < 10
     with pytest.raises(SchedulerDeadError, match="tensor-parallel rank 1"):
         tp2.generate(input_ids=[1, 2], sampling_params=GREEDY)
+
+
+@pytest.mark.slow
+def test_a_stuck_rank_fails_the_request_after_dist_timeout(one_kv_head):
+    """A rank that stops answering (SIGSTOP) is not waited for beyond ``dist_timeout``."""
+    from rollout_engine import Engine
+    from rollout_engine.request_state import SchedulerDeadError
+
+    eng = Engine(model_path=one_kv_head, tp_size=2, dtype="float32", device="cpu",
+                 dist_timeout=3, **FLAGS)
+    rank1 = eng.tm.server_info["tp_pids"][1]
+    try:
+        os.kill(rank1, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(SchedulerDeadError, match=r"took longer than 3 s \(dist_timeout\)"):
+            eng.generate(input_ids=[1, 2, 3], sampling_params=GREEDY)
+        assert time.monotonic() - start < 3 + 10
+    finally:
+        os.kill(rank1, signal.SIGKILL)
+        eng.shutdown()
