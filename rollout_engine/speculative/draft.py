@@ -8,12 +8,14 @@ draft forward of the same batch (``TargetWithDraft.forward``), so wherever the t
 valid (prefill, plain decode, the verify forward's accepted positions) the draft's is too, and a
 radix-cache hit is a hit for both.
 
-One exception, for the decode steps that run with speculation off (a batch above
-``speculative_max_batch_size``): there the draft's forward is skipped (``target_only``), which
-would cost as much as the target's on a small model, and the requests fall behind
-(``DraftModel.behind``: from which position their draft KV is missing). The draft catches up in
-one EXTEND over the missing positions (``catch_up``) before it next reads their KV: before the
-next speculating step they are in, and before a finishing request's KV goes into the radix tree.
+Except where that forward would be wasted, which on a small model costs about as much as the
+target's: decode steps with speculation off (a batch above ``speculative_max_batch_size``, no
+proposals this step) and verify forwards (proposing already computed the draft's KV of the
+accepted positions, all but the last proposal's: ``after_verify``). There the draft's forward is
+skipped (``target_only``) and the requests fall behind (``DraftModel.behind``: from which
+position their draft KV is missing). The draft catches up before it next reads their KV: folded
+into the first step of its next proposal (one EXTEND of the missing positions and the last
+token) or, for a finishing request whose KV goes into the radix tree, one EXTEND (``catch_up``).
 So the invariant holds wherever the draft's KV is read or shared::
 
     positions    0 ........ b ............ kv_len
@@ -77,6 +79,7 @@ class DraftModel:
         self.device = self.runner.device
         self.path = path
         self.behind: dict[int, int] = {}   # request arrival -> where its draft KV stops
+        self.num_late = 0                  # positions computed by catching up
 
     def fall_behind(self, reqs: list[Req]) -> None:
         """``reqs`` decode a step without the draft: their draft KV stops at ``kv_len``."""
@@ -92,32 +95,49 @@ class DraftModel:
     def catch_up(self, reqs: list[Req]) -> int:
         """One draft EXTEND over the positions of ``reqs`` whose draft KV is missing; returns
         how many positions it computed."""
-        todo = [(r, self.behind.pop(r.arrival)) for r in reqs if r.arrival in self.behind]
-        todo = [(r, start) for r, start in todo if r.kv_len > start and r.slots]
+        todo = [(r, self.behind.pop(r.arrival), r.kv_len) for r in reqs
+                if r.arrival in self.behind]
+        todo = [(r, start, end) for r, start, end in todo if end > start and r.slots]
         if not todo:
             return 0
+        fb = self._extend_batch(todo)
+        self.runner.forward(fb)
+        self.num_late += int(fb.input_ids.numel())
+        return int(fb.input_ids.numel())
+
+    def after_verify(self, req: Req, start: int, num_drafted: int) -> None:
+        """A verify forward (run without the draft) took ``req`` from ``start`` to its
+        ``kv_len``: proposing computed the draft's KV of ``[start, start + num_drafted)``,
+        which holds the accepted tokens; the rest (the last proposal, when all held; every
+        position of a row that proposed nothing) is missing."""
+        if num_drafted == 0:
+            self.behind.setdefault(req.arrival, start)
+        elif req.kv_len > start + num_drafted:
+            self.behind[req.arrival] = start + num_drafted
+
+    def _extend_batch(self, ranges: list[tuple[Req, int, int]]) -> ForwardBatch:
+        """An EXTEND of positions ``[start, end)`` per request, logits at each one's last."""
         ids: list[int] = []
         positions: list[int] = []
         out_loc: list[int] = []
         prefix, seq, ext, last = [], [], [], []
-        for r, start in todo:
-            ids.extend(r.all_ids[start:r.kv_len])
-            positions.extend(range(start, r.kv_len))
-            out_loc.extend(r.slots[start:r.kv_len])
+        for r, start, end in ranges:
+            ids.extend(r.all_ids[start:end])
+            positions.extend(range(start, end))
+            out_loc.extend(r.slots[start:end])
             prefix.append(start)
-            seq.append(r.kv_len)
-            ext.append(r.kv_len - start)
+            seq.append(end)
+            ext.append(end - start)
             last.append(len(ids) - 1)
 
         def t(values: list[Any]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=self.device)
 
-        self.runner.forward(ForwardBatch(
+        return ForwardBatch(
             mode=ForwardMode.EXTEND, input_ids=t(ids), positions=t(positions),
-            out_cache_loc=t(out_loc), req_pool_indices=t([r.req_pool_idx for r, _ in todo]),
+            out_cache_loc=t(out_loc), req_pool_indices=t([r.req_pool_idx for r, _, _ in ranges]),
             seq_lens=t(seq), prefix_lens=t(prefix), extend_lens=t(ext), logits_indices=t(last),
-            seq_lens_list=seq, prefix_lens_list=prefix, extend_lens_list=ext))
-        return len(ids)
+            seq_lens_list=seq, prefix_lens_list=prefix, extend_lens_list=ext)
 
     def reload_weights(self) -> None:
         """Read the draft's weights from its checkpoint again (after a wake without backup)."""
@@ -134,8 +154,14 @@ class DraftModel:
         active = [i for i, b in enumerate(budgets) if b > 0]
         step = 0
         while active:
-            fb = self._decode_batch([reqs[i] for i in active], [drafts[i] for i in active],
-                                    step)
+            batch = [reqs[i] for i in active]
+            if step == 0 and any(r.arrival in self.behind for r in batch):
+                # catching up folded into the first step: [missing positions, last token]
+                fb = self._extend_batch([(r, self.behind.pop(r.arrival, r.kv_len), r.kv_len + 1)
+                                         for r in batch])
+                self.num_late += int(fb.input_ids.numel()) - len(batch)
+            else:
+                fb = self._decode_batch(batch, [drafts[i] for i in active], step)
             tokens = self.runner.forward(fb).argmax(dim=-1).tolist()
             for i, t in zip(active, tokens):
                 drafts[i].append(t)

@@ -97,11 +97,16 @@ class SpeculativeScheduler(Scheduler):
     def _finish(self, req: Req) -> None:
         if self.draft is not None:    # the tree takes the draft's KV with the target's
             if req.req_pool_idx is not None:
-                self.stats["spec_draft_catch_up_tokens"] += self.draft.catch_up([req])
+                self.draft.catch_up([req])
             self.draft.forget([req])
         super()._finish(req)
 
     def run_batch(self, batch: ScheduleBatch) -> None:
+        self._run_batch(batch)
+        if self.draft is not None:
+            self.stats["spec_draft_catch_up_tokens"] = self.draft.num_late
+
+    def _run_batch(self, batch: ScheduleBatch) -> None:
         if batch.mode != ForwardMode.DECODE:
             if self.draft is not None:
                 self.draft.forget(batch.reqs)
@@ -116,8 +121,6 @@ class SpeculativeScheduler(Scheduler):
             with self.runner.target_only():
                 super().run_batch(batch)
             return
-        if self.draft is not None:
-            self.stats["spec_draft_catch_up_tokens"] += self.draft.catch_up(batch.reqs)
         live = {r.arrival for r in self.running}
         self.proposer.forget(live)
         self.gate.forget(live)
@@ -128,9 +131,18 @@ class SpeculativeScheduler(Scheduler):
             self.stats["spec_verify_steps"] += 1
             if num_gated == len(batch.reqs):
                 self.stats["spec_off_low_accept_steps"] += 1
-            super().run_batch(batch)
+            if self.draft is None:
+                super().run_batch(batch)
+                return
+            self.draft.fall_behind(batch.reqs)
+            with self.runner.target_only():
+                super().run_batch(batch)
             return
-        self._verify(batch.reqs, drafts)
+        if self.draft is None:
+            self._verify(batch.reqs, drafts)
+            return
+        with self.runner.target_only():   # proposing computed the draft's KV (after_verify)
+            self._verify(batch.reqs, drafts)
 
     # -- planning ------------------------------------------------------------------------------
     def _speculates(self, reqs: list[Req]) -> bool:
@@ -199,6 +211,7 @@ class SpeculativeScheduler(Scheduler):
         out = sample(logits, sb)
         first = 0
         counted: list[tuple[int, int]] = []
+        starts = [req.kv_len for req in reqs]
         for req, draft in zip(reqs, drafts):
             got = accept_walk(out, first, draft)
             first += len(draft) + 1
@@ -212,6 +225,9 @@ class SpeculativeScheduler(Scheduler):
                 counted.append((req.penalty_row, got.tokens[0]))
         if counted:
             self.penalty_counts.record([r for r, _ in counted], [t for _, t in counted])
+        if self.draft is not None:
+            for req, draft, start in zip(reqs, drafts, starts):
+                self.draft.after_verify(req, start, len(draft))
         for req in reqs:
             self._after_forward(req, ForwardMode.DECODE, sampled=True)
 
