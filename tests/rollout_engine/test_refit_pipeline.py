@@ -38,6 +38,21 @@ def _receiving(engine) -> int:
     return r.result["weight_updates_receiving"]
 
 
+def _joined(engine, group: str):
+    """The trainer's side (rank 0) of a two-rank group `engine` joined as rank 1."""
+    from rollout_engine.protocol.weight_broadcast import join_update_group
+    from trainer_bridge.transports.distributed import free_port
+
+    port, box = free_port(), {}
+    joiner = threading.Thread(target=lambda: box.update(join=engine.init_weights_update_group(
+        "127.0.0.1", port, 1, 2, group_name=group, backend="gloo")), daemon=True)
+    joiner.start()
+    pg = join_update_group("127.0.0.1", port, 0, 2, group, "gloo", 60)
+    joiner.join(60)
+    assert box["join"][0], box
+    return pg
+
+
 def _call(engine, box: dict, key: str, *args, **kwargs) -> threading.Thread:
     t = threading.Thread(target=lambda: box.update(
         {key: engine.update_weights_from_distributed(*args, **kwargs)}), daemon=True)
@@ -47,18 +62,9 @@ def _call(engine, box: dict, key: str, *args, **kwargs) -> threading.Thread:
 
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_calls_are_received_off_the_loop_and_applied_in_order(w1_w2, make_engine, mode):
-    from rollout_engine.protocol.weight_broadcast import join_update_group
-    from trainer_bridge.transports.distributed import free_port
-
     engine = make_engine(w1_w2[0], scheduler_mode=mode)
     before = engine.generate(input_ids=Q, sampling_params=GREEDY)["output_ids"]
-    port, box = free_port(), {}
-    joiner = threading.Thread(target=lambda: box.update(join=engine.init_weights_update_group(
-        "127.0.0.1", port, 1, 2, group_name="g", backend="gloo")), daemon=True)
-    joiner.start()
-    pg = join_update_group("127.0.0.1", port, 0, 2, "g", "gloo", 60)
-    joiner.join(60)
-    assert box["join"][0], box
+    pg, box = _joined(engine, "g"), {}
     w2 = dict(iter_safetensors(w1_w2[1]))
     norm, emb = w2[NORM].contiguous(), w2[EMB].contiguous()
     first = _call(engine, box, "a", [NORM], ["float32"], [list(norm.shape)], group_name="g",
@@ -104,19 +110,10 @@ def _result(call) -> tuple[bool, str]:
 def test_a_trainer_that_dies_mid_pipeline_changes_nothing(w1_w2, make_engine):
     """Two calls posted, the trainer sends part of the first and dies: both fail with the
     receive's error, the old weights keep serving bit for bit, and the buffers are reusable."""
-    from rollout_engine.protocol.weight_broadcast import join_update_group
-    from trainer_bridge.transports.distributed import free_port
-
     engine = make_engine(w1_w2[0], weight_update_group_timeout=3.0)
     before = engine.generate(input_ids=Q, sampling_params=GREEDY)["output_ids"]
     norm_before = engine.get_weights_by_name(NORM, truncate_size=8)
-    port, box = free_port(), {}
-    joiner = threading.Thread(target=lambda: box.update(join=engine.init_weights_update_group(
-        "127.0.0.1", port, 1, 2, group_name="g", backend="gloo")), daemon=True)
-    joiner.start()
-    pg = join_update_group("127.0.0.1", port, 0, 2, "g", "gloo", 60)
-    joiner.join(60)
-    assert box["join"][0], box
+    pg, box = _joined(engine, "g"), {}
     norm = torch.full_like(dict(iter_safetensors(w1_w2[1]))[NORM], 7.0)
     first = _call(engine, box, "a", [NORM, NORM + "_x"], ["float32", "float32"],
                   [list(norm.shape), [4]], group_name="g")
@@ -133,12 +130,7 @@ def test_a_trainer_that_dies_mid_pipeline_changes_nothing(w1_w2, make_engine):
     assert engine.generate(input_ids=Q, sampling_params=GREEDY)["output_ids"] == before
     engine.destroy_weights_update_group("g")
     # a new group's receive reuses the engine's buffers and applies
-    port, box = free_port(), {}
-    joiner = threading.Thread(target=lambda: box.update(join=engine.init_weights_update_group(
-        "127.0.0.1", port, 1, 2, group_name="g2", backend="gloo")), daemon=True)
-    joiner.start()
-    pg = join_update_group("127.0.0.1", port, 0, 2, "g2", "gloo", 60)
-    joiner.join(60)
+    pg, box = _joined(engine, "g2"), {}
     done = _call(engine, box, "c", [NORM], ["float32"], [list(norm.shape)], group_name="g2")
     pg.broadcast(norm).wait()
     done.join(60)
