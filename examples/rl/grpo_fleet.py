@@ -61,14 +61,19 @@ class FleetRefits:
     def __init__(self, fleet: Any, trainer: Trainer, print_every: int) -> None:
         self.fleet, self.trainer, self.print_every = fleet, trainer, print_every
         self.per_engine: list[list[float]] = []   # one row per refit: seconds of each engine
+        self.refit_seconds: list[float] = []      # the whole refit (all engines)
+        self.check_seconds: list[float] = []      # the checks after it
 
     def sync(self, model: Any, version: Optional[str] = None) -> Any:
         report = self.fleet.sync(model, version)
         seconds = [r.seconds for r in self.fleet.last_refit.engines]
         self.per_engine.append(seconds)
+        self.refit_seconds.append(report.seconds)
+        start = time.perf_counter()
         for engine in self.fleet.engines:
             check_after_refit(engine, self.trainer, report.version)
         self.fleet.flush_cache()   # the loop probes the fleet once more: let it start cold
+        self.check_seconds.append(time.perf_counter() - start)
         if (len(self.per_engine) - 1) % self.print_every == 0:
             each = ", ".join(f"engine {i} {s:.3f}s" for i, s in enumerate(seconds))
             print(f"[grpo_fleet] refit to {report.version}: {each} (one broadcast of "
@@ -121,11 +126,19 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     means = [sum(col) / len(col) for col in zip(*refits.per_engine)]
     summary.update(num_engines=args.engines, engine_refit_seconds=refits.per_engine,
                    mean_engine_refit_seconds=means,
+                   mean_fleet_refit_seconds=_mean(refits.refit_seconds),
+                   mean_check_seconds=_mean(refits.check_seconds),
                    engine_pids=[info["pid"] for info in infos])
     print("[grpo_fleet] mean refit seconds per engine: "
           + ", ".join(f"engine {i} {s:.3f}s" for i, s in enumerate(means))
-          + f" over {len(refits.per_engine)} refits (one broadcast each)")
+          + f" over {len(refits.per_engine)} refits (one broadcast each: "
+          f"{summary['mean_fleet_refit_seconds']:.3f}s for the fleet; the loop's 'refit' also "
+          f"counts the checks of every engine after it, {summary['mean_check_seconds']:.3f}s)")
     return summary
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 if __name__ == "__main__":
