@@ -144,7 +144,7 @@ def _join_watching(leader: Leader, store: Any, config: EngineConfig) -> TPGroup:
 
 def _stop(leader: Optional[Leader], workers: list[RankProcess]) -> None:
     if leader is not None:
-        leader.stop(timeout=5)
+        leader.stop(timeout=2)
         return
     for w in workers:
         w.proc.kill()

@@ -161,6 +161,8 @@ class Leader:
         return SchedulerReady({**ready.info, "tp_size": len(pids), "tp_pids": pids})
 
     def stop(self, timeout: float) -> None:
+        """Ask the ranks to stop; one still running after ``timeout`` is killed (nothing of
+        it outlives the engine: it holds no state of its own)."""
         try:
             self._send(wire.encode_op(wire.StopOp()))
         except TPRankDied:
@@ -170,7 +172,7 @@ class Leader:
                 w.proc.wait(timeout)
             except Exception:  # noqa: BLE001 - it did not stop: end it
                 w.proc.kill()
-                w.proc.wait(timeout)
+                w.proc.wait()
 
     # -- every step ----------------------------------------------------------------------------
     def send_forward(self, fb: ForwardBatch, table: torch.Tensor) -> None:
