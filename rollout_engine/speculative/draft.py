@@ -92,11 +92,13 @@ class DraftModel:
         for r in reqs:
             self.behind.pop(r.arrival, None)
 
-    def catch_up(self, reqs: list[Req]) -> int:
-        """One draft EXTEND over the positions of ``reqs`` whose draft KV is missing; returns
+    def catch_up(self, reqs: list[Req], through_last: bool = False) -> int:
+        """One draft EXTEND over the positions of ``reqs`` whose draft KV is missing (and with
+        ``through_last`` the last token's, whose target KV the coming step computes); returns
         how many positions it computed."""
-        todo = [(r, self.behind.pop(r.arrival), r.kv_len) for r in reqs
-                if r.arrival in self.behind]
+        extra = int(through_last)
+        todo = [(r, self.behind.pop(r.arrival, r.kv_len), r.kv_len + extra) for r in reqs
+                if through_last or r.arrival in self.behind]
         todo = [(r, start, end) for r, start, end in todo if end > start and r.slots]
         if not todo:
             return 0

@@ -117,9 +117,7 @@ class SpeculativeScheduler(Scheduler):
             if self.draft is None:
                 super().run_batch(batch)
                 return
-            self.draft.fall_behind(batch.reqs)      # no draft forward: it would not be read
-            with self.runner.target_only():
-                super().run_batch(batch)
+            self._skip_draft(batch)
             return
         live = {r.arrival for r in self.running}
         self.proposer.forget(live)
@@ -134,15 +132,24 @@ class SpeculativeScheduler(Scheduler):
             if self.draft is None:
                 super().run_batch(batch)
                 return
-            self.draft.fall_behind(batch.reqs)
-            with self.runner.target_only():
-                super().run_batch(batch)
+            self._skip_draft(batch)
             return
         if self.draft is None:
             self._verify(batch.reqs, drafts)
             return
         with self.runner.target_only():   # proposing computed the draft's KV (after_verify)
             self._verify(batch.reqs, drafts)
+
+    def _skip_draft(self, batch: ScheduleBatch) -> None:
+        """The plain decode step without the draft's forward (STANDALONE): the requests fall
+        behind, but those this step ends (``max_new_tokens``) catch up first, in one batch,
+        so their KV enters the radix tree whole without a catch-up each."""
+        assert self.draft is not None
+        ending = [r for r in batch.reqs if len(r.output_ids) + 1 >= r.params.max_new_tokens]
+        self.draft.catch_up(ending, through_last=True)
+        self.draft.fall_behind([r for r in batch.reqs if r not in ending])
+        with self.runner.target_only():
+            super().run_batch(batch)
 
     # -- planning ------------------------------------------------------------------------------
     def _speculates(self, reqs: list[Req]) -> bool:
@@ -228,6 +235,7 @@ class SpeculativeScheduler(Scheduler):
         if self.draft is not None:
             for req, draft, start in zip(reqs, drafts, starts):
                 self.draft.after_verify(req, start, len(draft))
+            self.draft.catch_up([r for r in reqs if r.finished])   # one batch, before the tree
         for req in reqs:
             self._after_forward(req, ForwardMode.DECODE, sampled=True)
 
