@@ -14,10 +14,12 @@ equal the passage continued periodically).
 STANDALONE rows: the draft (DRAFT_MODEL: the target's depth and vocabulary, half its width) is
 trained on the same copy task (``--draft-train-steps``, cached likewise), drafting
 ``--draft-steps`` tokens per verify. Its acceptance is real (it learned the copy task too), and
-the row shows what a draft model costs here: each step runs the draft ``--draft-steps`` times
-plus once beside the target's forward (its KV), forwards that on these tiny CPU models cost about
-as much as the target's (per-forward overhead, not FLOPs, dominates), so a draft pays only when
-it is much cheaper than the target.
+the row shows what a draft model costs here: a step of ``k = --draft-steps`` runs the draft k
+times and the target once for up to k + 1 tokens, and on these tiny CPU models a draft forward
+costs about as much as the target's (per-forward overhead, not FLOPs, dominates), so even a
+draft that is always right gives ~1x; a draft pays when it is much cheaper than its target. With
+speculation switched off (batch 16) the draft does not run at all (its KV is caught up later in
+one EXTEND), so that row must show no slowdown.
 
 Each batch size runs every engine (scheduler processes, float32, ``--threads``), alternating
 the order, best of ``--repeats``; outputs must be token-identical (greedy parity). At batch 16
