@@ -1,7 +1,7 @@
 """--tp-size 2 against one rank, on the tiny qwen2, qwen3 and llama: greedy tokens identical and
 logprobs (output and prompt) within 1e-4, on first load, after a refit by each transport
-(disk, tensor handles, one broadcast to both ranks) and after sleep / wake; control calls
-cover every rank. One TP=2 engine (two processes) per model, shared by the module's tests.
+(disk, tensor handles, one broadcast to both ranks: a fleet of this engine and a one-rank
+one, 1 + 2 + 1 ranks) and after sleep / wake; control calls cover every rank. One TP=2 engine (two processes) per model, shared by the module's tests.
 qwen2 and qwen3 split their 2 KV heads over the ranks; the llama has 1 KV head, which each
 rank keeps a copy of."""
 
@@ -53,15 +53,15 @@ def _same(rows: list[Any], want: list[Any]) -> None:
 
 
 @pytest.fixture(scope="module")
-def one_rank(weights: tuple[str, str]) -> dict[str, Any]:
-    """What one rank (a thread-scheduler engine) answers on each weight set."""
-    out = {}
+def one_rank(weights: tuple[str, str]) -> Iterator[dict[str, Any]]:
+    """What one rank (a thread-scheduler engine, kept as ``engine``) answers on each weight
+    set."""
     for eng in thread_engine(weights[0], **FLAGS):
-        out["w1"] = _rollouts(eng)
+        out = {"w1": _rollouts(eng), "engine": eng}
         assert eng.update_weights_from_disk(weights[1])[0]
         out["w2"] = _rollouts(eng)
-    assert [r[0] for r in out["w1"]] != [r[0] for r in out["w2"]]
-    return out
+        assert [r[0] for r in out["w1"]] != [r[0] for r in out["w2"]]
+        yield out
 
 
 @pytest.fixture(scope="module")
@@ -98,13 +98,19 @@ def test_refit_by_disk_and_tensor_matches_one_rank(tp2, one_rank, weights):
 
 
 def test_refit_by_broadcast_matches_one_rank(tp2, one_rank, weights):
-    from trainer_bridge import WeightSyncer
+    from trainer_bridge import RolloutFleet, WeightSyncer
 
     with WeightSyncer(tp2, transport="distributed", bucket_bytes=64 << 10) as syncer:
         assert syncer.transport.world_size == 3   # the trainer and both ranks
-        syncer.sync(list(iter_safetensors(weights[1])), version="broadcast")
-    _same(_rollouts(tp2), one_rank["w2"])
+        syncer.sync(list(iter_safetensors(weights[0])), version="broadcast")
+    _same(_rollouts(tp2), one_rank["w1"])
     assert tp2.get_weight_version() == "broadcast"
+    # one broadcast to a fleet of this engine and a one-rank one: 1 + 2 + 1 ranks
+    with RolloutFleet([tp2, one_rank["engine"]], transport="distributed", timeout_s=60) as fleet:
+        report = fleet.refit(list(iter_safetensors(weights[1])), version="fleet")
+    assert report.versions == {0: "fleet", 1: "fleet"}
+    _same(_rollouts(tp2), one_rank["w2"])
+    _same(_rollouts(one_rank["engine"]), one_rank["w2"])
 
 
 def test_sleep_and_wake_cover_every_rank(tp2, one_rank, weights):
