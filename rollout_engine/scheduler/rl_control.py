@@ -33,6 +33,7 @@ from rollout_engine.memory.memory_saver import TAGS
 from rollout_engine.protocol.messages import AbortReq, WeightSlice
 from rollout_engine.scheduler.control import BusyError, Deferred
 from rollout_engine.scheduler.request import ReqState
+from rollout_engine.speculative.selector import check_target_only
 from rollout_engine.weights import refit
 from rollout_engine.weights.disk_reader import PartialLoadError
 from rollout_engine.weights.loader import LoadReport, load_weights, read_weight, weight_names
@@ -57,9 +58,12 @@ def _tags(tags: Optional[list[str]]) -> list[str]:
 def _check_flags(*, weight_version: Optional[str] = None, is_async: bool = False,
                  keep_pause: bool = False, token_step: int = 0,
                  manifest: Optional[dict[str, Any]] = None, pp_rank: Optional[int] = None,
+                 selector: Optional[str] = None, draft_model_path: Optional[str] = None,
                  **flags: Any) -> None:
     """Refuse, naming the field, an SGLang update flag this engine cannot honour; ``flags`` are
-    booleans that are all honoured (or trivially true here)."""
+    booleans that are all honoured (or trivially true here). ``selector`` / ``draft_model_path``
+    reach here only without a draft model (``speculative/draft_refit.py`` routes them)."""
+    check_target_only(selector, draft_model_path)
     if weight_version is not None and not isinstance(weight_version, str):
         raise ValueError(f"weight_version: must be a string or null, got {weight_version!r}")
     for name, value in {"is_async": is_async, "keep_pause": keep_pause, **flags}.items():
