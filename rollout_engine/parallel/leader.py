@@ -83,6 +83,11 @@ class Leader:
 
     def _died(self, rank: int, why: str) -> None:
         w = self.workers[rank - 1]
+        try:   # its last words (a Crashed report) may still be in the pipe
+            while w.conn.poll(0):
+                self.stash.append((rank, w.conn.recv()))
+        except (EOFError, OSError):
+            pass
         try:
             code = w.proc.wait(timeout=2)
         except Exception:  # noqa: BLE001 - still running (hung) or already reaped

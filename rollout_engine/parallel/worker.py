@@ -31,7 +31,7 @@ import torch
 
 from rollout_engine.compat.payloads import read_refit_payload
 from rollout_engine.config import EngineConfig
-from rollout_engine.memory.memory_saver import create_memory_saver
+from rollout_engine.memory.memory_saver import TAGS, create_memory_saver
 from rollout_engine.model_runner.model_runner import ModelRunner
 from rollout_engine.parallel import wire
 from rollout_engine.parallel.context import TPContext
@@ -265,7 +265,7 @@ class TPWorker:
     # -- memory and invariants -----------------------------------------------------------------
     def rpc_release_memory_occupation(self, call_id: int,
                                       tags: Optional[list[str]] = None) -> dict[str, Any]:
-        tags = list(self.memory_saver_tags(tags))
+        tags = list(TAGS) if tags is None else tags   # rank 0 checked them
         freed = self.memory_saver.release(tags)
         if "weights" in tags:
             if self.mapped is not None:
@@ -275,14 +275,8 @@ class TPWorker:
 
     def rpc_resume_memory_occupation(self, call_id: int,
                                      tags: Optional[list[str]] = None) -> dict[str, Any]:
-        stale = self.memory_saver.resume(list(self.memory_saver_tags(tags)))
+        stale = self.memory_saver.resume(list(TAGS) if tags is None else tags)
         return {"stale": stale}
-
-    @staticmethod
-    def memory_saver_tags(tags: Optional[list[str]]) -> list[str]:
-        from rollout_engine.memory.memory_saver import TAGS
-
-        return list(TAGS) if tags is None else tags   # rank 0 checked them
 
     def rpc_check_integrity(self, call_id: int) -> dict[str, Any]:
         return {"tp_rank": self.tp.rank, "pid": os.getpid(),
