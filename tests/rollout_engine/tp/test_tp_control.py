@@ -1,7 +1,8 @@
-"""--tp-size 2 beyond parity (on a model with one KV head, a copy on each rank): an update one
-rank refuses changes no rank, weight reads return whole weights, a retracted request resumes
-as it would have run, bad sizes are refused up front, and a killed rank fails the request in
-flight at once with an error naming it (last: it ends the engine)."""
+"""--tp-size 2 beyond parity, on a model with one KV head (a copy on each rank), paged KV and
+chunked prefill: equal to one rank; an update one rank refuses changes no rank; weight reads
+return whole weights; a retracted request resumes as it would have run; sizes that cannot
+shard are refused up front; a stuck rank (slow test) or a killed one fails the request in
+flight with an error naming it (the kill runs last: it ends the module's engine)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from tests.rollout_engine.engines import thread_engine
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0}
 PROMPTS = [[1, 2, 3], [9, 30, 200, 11, 300, 17], list(range(40, 60))]
-FLAGS = {"max_total_tokens": 1024}
+# pages of 4 slots and 8-token prefill chunks: the last prompt is prefilled in three chunks
+FLAGS = {"max_total_tokens": 1024, "page_size": 4, "chunked_prefill_size": 8}
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +63,10 @@ def tp2(one_kv_head: str) -> Iterator[Any]:
         yield eng
     finally:
         eng.shutdown()
+
+
+def test_paged_chunked_prefill_matches_one_rank(tp2, one_rank):
+    _same(_rollouts(tp2), one_rank)
 
 
 def test_an_update_one_rank_refuses_changes_no_rank(tp2, one_rank, one_kv_head):
