@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -96,11 +97,12 @@ def start_ray(args: argparse.Namespace) -> Optional[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
-    import ray
-
-    from trainer_bridge.ray import RayFleetConfig, RayRolloutFleet
+    from trainer_bridge.ray import LOCAL_ONLY_ENV, RayFleetConfig, RayRolloutFleet
 
     args = parse_args(argv)
+    if not args.ray_address:
+        os.environ.setdefault(LOCAL_ONLY_ENV, "0")   # before ray's import: 127.0.0.1 only
+    import ray
     t_start = time.perf_counter()
     own_ray = not ray.is_initialized()
     temp_dir = start_ray(args) if own_ray else None

@@ -5,12 +5,15 @@ test runs it long enough to learn."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
 
 from tests.examples.test_grpo import EXAMPLES, TOL, _argv, _check_run
+from trainer_bridge.ray import LOCAL_ONLY_ENV
 
+os.environ.setdefault(LOCAL_ONLY_ENV, "0")   # read as ray is imported: Ray on 127.0.0.1 only
 pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
 

@@ -11,7 +11,10 @@ test runs last, as it takes an engine away.
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -27,13 +30,13 @@ from tests.trainer_bridge.conftest import (
     rollouts,
     tokens_and_logprobs,
 )
+from trainer_bridge import FleetRefitError, RolloutFleet
+from trainer_bridge.bucketing import nbytes, state_dict_items
+from trainer_bridge.ray import LOCAL_ONLY_ENV, RayFleetConfig, RayRolloutFleet, start_local_ray
 
+os.environ.setdefault(LOCAL_ONLY_ENV, "0")   # read as ray is imported: Ray on 127.0.0.1 only
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
-
-from trainer_bridge import FleetRefitError, RolloutFleet  # noqa: E402
-from trainer_bridge.bucketing import nbytes, state_dict_items  # noqa: E402
-from trainer_bridge.ray import RayFleetConfig, RayRolloutFleet, start_local_ray  # noqa: E402
 
 BUCKET = 64 << 10   # several buckets of the ~420 KB tiny model: a refit is several calls
 TIMEOUT_S = 10.0
@@ -194,6 +197,22 @@ def test_a_group_the_cluster_cannot_hold_is_a_clear_error(fleet, w1_w2):
         RayRolloutFleet({"model_path": w1_w2[0]},
                         RayFleetConfig(num_engines=2, num_cpus_per_engine=4, start_timeout_s=1))
     assert time.perf_counter() - start < 10
+
+
+def test_ray_is_on_loopback_or_not_started():
+    """Ray's addresses are 127.0.0.1 (this test session's); a Ray imported without
+    LOCAL_ONLY_ENV would take the host's interface address, so start_local_ray refuses it before
+    starting anything."""
+    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+    assert [n["NodeManagerAddress"] for n in ray.nodes()] == ["127.0.0.1"]
+    env = {k: v for k, v in os.environ.items() if k != LOCAL_ONLY_ENV}
+    code = ("import ray\nfrom trainer_bridge.ray import start_local_ray\ntry:\n"
+            "    start_local_ray(1)\nexcept RuntimeError as e:\n"
+            "    print(ray.is_initialized(), e)\n")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.startswith(f"False Ray would start on this host's interface address: "
+                                  f"set {LOCAL_ONLY_ENV}=0 before importing ray"), done.stderr
 
 
 def test_an_engine_killed_mid_refit_is_reported_and_none_serves_mixed(fleet, w2, monkeypatch):
