@@ -276,12 +276,13 @@ class RLControl:
         groups = self.s.update_groups
         previous = groups.in_flight[-1] if groups.in_flight else None
         plan = self._in_place_plan(names, dtypes, shapes, load_format, sglang_flags)
+        shadow = self._shadow()
         try:
             receipt = groups.post(list(names), list(dtypes), shapes, group_name, load_format,
                                   after=previous, into=None if plan is None else plan.views)
         except BaseException:
             if plan is not None:
-                self.shadow.abort(plan)
+                shadow.abort(plan)
             raise
 
         def finish(done: Future) -> dict[str, Any]:
@@ -294,13 +295,13 @@ class RLControl:
                 if plan is None:
                     load = lambda: self._load_broadcast(received, sglang_flags)  # noqa: E731
                 else:
-                    load = lambda: self.shadow.commit(plan)  # noqa: E731
+                    load = lambda: shadow.commit(plan)  # noqa: E731
                 result = self._apply(load, weight_version, flush_cache, torch_empty_cache)
                 committed = True
                 return result
             finally:
                 if plan is not None and not committed:
-                    self.shadow.abort(plan)
+                    shadow.abort(plan)
                 groups.settle(receipt)
 
         return Deferred(receipt.future, finish)
@@ -321,9 +322,12 @@ class RLControl:
             return None
         if not len(names) == len(torch_dtypes) == len(shapes_t):
             return None
+        return self._shadow().plan(list(names), torch_dtypes, shapes_t)
+
+    def _shadow(self) -> ShadowWeights:
         if self.shadow is None:
             self.shadow = ShadowWeights(self.s.runner.model)
-        return self.shadow.plan(list(names), torch_dtypes, shapes_t)
+        return self.shadow
 
     def _load_broadcast(self, received: list[tuple[str, torch.Tensor]],
                         sglang_flags: dict[str, Any]) -> LoadReport:
