@@ -249,8 +249,7 @@ def _check_tp(c: EngineConfig, bad: Any) -> None:
         bad("tp_size", why)
     if c.scheduler_mode != "process":
         bad("scheduler_mode", "tp_size > 1 runs every rank in its own process: use 'process'")
-    for name, on in (("dp_size", c.dp_size > 1), ("speculative_algorithm",
-                     c.speculative_algorithm is not None),
+    for name, on in (("speculative_algorithm", c.speculative_algorithm is not None),
                      ("enable_hierarchical_cache", c.enable_hierarchical_cache)):
         if on:
             bad(name, f"is not supported with tp_size > 1 yet (got tp_size={c.tp_size})")

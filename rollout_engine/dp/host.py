@@ -43,8 +43,10 @@ class DataParallelChannel(Channel):
     """The frontend's channel to N replicas (thread-safe: sends come from callers' threads,
     receives from the frontend's receiver thread)."""
 
-    def __init__(self, replicas: Sequence[SchedulerHost], method: str) -> None:
+    def __init__(self, replicas: Sequence[SchedulerHost], method: str,
+                 ranks_per_replica: int = 1) -> None:
         self.replicas = list(replicas)
+        self.ranks_per_replica = ranks_per_replica   # tp_size: each rank joins weight groups
         self.dispatcher = create_dispatcher(method, len(self.replicas))
         self.loads = [Load() for _ in self.replicas]
         self.placed: dict[str, tuple[int, int]] = {}   # rid -> (replica, tokens counted)
@@ -105,7 +107,8 @@ class DataParallelChannel(Channel):
         for i, r in enumerate(self.replicas):
             kwargs = msg.kwargs
             if msg.method == "init_weights_update_group":
-                kwargs = {**kwargs, "rank_offset": kwargs["rank_offset"] + i}
+                kwargs = {**kwargs,
+                          "rank_offset": kwargs["rank_offset"] + i * self.ranks_per_replica}
             r.chan.send(dataclasses.replace(msg, kwargs=kwargs))
 
     # -- replicas -> frontend ----------------------------------------------------------------
@@ -209,7 +212,8 @@ class DataParallelHost(SchedulerHost):
         except BaseException:
             self._stop_all(timeout=5)
             raise
-        self.dp_chan = DataParallelChannel(self.replicas, config.load_balance_method)
+        self.dp_chan = DataParallelChannel(self.replicas, config.load_balance_method,
+                                           config.tp_size)
         self.chan = self.dp_chan
         self.pid = self.replicas[0].pid
 

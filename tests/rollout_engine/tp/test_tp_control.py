@@ -106,8 +106,8 @@ def test_sizes_that_cannot_shard_are_refused(one_kv_head):
         EngineConfig(model_path=one_kv_head, tp_size=3)
     with pytest.raises(ValueError, match="scheduler_mode: tp_size > 1 runs every rank"):
         EngineConfig(model_path=one_kv_head, tp_size=2, scheduler_mode="thread")
-    with pytest.raises(ValueError, match="dp_size: is not supported with tp_size > 1"):
-        EngineConfig(model_path=one_kv_head, tp_size=2, dp_size=2)
+    with pytest.raises(ValueError, match="enable_hierarchical_cache: is not supported with"):
+        EngineConfig(model_path=one_kv_head, tp_size=2, enable_hierarchical_cache=True)
     assert EngineConfig.from_kwargs(model_path=one_kv_head, tp_size=2).tp_size == 2
     assert parse_args(["--model-path", "/m", "--tensor-parallel-size", "2",
                        "--dist-timeout", "60"]) == {
