@@ -9,8 +9,9 @@ The frontend keeps talking to one channel, as with one scheduler. Generation req
 one replica each, chosen by the dispatcher (``dispatch.py``); the ``n`` samples of one prompt
 (a GRPO group) and equal prompts of one call go to the same replica, so they share its
 radix-cached prefix. Aborts and shutdown go to every replica; control calls are fanned out
-(``init_weights_update_group`` with ``rank_offset + i`` for replica i, as SGLang assigns DP
-ranks: the trainer's group has ``1 + dp_size`` ranks for such an engine) and their answers
+(``init_weights_update_group`` with ``rank_offset + i * tp_size`` for replica i, as SGLang
+assigns DP ranks: the trainer's group has ``1 + dp_size * tp_size`` ranks for such an engine;
+each replica's TP ranks add their own ``tp_rank``) and their answers
 merged into one (``merge.py``). The frontend is told it is ready once every replica is; a
 replica that dies takes the engine down (its SchedulerDied reaches the frontend).
 """
