@@ -193,8 +193,8 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from keyword flags: our fields and SGLang's ``ServerArgs`` names, treated as
-        ``rollout_engine/compat/server_args.py`` says (``tp_size=1`` is accepted, ``tp_size=2``
-        is an ``UnsupportedFlagError``). A flag neither knows is a ValueError that names it."""
+        ``rollout_engine/compat/server_args.py`` says (``tp_size=2`` is ours, ``pp_size=2`` is
+        an ``UnsupportedFlagError``). A flag neither knows is a ValueError that names it."""
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
         kwargs, unknown = to_engine_kwargs(kwargs, defaults)
         if unknown:

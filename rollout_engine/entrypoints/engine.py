@@ -40,7 +40,7 @@ SENDABLE_CALLS = ("update_weights_from_disk", "update_weights_from_tensor",
 
 class Engine:
     """``Engine(model_path=..., **flags)``; the flags are ``EngineConfig`` fields or the names
-    of SGLang's ``ServerArgs``, as ``sgl.Engine(**server_args)`` takes them (``tp_size=1``,
+    of SGLang's ``ServerArgs``, as ``sgl.Engine(**server_args)`` takes them (``tp_size=2``,
     ``enable_memory_saver=True``, ``log_level="error"``, ...; ``compat/server_args.py``)."""
 
     def __init__(self, **kwargs: Any) -> None:
@@ -159,7 +159,7 @@ class Engine:
 
     def get_server_info(self) -> dict[str, Any]:
         """SGLang's ``get_server_info``: its ``ServerArgs`` fields as this engine runs them
-        (``rollout_engine/compat/server_args.py``; ``tp_size`` 1, ``enable_memory_saver`` as
+        (``rollout_engine/compat/server_args.py``; ``tp_size`` and ``enable_memory_saver`` as
         given, ...) with our own flags, its scheduler info (``status``, ``max_total_num_tokens``,
         ``max_req_input_len``), ``internal_states`` (one per DP rank: the flags plus
         ``last_gen_throughput``, ``memory_usage`` in GB, ``effective_max_running_requests_per_dp``)
