@@ -11,6 +11,7 @@ test runs last, as it takes an engine away.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -127,6 +128,10 @@ def test_distinct_prompts_spread_and_are_answered_once(fleet):
     single = fleet.generate(input_ids=prompts[0], sampling_params={"max_new_tokens": 2,
                                                                    "temperature": 0.0})
     assert single["output_ids"] == outs[0]["output_ids"]
+    from_asyncio = asyncio.run(fleet.async_generate(
+        input_ids=prompts, sampling_params={"max_new_tokens": 2, "temperature": 0.0}))
+    assert [o["output_ids"] for o in from_asyncio] == [o["output_ids"] for o in outs]
+    assert fleet.loads[0].requests == fleet.loads[1].requests == 0
 
 
 def test_one_broadcast_refits_both_engines_like_fresh_ones(fleet, w2):
