@@ -20,7 +20,8 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-__all__ = ["Shard", "TPContext", "WeightCommit", "check_tp_size", "current_tp", "installed"]
+__all__ = ["Shard", "TPContext", "WeightCommit", "check_tp_size", "current_tp", "installed",
+           "replicated_checksum"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,23 @@ class TPContext:
         padded = -(-vocab_size // self.size)
         start = self.rank * padded
         return start, max(0, min(padded, vocab_size - start)), padded
+
+
+def replicated_checksum(model: Any) -> int:
+    """An exact fingerprint of the weights every rank holds whole (norms, row-parallel
+    biases): the sum of their raw 32-bit words. Ranks that differ here serve mixed weights."""
+    shards = model.tp_shards()
+    total = 0
+    for name, (param, row0, rows) in sorted(model.weight_map().items()):
+        if name in shards or param.numel() == 0:
+            continue
+        part = param.data if param.dim() == 0 else param.data.narrow(0, row0, rows)
+        raw = part.detach().contiguous().reshape(-1).view(torch.uint8)
+        pad = (-raw.numel()) % 4
+        if pad:
+            raw = torch.cat([raw, raw.new_zeros(pad)])
+        total += int(raw.view(torch.int32).to(torch.int64).sum().item())
+    return total
 
 
 def check_tp_size(tp_size: int, hf_config: dict[str, Any]) -> Optional[str]:

@@ -25,7 +25,7 @@ import torch
 
 from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
 from rollout_engine.parallel import wire
-from rollout_engine.parallel.context import Shard
+from rollout_engine.parallel.context import Shard, replicated_checksum
 from rollout_engine.protocol.messages import (
     ControlReq,
     ControlResult,
@@ -277,17 +277,32 @@ def merge(call: _Call, result: ControlResult, finals: list[wire.Final],
                                                               for f in finals),
                "tp_bytes_freed": [out["bytes_freed"], *(f.result["bytes_freed"] for f in finals)]}
     elif method == "check_integrity":
+        mine = None if leader.model is None else _checksum_or_none(leader.model)
         for rank, f in enumerate(finals, start=1):
+            theirs = f.result["replicated_checksum"]
+            why = None
             if f.result["forward_passes"] != leader.forwards_sent:
-                return ControlResult(result.call_id, False, status=500, message=(
-                    f"tensor-parallel rank {rank} ran {f.result['forward_passes']} forward "
-                    f"passes, rank 0 sent {leader.forwards_sent}"))
+                why = (f"ran {f.result['forward_passes']} forward passes, rank 0 sent "
+                       f"{leader.forwards_sent}")
+            elif None not in (mine, theirs) and theirs != mine:
+                why = ("holds other values than rank 0 in the weights every rank keeps whole "
+                       "(norms, biases): the ranks serve mixed weights; refit them all")
+            if why is not None:
+                return ControlResult(result.call_id, False, status=500,
+                                     message=f"tensor-parallel rank {rank} {why}")
         out = {**out, "tp_ranks": [f.result for f in finals]}
     elif method == "get_weights_by_name":
         shards = leader.model.tp_shards() if leader.model is not None else {}
         out = _joined_slice(out, [f.result for f in finals], shards.get(call.kwargs["name"]),
                             call.kwargs.get("truncate_size", 100))
     return dataclasses.replace(result, result=out)
+
+
+def _checksum_or_none(model: Any) -> Optional[int]:
+    """Rank 0's ``replicated_checksum``, or None while its weights are released."""
+    if any(p.numel() == 0 for p in model.parameters()):
+        return None
+    return replicated_checksum(model)
 
 
 def _joined_slice(mine: WeightSlice, others: list[Any], shard: Optional[Shard],

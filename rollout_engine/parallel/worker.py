@@ -34,7 +34,7 @@ from rollout_engine.config import EngineConfig
 from rollout_engine.memory.memory_saver import TAGS, create_memory_saver
 from rollout_engine.model_runner.model_runner import ModelRunner
 from rollout_engine.parallel import wire
-from rollout_engine.parallel.context import TPContext
+from rollout_engine.parallel.context import TPContext, replicated_checksum
 from rollout_engine.protocol.messages import WeightSlice
 from rollout_engine.scheduler.control import BusyError
 from rollout_engine.weights import refit
@@ -279,10 +279,13 @@ class TPWorker:
         return {"stale": stale}
 
     def rpc_check_integrity(self, call_id: int) -> dict[str, Any]:
+        weights = (None if "weights" in self.memory_saver.released
+                   else replicated_checksum(self.model))
         return {"tp_rank": self.tp.rank, "pid": os.getpid(),
                 "forward_passes": self.forward_passes,
                 "released": sorted(self.memory_saver.released),
-                "max_total_num_tokens": self.runner.max_total_num_tokens}
+                "max_total_num_tokens": self.runner.max_total_num_tokens,
+                "replicated_checksum": weights}
 
 
 _DEFERRED = object()   # the handler answers later (a group being joined)

@@ -1,8 +1,9 @@
 """--tp-size 2 beyond parity, on a model with one KV head (a copy on each rank), paged KV and
-chunked prefill: equal to one rank; an update one rank refuses changes no rank; weight reads
-return whole weights; a retracted request resumes as it would have run; sizes that cannot
-shard are refused up front; a stuck rank (slow test) or a killed one fails the request in
-flight with an error naming it (the kill runs last: it ends the module's engine)."""
+chunked prefill: equal to one rank; an update one rank refuses changes no rank; ranks left on
+different whole weights (norms) fail check_integrity; weight reads return whole weights; a
+retracted request resumes as it would have run; sizes that cannot shard are refused up front;
+a stuck rank (slow test) or a killed one fails the request in flight with an error naming it
+(the kill runs last: it ends the module's engine)."""
 
 from __future__ import annotations
 
@@ -80,6 +81,21 @@ def test_an_update_one_rank_refuses_changes_no_rank(tp2, one_rank, one_kv_head):
     assert not ok and "one payload per tensor-parallel rank (2) or one for all, got 3" in message
     _same(_rollouts(tp2), one_rank)   # neither rank wrote anything
     assert tp2.check_integrity()["tp_ranks"][0]["tp_rank"] == 1
+
+
+def test_ranks_holding_different_whole_weights_fail_check_integrity(tp2, one_rank,
+                                                                    one_kv_head):
+    good = list(iter_safetensors(one_kv_head))
+    other = [(n, t + 1 if n == "model.norm.weight" else t) for n, t in good]
+    ok, message = tp2.update_weights_from_tensor(
+        [serialize_named_tensors(good), serialize_named_tensors(other)])
+    assert ok, message   # each rank's payload is valid on its own
+    with pytest.raises(AssertionError, match="tensor-parallel rank 1 holds other values than "
+                                             "rank 0 in the weights every rank keeps whole"):
+        tp2.check_integrity()
+    assert tp2.update_weights_from_tensor(good)[0]   # one payload: every rank the same
+    assert tp2.check_integrity()["tp_ranks"][0]["replicated_checksum"] is not None
+    _same(_rollouts(tp2), one_rank)
 
 
 def test_weight_reads_join_every_ranks_slice(tp2, one_kv_head):
