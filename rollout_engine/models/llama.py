@@ -166,6 +166,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.tp = tp
+        self._tp_shards: Optional[dict[str, Shard]] = None
         vocab_rows = arch.vocab_size   # this rank's, padded, with tp
         if tp is None:
             self.embed_tokens: nn.Module = nn.Embedding(arch.vocab_size, arch.hidden_size)
@@ -238,7 +239,13 @@ class LlamaForCausalLM(nn.Module):
 
     def tp_shards(self) -> dict[str, Shard]:
         """HF name -> the slice of the full checkpoint tensor this rank holds, for every
-        sharded weight (none without tp; norms and row-parallel biases are whole)."""
+        sharded weight (none without tp; norms and row-parallel biases are whole). Fixed by
+        the shapes: built once."""
+        if self._tp_shards is None:
+            self._tp_shards = self._build_tp_shards()
+        return self._tp_shards
+
+    def _build_tp_shards(self) -> dict[str, Shard]:
         tp, a = self.tp, self.arch
         if tp is None:
             return {}
