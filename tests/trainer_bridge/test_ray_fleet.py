@@ -196,6 +196,19 @@ def test_bad_arguments_name_the_field(fleet, w1_w2):
         fleet.generate(input_ids=[1, 2], stream=True)
 
 
+def test_gpu_placement_flags():
+    """Bundles and each engine's device (no GPU needed: what the actors would be given)."""
+    config = RayFleetConfig(num_engines=4, num_gpus_per_engine=0.5, base_gpu_id=2)
+    assert config.bundle() == {"CPU": 1.0, "GPU": 0.5}
+    assert [config.engine_kwargs(i, {"model_path": "m"})["base_gpu_id"] for i in range(4)] == [
+        2, 2, 3, 3]   # two engines share each GPU
+    assert config.engine_kwargs(0, {})["device"] == "cuda"
+    by_ray = RayFleetConfig(num_gpus_per_engine=1).engine_kwargs(1, {"num_threads": 4})
+    assert "base_gpu_id" not in by_ray and by_ray["num_threads"] == 4
+    assert RayFleetConfig(num_cpus_per_engine=2).engine_kwargs(0, {}) == {"device": "cpu",
+                                                                          "num_threads": 2}
+
+
 def test_a_group_the_cluster_cannot_hold_is_a_clear_error(fleet, w1_w2):
     start = time.perf_counter()
     with pytest.raises(RuntimeError, match="placement group not ready within 1 s"):
