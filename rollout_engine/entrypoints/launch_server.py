@@ -94,6 +94,11 @@ HELP: dict[str, str] = {
     "port": "TCP port to listen on.",
     "dp_size": "Data parallelism: this many scheduler replicas (each a full model copy) behind "
                "one frontend; control calls reach every replica.",
+    "tp_size": "Tensor parallelism: shard the model over this many scheduler processes on "
+               "this machine (gloo on CPU, nccl on GPUs base .. base + N - 1); every refit "
+               "path, sleep / wake and check_integrity cover all ranks.",
+    "dist_timeout": "Seconds one tensor-parallel collective may take before the engine fails "
+                    "instead of hanging (default: --watchdog-timeout).",
     "load_balance_method": "Which replica a request goes to with --dp-size > 1: auto / "
                            "round_robin, total_requests (shortest_queue), total_tokens "
                            "(minimum_tokens), or cache_aware (prefix affinity, load fallback).",
