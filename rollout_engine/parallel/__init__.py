@@ -1,7 +1,7 @@
 """Tensor parallelism (``--tp-size N``): one scheduler process per rank (issue 14 item 1).
 
+    context.py  what a rank is: its slices of heads, MLP and vocabulary; Shard; WeightCommit
     group.py    the ranks' process group (gloo on CPU, nccl on GPU) and its collectives
-    shard.py    which slice of every weight and head a rank holds
     layers.py   row-parallel linear, vocab-parallel embedding and LM head
     wire.py     what rank 0 sends the other ranks: forward inputs, control ops, their answers
     leader.py   rank 0's side: the other ranks' pipes, mirrored control calls, liveness
