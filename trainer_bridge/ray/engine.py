@@ -58,9 +58,12 @@ class EngineActor:
 
     def call_in_order(self, sender: str, seq: int, wait_s: float, method: str,
                       args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """`call` for weight call `seq` of `sender`, once its calls 0 .. seq-1 have run. A call
-        that waits `wait_s` for a predecessor that never comes fails, and the sequence moves
-        past the gap (so the sender's later calls are not stuck behind it)."""
+        """`call` for weight call `seq` of `sender`, once its calls 0 .. seq-1 have been sent
+        to the engine. A weight update is sent without waiting for its answer (the engine's
+        `send_call`), so the next bucket's call reaches the scheduler while this one is being
+        applied; other weight calls run to the end first. A call that waits `wait_s` for a
+        predecessor that never comes fails, and the sequence moves past the gap (so the
+        sender's later calls are not stuck behind it)."""
         with self.turn:
             if not self.turn.wait_for(lambda: self.next_seq.get(sender, 0) >= seq, wait_s):
                 missing = self.next_seq.get(sender, 0)
@@ -70,12 +73,17 @@ class EngineActor:
                                    f"it (#{missing} of this trainer), which never came")
             if self.next_seq.get(sender, 0) > seq:   # a gap was skipped past this call
                 raise TimeoutError(f"{method}: arrived after the weight calls after it")
+        answer: Optional[Callable[[], Any]] = None
         try:
-            return self.call(method, args, kwargs)
+            if method.startswith("update_weights_from"):
+                answer = self.engine.send_call(method, *args, **kwargs)
+            else:
+                result = self.call(method, args, kwargs)
         finally:
             with self.turn:
                 self.next_seq[sender] = seq + 1
                 self.turn.notify_all()
+        return answer() if answer is not None else result
 
     def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """`engine.<method>(*args, **kwargs)` for a method of ENGINE_METHODS."""
