@@ -1,6 +1,6 @@
 """`RayRolloutFleet`: N engines as Ray actors in one placement group, driven as one.
 
-    start_local_ray(num_cpus=2)                  # or ray.init(address=...) on a cluster
+    start_local_ray(num_cpus=2)                  # (trainer_bridge.ray.local) or ray.init(...)
     fleet = RayRolloutFleet({"model_path": path, "dtype": "float32"},
                             RayFleetConfig(num_engines=2, num_cpus_per_engine=1))
     outs = fleet.generate(input_ids=prompts, sampling_params={"n": 8, "temperature": 1.0})
@@ -34,7 +34,6 @@ dispatcher (pure Python) and the engine config, to reject bad flags before any a
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -45,41 +44,11 @@ from trainer_bridge.ray.config import RayFleetConfig
 from trainer_bridge.ray.engine import WEIGHTS, WEIGHTS_THREADS, EngineActor, RayEngine
 from trainer_bridge.weight_syncer import SyncReport
 
-__all__ = ["LOCAL_ONLY_ENV", "RayRolloutFleet", "start_local_ray"]
+__all__ = ["RayRolloutFleet"]
 
 # generate arguments that a batch may give per prompt (a list, one value each)
 PER_PROMPT = ("sampling_params", "rid", "return_logprob", "logprob_start_len",
               "top_logprobs_num", "extra_key", "cache_salt")
-
-
-LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-"""Ray's single-node switch, read when ray is imported: "0" makes its node address 127.0.0.1
-(otherwise Ray replaces 127.0.0.1 by the address of the host's network interface)."""
-
-
-def start_local_ray(num_cpus: int, num_gpus: Optional[int] = None,
-                    object_store_bytes: int = 100 << 20, temp_dir: Optional[str] = None) -> Any:
-    """Start a light single-node Ray on 127.0.0.1: no dashboard, usage stats off (it reaches
-    nothing beyond this host), a small object store (weights never go through it). Ray must
-    not have been imported yet, or have been imported with ``LOCAL_ONLY_ENV=0`` set; otherwise
-    it would use the host's interface address, and this raises RuntimeError saying so."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault(LOCAL_ONLY_ENV, "0")
-    import ray
-    from ray._private import ray_constants
-
-    wrong = f"set {LOCAL_ONLY_ENV}=0 before importing ray (it was imported before start_local_ray)"
-    if getattr(ray_constants, "ENABLE_RAY_CLUSTER", False):   # checked before anything starts
-        raise RuntimeError(f"Ray would start on this host's interface address: {wrong}")
-    context = ray.init(num_cpus=num_cpus, num_gpus=num_gpus,
-                       object_store_memory=object_store_bytes, include_dashboard=False,
-                       _node_ip_address="127.0.0.1", _temp_dir=temp_dir, configure_logging=False,
-                       log_to_driver=False)
-    address = ray.get_runtime_context().gcs_address
-    if not address.startswith("127."):
-        ray.shutdown()
-        raise RuntimeError(f"Ray started on {address}, not 127.0.0.1: {wrong}")
-    return context
 
 
 @dataclass
