@@ -29,6 +29,7 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from trainer_bridge.timed_engine import TimedEngine
 from trainer_bridge.transports.base import WeightTransport, spawn
 from trainer_bridge.transports.disk import DiskTransport
 from trainer_bridge.transports.distributed import DistributedTransport
@@ -291,7 +292,11 @@ class RolloutFleet:
     def _after_failed_refit(self, error: BaseException, seconds: float,
                             version: str) -> FleetReport:
         """Find who holds what, quarantine the engines off the served version, raise."""
+        timed = self.timed
         self._drop_syncer()   # the group is out of step after a failed broadcast
+        deadline = time.monotonic() + self.timeout_s
+        for t in timed:       # the survivors' last calls answer (or time out) first
+            t.wait_answered(deadline - time.monotonic())
         found = [_with_version(r) for r in
                  self._fan_out("get_weight_version", lambda e: e.get_weight_version())]
         reached = any(r.version == version for r in found)
@@ -349,45 +354,6 @@ class RolloutFleet:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-UPDATE_METHODS = ("update_weights_from_distributed", "update_weights_from_tensor",
-                  "update_weights_from_disk")
-
-
-class TimedEngine:
-    """An engine as the fleet's syncer sees it: the same methods, and the time its last
-    weight-update call answered (a refit's per-engine seconds)."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.answered: Optional[float] = None
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.engine, name)
-        return self._timed(attr) if name in UPDATE_METHODS else attr
-
-    def send_call(self, method: str, *args: Any, **kwargs: Any) -> Callable[[], Any]:
-        """The engine's own `send_call` (calls reach it in send order: transports.base
-        .start_call), timed; an engine without one is called when the answer is awaited."""
-        if not callable(getattr(type(self.engine), "send_call", None)):
-            call = getattr(self, method)
-            return lambda: call(*args, **kwargs)
-        answer = self.engine.send_call(method, *args, **kwargs)
-        return self._timed(answer) if method in UPDATE_METHODS else answer
-
-    def _timed(self, call: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            result = call(*args, **kwargs)
-            self.answered = time.perf_counter()
-            return result
-        return timed
-
-    def seconds_since(self, start: float, default: float) -> float:
-        """Seconds from `start` to the last update answer (`default` if none came since)."""
-        if self.answered is None or self.answered < start:
-            return default
-        return self.answered - start
 
 
 def _with_version(result: EngineResult) -> EngineResult:

@@ -69,7 +69,8 @@ def fleet(ray_session: None, w1_w2: tuple[str, str]) -> Iterator[RayRolloutFleet
 
 @pytest.fixture(scope="module")
 def fresh_w1(fleet: RayRolloutFleet) -> list[Any]:
-    """What a fresh W1 engine answers: engine 0 before any refit."""
+    """What a fresh W1 engine answers: engine 0 before any refit (every test that refits asks
+    for it, so it is taken first whatever runs)."""
     return tokens_and_logprobs(rollouts(fleet.engines[0]))
 
 
@@ -134,7 +135,7 @@ def test_distinct_prompts_spread_and_are_answered_once(fleet):
     assert fleet.loads[0].requests == fleet.loads[1].requests == 0
 
 
-def test_one_broadcast_refits_both_engines_like_fresh_ones(fleet, w2):
+def test_one_broadcast_refits_both_engines_like_fresh_ones(fleet, fresh_w1, w2):
     report = fleet.refit(w2.model, version="ray-w2")
     assert report.ok and report.versions == {0: "ray-w2", 1: "ray-w2"}
     assert report.transport == "distributed"
@@ -160,7 +161,7 @@ def test_tensor_handles_cross_ray_to_every_engine(fleet, w1_w2, fresh_w1):
         assert_same_rollouts(rollouts(e), fresh_w1)
 
 
-def test_sleep_wake_pause_fan_out(fleet, w2):
+def test_sleep_wake_pause_fan_out(fleet, fresh_w1, w2):
     from rollout_engine.tokenizer_manager import EngineAsleepError
 
     assert fleet.pause("retract").ok
@@ -233,7 +234,8 @@ def test_ray_is_on_loopback_or_not_started():
                                   f"set {LOCAL_ONLY_ENV}=0 before importing ray"), done.stderr
 
 
-def test_an_engine_killed_mid_refit_is_reported_and_none_serves_mixed(fleet, w2, monkeypatch):
+def test_an_engine_killed_mid_refit_is_reported_and_none_serves_mixed(fleet, fresh_w1, w2,
+                                                                       monkeypatch):
     from rollout_engine.tokenizer_manager import EngineAsleepError
 
     victim = fleet.engines[1]
