@@ -235,20 +235,27 @@ def pack_seconds(source: Any, bucket_bytes: int) -> float:
 
 
 class ApplyRecorder:
-    """Wraps ``engine._call`` to collect the scheduler-side ``seconds`` of each weight update
-    and how many tensors it cast."""
+    """Wraps the engine's ``tm.start_call`` (every control call, sent at once or through
+    ``send_call``) to collect the scheduler-side ``seconds`` of each weight update and how many
+    tensors it cast."""
 
     def __init__(self, engine: Engine) -> None:
-        self.engine, self.orig, self.seconds, self.num_cast = engine, engine._call, 0.0, 0
+        self.engine, self.orig, self.seconds, self.num_cast = engine, engine.tm.start_call, 0.0, 0
 
-        def call(method: str, **kw: Any) -> Any:
-            r = self.orig(method, **kw)
-            if method.startswith("update_weights") and r.success and isinstance(r.result, dict):
-                self.seconds += float(r.result.get("seconds", 0.0))
-                self.num_cast += int(r.result.get("num_cast", 0))
-            return r
+        def start_call(method: str, timeout: Any = None, **kw: Any) -> Any:
+            wait = self.orig(method, timeout, **kw)
 
-        engine._call = call  # type: ignore[method-assign]
+            def answer() -> Any:
+                r = wait()
+                if (method.startswith("update_weights") and r.success
+                        and isinstance(r.result, dict)):
+                    self.seconds += float(r.result.get("seconds", 0.0))
+                    self.num_cast += int(r.result.get("num_cast", 0))
+                return r
+
+            return answer
+
+        engine.tm.start_call = start_call  # type: ignore[method-assign]
 
     def take(self) -> float:
         s, self.seconds = self.seconds, 0.0
