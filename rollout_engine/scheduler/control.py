@@ -131,6 +131,8 @@ class ControlHandlers:
             "flush_pending": s.rl.flush_pending,
             "pending_weight_update_groups": sorted(s.update_groups.pending),
             "weight_updates_receiving": s.update_groups.receiving(),
+            "weight_update_buffer_bytes": s.update_groups.buffer_bytes() + (
+                s.rl.shadow.num_bytes if s.rl.shadow is not None else 0),
             "kv_pool_bytes": s.runner.kv_pool.nbytes(),
             "weight_bytes": s.runner.weight_nbytes(),
             "stats": dict(s.stats),

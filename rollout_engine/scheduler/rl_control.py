@@ -341,7 +341,10 @@ class RLControl:
 
     def rpc_destroy_weights_update_group(self, group_name: str = "weight_update_group"
                                          ) -> dict[str, Any]:
-        self.s.update_groups.destroy(group_name)
+        groups = self.s.update_groups
+        groups.destroy(group_name)
+        if not groups.groups and self.shadow is not None:
+            self.shadow.release()   # no group left to receive into the spare weights
         return {"group_name": group_name}
 
     def rpc_get_weights_by_name(self, name: str, truncate_size: int = 100) -> WeightSlice:

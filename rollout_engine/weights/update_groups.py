@@ -210,6 +210,10 @@ class WeightUpdateGroups:
         if receipt in self.in_flight:
             self.in_flight.remove(receipt)
 
+    def buffer_bytes(self) -> int:
+        """Bytes held by every group's staging slots."""
+        return sum(staging.num_bytes for staging in self.staging.values())
+
     def receiving(self) -> int:
         """Updates posted and not yet settled."""
         return len(self.in_flight)

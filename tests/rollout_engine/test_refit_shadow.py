@@ -115,3 +115,36 @@ def test_uncovered_rows():
     assert _uncovered([(0, 4), (6, 2)], 10) == [(4, 6), (8, 10)]
     assert _uncovered([(4, 6), (0, 4)], 10) == []
     assert _uncovered([], 3) == [(0, 3)]
+
+
+def test_the_engine_frees_its_spares_with_its_last_group(make_engine, model_dir):
+    """Spare weights exist while a weight-update group does: destroying the last group frees
+    them (a broadcast refit's memory is the group's, as a staging buffer's would be)."""
+    import threading
+
+    from rollout_engine.protocol.weight_broadcast import join_update_group
+    from rollout_engine.weights.loader import iter_safetensors
+    from trainer_bridge.transports.distributed import free_port
+
+    engine = make_engine(model_dir)
+
+    def held() -> int:
+        return engine.get_server_info()["weight_update_buffer_bytes"]
+
+    port, box = free_port(), {}
+    joiner = threading.Thread(target=lambda: box.update(j=engine.init_weights_update_group(
+        "127.0.0.1", port, 1, 2, group_name="g", backend="gloo")), daemon=True)
+    joiner.start()
+    pg = join_update_group("127.0.0.1", port, 0, 2, "g", "gloo", 60)
+    joiner.join(60)
+    norm = dict(iter_safetensors(model_dir))["model.norm.weight"].contiguous()
+    t = threading.Thread(target=lambda: box.update(r=engine.update_weights_from_distributed(
+        ["model.norm.weight"], ["float32"], [list(norm.shape)], group_name="g")), daemon=True)
+    t.start()
+    pg.broadcast(norm).wait()
+    t.join(60)
+    assert box["r"][0], box
+    assert held() == norm.numel() * 4      # received in place: a spare norm, no staging
+    assert engine.destroy_weights_update_group("g")[0]
+    assert held() == 0
+    pg.shutdown()
