@@ -34,7 +34,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -117,12 +117,18 @@ def _device_backends(backend: str) -> list[tuple[list[str], str]]:
     return [([device], name) for device, name in device_map.items()]
 
 
-def gloo_threads() -> Optional[int]:
-    """Worker threads of a gloo weight-update group: ``ROLLOUT_ENGINE_GLOO_THREADS``, or
-    torch's default (2) when unset."""
+GLOO_THREADS = 8
+"""Worker threads of a gloo weight-update group (torch's default is 2): an unbucketed update is
+one broadcast per tensor, and more workers keep more of them in flight (on the 2-core machine
+99 per-tensor broadcasts of the 55M model took 0.058-0.065 s with 8 threads, 0.068-0.074 s
+with 2; one flat broadcast of the same bytes 0.05-0.065 s)."""
+
+
+def gloo_threads() -> int:
+    """``ROLLOUT_ENGINE_GLOO_THREADS`` if set, else `GLOO_THREADS`."""
     raw = os.environ.get("ROLLOUT_ENGINE_GLOO_THREADS", "").strip()
     if not raw:
-        return None
+        return GLOO_THREADS
     if not raw.isdigit() or not 1 <= int(raw) <= 64:
         raise ValueError(f"ROLLOUT_ENGINE_GLOO_THREADS: must be an integer in [1, 64], got {raw!r}")
     return int(raw)
@@ -133,15 +139,11 @@ def _make_backend(name: str, store: Any, rank: int, world_size: int, group_name:
     made: Any
     options: Any
     if name == Backend.GLOO:
-        threads = gloo_threads()
-        if threads is None:
-            made = dist.ProcessGroupGloo(store, rank, world_size, timeout=timeout)
-        else:   # more worker threads keep more of a per-tensor broadcast's ops in flight
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = timeout
-            opts._threads = threads
-            opts._devices = [dist.ProcessGroupGloo.create_default_device()]
-            made = dist.ProcessGroupGloo(store, rank, world_size, opts)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._threads = gloo_threads()
+        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+        made = dist.ProcessGroupGloo(store, rank, world_size, opts)
         options = made.options
         options.global_ranks_in_group = []
         options.group_name = group_name

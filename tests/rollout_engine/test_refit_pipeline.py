@@ -161,7 +161,9 @@ def test_gloo_threads_knob(monkeypatch):
     from rollout_engine.protocol.weight_broadcast import gloo_threads
 
     monkeypatch.delenv("ROLLOUT_ENGINE_GLOO_THREADS", raising=False)
-    assert gloo_threads() is None
+    assert gloo_threads() == 8
+    monkeypatch.setenv("ROLLOUT_ENGINE_GLOO_THREADS", "2")
+    assert gloo_threads() == 2
     monkeypatch.setenv("ROLLOUT_ENGINE_GLOO_THREADS", "8")
     assert gloo_threads() == 8
     for bad in ("0", "x", "-1", "65"):
