@@ -24,20 +24,21 @@ rest is accepted at its default and refused otherwise, naming the field (`_check
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from rollout_engine.memory.memory_saver import TAGS
 from rollout_engine.protocol.messages import AbortReq, WeightSlice
-from rollout_engine.scheduler.control import BusyError, Deferred
+from rollout_engine.scheduler.control import BusyError
 from rollout_engine.scheduler.request import ReqState
+from rollout_engine.scheduler.rl_broadcast import BroadcastRefits
 from rollout_engine.speculative.selector import check_target_only
 from rollout_engine.weights import refit
 from rollout_engine.weights.disk_reader import PartialLoadError
-from rollout_engine.weights.loader import LoadReport, load_weights, read_weight, weight_names
-from rollout_engine.weights.shadow import InPlacePlan, ShadowWeights
+from rollout_engine.weights.loader import LoadReport, read_weight, weight_names
+from rollout_engine.weights.shadow import ShadowWeights
 
 if TYPE_CHECKING:
     from rollout_engine.scheduler.scheduler import Scheduler
@@ -81,7 +82,7 @@ def _check_flags(*, weight_version: Optional[str] = None, is_async: bool = False
                          f"valid, got {pp_rank!r}")
 
 
-class RLControl:
+class RLControl(BroadcastRefits):
     def __init__(self, scheduler: Scheduler) -> None:
         self.s = scheduler
         self.mapped: Optional[refit.MappedStorages] = None  # trainer shm kept mapped (1st refit)
@@ -201,6 +202,15 @@ class RLControl:
                                      torch_empty_cache: bool = False, keep_pause: bool = False,
                                      **sglang_flags: Any) -> dict[str, Any]:
         """``sglang_flags``: is_async, recapture_cuda_graph, token_step, manifest, pp_rank."""
+        return self._disk_update(lambda: self._read_checkpoint(model_path), load_format,
+                                 weight_version, flush_cache, abort_all_requests,
+                                 torch_empty_cache, keep_pause, **sglang_flags)
+
+    def _disk_update(self, load: Callable[[], LoadReport], load_format: Optional[str],
+                     weight_version: Optional[str], flush_cache: bool,
+                     abort_all_requests: bool, torch_empty_cache: bool, keep_pause: bool,
+                     **sglang_flags: Any) -> dict[str, Any]:
+        """A disk refit's checks, then `load` (what reads the checkpoint) applied."""
         self._refuse_while_receiving("update_weights_from_disk")
         if load_format not in (None, "auto", "safetensors"):
             raise ValueError(f"load_format: {load_format!r} is not supported for disk "
@@ -208,8 +218,7 @@ class RLControl:
         self._before_update(abort_all_requests, weight_version=weight_version,
                             flush_cache=flush_cache, torch_empty_cache=torch_empty_cache,
                             keep_pause=keep_pause, **sglang_flags)
-        return self._apply(lambda: self._read_checkpoint(model_path), weight_version,
-                           flush_cache, torch_empty_cache, keep_pause)
+        return self._apply(load, weight_version, flush_cache, torch_empty_cache, keep_pause)
 
     def _read_checkpoint(self, model_path: str) -> LoadReport:
         try:
@@ -240,112 +249,6 @@ class RLControl:
         return self._apply(lambda: refit.refit_from_serialized(
             model, serialized_named_tensors, load_format, self.mapped), weight_version,
             flush_cache, torch_empty_cache)
-
-    def rpc_init_weights_update_group(self, master_address: str, master_port: int,
-                                      rank_offset: int, world_size: int,
-                                      group_name: str = "weight_update_group",
-                                      backend: str = "nccl") -> Deferred:
-        """Join the trainer's group; the rendezvous runs off the loop (requests keep being
-        served) and waits at most ``weight_update_group_timeout`` seconds."""
-        groups = self.s.update_groups
-        future = groups.start_init(master_address, master_port, rank_offset, world_size,
-                                   group_name, backend, self.s.config.weight_update_group_timeout)
-
-        def finish(done: Future) -> dict[str, Any]:
-            groups.finish_init(group_name, done)
-            return {"group_name": group_name}
-
-        return Deferred(future, finish)
-
-    def rpc_update_weights_from_distributed(self, names: list[str], dtypes: list[str],
-                                            shapes: list[list[int]],
-                                            group_name: str = "weight_update_group",
-                                            load_format: Optional[str] = None,
-                                            flush_cache: bool = True,
-                                            weight_version: Optional[str] = None,
-                                            abort_all_requests: bool = False,
-                                            torch_empty_cache: bool = False,
-                                            **sglang_flags: Any) -> Deferred:
-        """Receive the broadcast in the declared ``dtypes``, then load (floating tensors are
-        cast into the parameters). ``sglang_flags``: pp_rank. The receives are posted and the
-        call returns to the loop: the update is applied (in the order the calls came) once
-        all of it has arrived, while the loop keeps serving and posts the next call's receives
-        (a bucketed trainer's next bucket arrives while this one is applied). The broadcast is
-        drained before anything is refused, so a refused update never leaves the trainer
-        hanging."""
-        groups = self.s.update_groups
-        previous = groups.in_flight[-1] if groups.in_flight else None
-        plan = self._in_place_plan(names, dtypes, shapes, load_format, sglang_flags)
-        shadow = self._shadow()
-        try:
-            receipt = groups.post(list(names), list(dtypes), shapes, group_name, load_format,
-                                  after=previous, into=None if plan is None else plan.views)
-        except BaseException:
-            if plan is not None:
-                shadow.abort(plan)
-            raise
-
-        def finish(done: Future) -> dict[str, Any]:
-            committed = False
-            try:
-                received = done.result()
-                self._before_update(abort_all_requests, weight_version=weight_version,
-                                    flush_cache=flush_cache, torch_empty_cache=torch_empty_cache,
-                                    **sglang_flags)
-                if plan is None:
-                    load = lambda: self._load_broadcast(received, sglang_flags)  # noqa: E731
-                else:
-                    load = lambda: shadow.commit(plan)  # noqa: E731
-                result = self._apply(load, weight_version, flush_cache, torch_empty_cache)
-                committed = True
-                return result
-            finally:
-                if plan is not None and not committed:
-                    shadow.abort(plan)
-                groups.settle(receipt)
-
-        return Deferred(receipt.future, finish)
-
-    def _in_place_plan(self, names: list[str], dtypes: list[Any], shapes: list[list[int]],
-                       load_format: Optional[str], sglang_flags: dict[str, Any]
-                       ) -> Optional[InPlacePlan]:
-        """Receive an unbucketed update straight into spare parameter storage
-        (`weights/shadow.py`) when it is a plain target update the model takes as announced;
-        None: staged and copied. Malformed announcements are left to ``post`` to refuse."""
-        if (load_format is not None or sglang_flags.get("selector") not in (None, "target", "all")
-                or self.s.device.type != "cpu" or "weights" in self.s.memory_saver.released):
-            return None
-        try:
-            torch_dtypes = [refit.declared_dtype(d) for d in dtypes]
-            shapes_t = [tuple(int(d) for d in s) for s in shapes]
-        except (ValueError, TypeError):
-            return None
-        if not len(names) == len(torch_dtypes) == len(shapes_t):
-            return None
-        return self._shadow().plan(list(names), torch_dtypes, shapes_t)
-
-    def _shadow(self) -> ShadowWeights:
-        if self.shadow is None:
-            self.shadow = ShadowWeights(self.s.runner.model)
-        return self.shadow
-
-    def _load_broadcast(self, received: list[tuple[str, torch.Tensor]],
-                        sglang_flags: dict[str, Any]) -> LoadReport:
-        """Load a received broadcast (a speculative engine also routes draft weights)."""
-        return load_weights(self.s.runner.model, received)
-
-    def _refuse_while_receiving(self, what: str) -> None:
-        if self.s.update_groups.receiving():
-            raise BusyError(f"{what}: a distributed weight update is still being received; "
-                            "wait for its answer")
-
-    def rpc_destroy_weights_update_group(self, group_name: str = "weight_update_group"
-                                         ) -> dict[str, Any]:
-        groups = self.s.update_groups
-        groups.destroy(group_name)
-        if not groups.groups and self.shadow is not None:
-            self.shadow.release()   # no group left to receive into the spare weights
-        return {"group_name": group_name}
 
     def rpc_get_weights_by_name(self, name: str, truncate_size: int = 100) -> WeightSlice:
         """The first ``truncate_size`` rows of a weight, bounded (a debugging read)."""

@@ -123,13 +123,6 @@ class DraftRLControl(RLControl):
             return super().rpc_update_weights_from_disk(
                 model_path, load_format, weight_version, flush_cache, abort_all_requests,
                 torch_empty_cache, keep_pause, **sglang_flags)
-        self._refuse_while_receiving("update_weights_from_disk")
-        if load_format not in (None, "auto", "safetensors"):
-            raise ValueError(f"load_format: {load_format!r} is not supported for disk "
-                             "(None, 'auto', 'safetensors')")
-        self._before_update(abort_all_requests, weight_version=weight_version,
-                            flush_cache=flush_cache, torch_empty_cache=torch_empty_cache,
-                            keep_pause=keep_pause, **sglang_flags)
         draft_path = draft_model_path
 
         def load() -> LoadReport:
@@ -137,7 +130,9 @@ class DraftRLControl(RLControl):
                 return _combined(None, self._read_draft(model_path))
             return self._read_both(model_path, draft_path)
 
-        return self._apply(load, weight_version, flush_cache, torch_empty_cache, keep_pause)
+        return self._disk_update(load, load_format, weight_version, flush_cache,
+                                 abort_all_requests, torch_empty_cache, keep_pause,
+                                 **sglang_flags)
 
     def _read_draft(self, path: str) -> LoadReport:
         try:
