@@ -84,6 +84,15 @@ class HostKVPool:
     def backup(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> int:
         """Copy the device pool's KV at ``device_slots`` into ``host_slots``; returns bytes."""
         pool = self.device_pool
+        if pool.device.type == "cpu":
+            # straight into each layer's (strided) view of the host rows: one gather and one
+            # scatter per layer and K/V, no stacked intermediate (2-3x faster on CPU)
+            for i in range(pool.num_layers):
+                self.buffer[:, 0, i].index_copy_(0, host_slots,
+                                                 pool.k_buffers[i].index_select(0, device_slots))
+                self.buffer[:, 1, i].index_copy_(0, host_slots,
+                                                 pool.v_buffers[i].index_select(0, device_slots))
+            return host_slots.numel() * self.bytes_per_token
         dev = device_slots.to(pool.device)
         k = torch.stack([pool.k_buffers[i][dev] for i in range(pool.num_layers)], dim=1)
         v = torch.stack([pool.v_buffers[i][dev] for i in range(pool.num_layers)], dim=1)
@@ -94,13 +103,24 @@ class HostKVPool:
     def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> int:
         """Copy ``host_slots`` into the device pool at ``device_slots``; returns bytes."""
         pool = self.device_pool
+        if pool.device.type == "cpu":
+            # per layer and K/V, gather from the host rows' strided view and scatter into the
+            # pool: no [N, 2, L, H, D] intermediate (2-3x faster on CPU for thousands of rows)
+            for i in range(pool.num_layers):
+                pool.k_buffers[i].index_copy_(0, device_slots,
+                                              self.buffer[:, 0, i].index_select(0, host_slots))
+                pool.v_buffers[i].index_copy_(0, device_slots,
+                                              self.buffer[:, 1, i].index_select(0, host_slots))
+            return host_slots.numel() * self.bytes_per_token
+        # one gather (into pinned memory on CUDA), one copy, then a scatter per layer there
         rows = self.buffer.index_select(0, host_slots)
         if self.pin:
-            rows = rows.pin_memory().to(pool.device, non_blocking=True)
+            rows = rows.pin_memory()
+        rows = rows.to(pool.device, non_blocking=self.pin)
         dev = device_slots.to(pool.device)
         for i in range(pool.num_layers):
-            pool.k_buffers[i][dev] = rows[:, 0, i]
-            pool.v_buffers[i][dev] = rows[:, 1, i]
+            pool.k_buffers[i].index_copy_(0, dev, rows[:, 0, i])
+            pool.v_buffers[i].index_copy_(0, dev, rows[:, 1, i])
         return rows.numel() * rows.element_size()
 
     def read_rows(self, host_slots: torch.Tensor) -> bytes:

@@ -49,20 +49,61 @@ class _FreshRun:
 
 
 @dataclass
+class _GatheredGroup:
+    """Requests extending a cached prefix by several tokens, padded into one SDPA call.
+
+    Request b of the group reads its slots ``table[row_b, :L]`` (entries past its seq_len are
+    stale but valid slots, masked out) and its queries are ``q[start_b : start_b + E_b]``
+    padded to ``E`` by repeating its last token. GQA without repeating K/V: the G query heads
+    of KV head h act as E x G queries of h, each row carrying its token's causal mask row::
+
+        keys     [n, Hkv, L, D]       slots of positions 0 .. L-1 (one gather per layer)
+        queries  [n, Hkv, E * G, D]   row i * G + g = head h * G + g of the i-th new token
+        mask     [n, 1, E * G, L]     key j visible to new token i iff j <= prefix_b + i
+
+    A padded query row (i >= E_b) still sees key 0, so no row is all -inf (no NaN); its
+    output is dropped: ``real_rows`` picks the rows of real tokens out of the ``n * E``
+    result rows, ``token_index`` says where they go in the batch.
+    """
+
+    num_reqs: int
+    ext_len: int                       # E, the longest extend of the group
+    seq_len: int                       # L, the longest sequence of the group
+    q_index: torch.Tensor              # [n * E] token of each padded query row
+    slot_index: torch.Tensor           # [n * L] slots, row-major
+    visible: torch.Tensor              # [n, E, L] bool, the mask before the G repeat
+    real_rows: Optional[torch.Tensor]  # [T'] rows of real tokens in [n * E]; None if no padding
+    token_index: torch.Tensor          # [T'] where those rows go in the batch's output
+    k_gather: torch.Tensor             # [n * L, Hkv, D] scratch, reused by every layer
+    v_gather: torch.Tensor
+    mask: Optional[torch.Tensor] = None   # [n, 1, E * G, L], built by the first layer
+
+    def mask_for(self, groups_per_kv: int) -> torch.Tensor:
+        if self.mask is None:
+            self.mask = self.visible.repeat_interleave(groups_per_kv, dim=1)[:, None]
+        return self.mask
+
+
+# A group's padded attention may cost at most this much more than its requests unpadded
+# (sum of E_b * L_b); requests sorted by length are cut into groups to stay under it.
+_MAX_PAD_COST = 1.25
+
+
+@dataclass
 class _ExtendMeta:
     """An EXTEND batch split three ways (token ranges of the flattened q):
 
     - ``fresh``: runs of requests without a cached prefix (``_FreshRun``);
     - ``single``: requests extending by one token on top of a cached prefix (GRPO siblings
       admitted on a radix hit): decode rows for the paged kernel, ``single_tokens`` their q rows;
-    - ``gathered``: the rest (a cached prefix plus several new tokens), each over its slots.
+    - ``gathered``: the rest (a cached prefix plus several new tokens: a HiCache hit, a
+      multi-turn history), in padded groups over their slots (``_GatheredGroup``).
     """
 
     fresh: list[_FreshRun]
     single_tokens: Optional[torch.Tensor]           # [S] token index of each single request
     single_plan: Optional[cpu_kernels.DecodePlan]
-    gathered: list[tuple[int, int, torch.Tensor, Optional[torch.Tensor]]]
-    # (start, ext, slots of positions [0, seq_len), [E, L] causal mask or None if E == 1)
+    gathered: list[_GatheredGroup]
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -123,11 +164,7 @@ class TorchNativeBackend(AttentionBackend):
                 singles.append(b)
                 single_tokens.append(start)
             else:
-                mask = None
-                if ext > 1:
-                    q_pos = torch.arange(prefix, seq_len)[:, None]
-                    mask = torch.arange(seq_len)[None, :] <= q_pos
-                gathered.append((start, ext, table[row, :seq_len], mask))
+                gathered.append((start, prefix, seq_len, row))
             start += ext
         plan = tokens = None
         if singles:
@@ -136,7 +173,35 @@ class TorchNativeBackend(AttentionBackend):
             plan = cpu_kernels.plan_decode(table, fb.req_pool_indices.cpu()[idx], lens,
                                            int(lens.max()), self.min_shared_len)
             tokens = torch.tensor(single_tokens, dtype=torch.int64)
-        return _ExtendMeta(fresh, tokens, plan, gathered)
+        groups = [self._plan_group(table, g) for g in _split_groups(gathered)]
+        return _ExtendMeta(fresh, tokens, plan, groups)
+
+    def _plan_group(self, table: torch.Tensor, reqs: list[tuple[int, int, int, int]]
+                    ) -> _GatheredGroup:
+        """One padded SDPA call for ``reqs`` ((start, prefix_len, seq_len, row) each)."""
+        pool = self.kv_pool
+        hkv = pool.shape[1]
+        n = len(reqs)
+        ext_len = max(s - p for _, p, s, _ in reqs)
+        seq_len = max(s for _, _, s, _ in reqs)
+        starts = torch.tensor([r[0] for r in reqs], dtype=torch.int64)
+        prefix = torch.tensor([r[1] for r in reqs], dtype=torch.int64)
+        exts = torch.tensor([s - p for _, p, s, _ in reqs], dtype=torch.int64)
+        ar_e = torch.arange(ext_len)
+        q_index = starts[:, None] + torch.minimum(ar_e[None, :], exts[:, None] - 1)
+        rows = torch.tensor([r[3] for r in reqs], dtype=torch.int64, device=table.device)
+        slot_index = table[rows, :seq_len].reshape(-1)
+        visible = torch.arange(seq_len)[None, None, :] <= (prefix[:, None] + ar_e)[:, :, None]
+        real = (ar_e[None, :] < exts[:, None]).reshape(-1)
+        real_rows = None if bool(real.all()) else real.nonzero().squeeze(1)
+        token_index = q_index.reshape(-1) if real_rows is None else q_index.reshape(-1)[real_rows]
+        scratch = (n * seq_len, hkv, pool.shape[2])
+        dev = pool.device
+        return _GatheredGroup(
+            n, ext_len, seq_len, q_index.reshape(-1).to(dev), slot_index, visible.to(dev),
+            None if real_rows is None else real_rows.to(dev), token_index.to(dev),
+            torch.empty(scratch, dtype=pool.dtype, device=dev),
+            torch.empty(scratch, dtype=pool.dtype, device=dev))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 scaling: float, fb: ForwardBatch) -> torch.Tensor:
@@ -186,11 +251,46 @@ class TorchNativeBackend(AttentionBackend):
             res = cpu_kernels.paged_decode(self.decode_kernel, rows, kbuf, vbuf,
                                            self.req_to_token.table, meta.single_plan, scaling)
             out.index_copy_(0, meta.single_tokens, res)
-        for start, ext, slots, mask in meta.gathered:
-            qb = q[start:start + ext].transpose(0, 1)[None]     # [1, Hq, E, D]
-            keys = kbuf.index_select(0, slots).transpose(0, 1)[None]    # [1, Hkv, L, D]
-            values = vbuf.index_select(0, slots).transpose(0, 1)[None]
-            res = F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask,
-                                                 scale=scaling, enable_gqa=True)
-            out[start:start + ext] = res[0].transpose(0, 1)
+        for group in meta.gathered:
+            out.index_copy_(0, group.token_index,
+                            _gathered_attention(q, kbuf, vbuf, group, scaling))
         return out
+
+
+def _gathered_attention(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor,
+                        group: _GatheredGroup, scaling: float) -> torch.Tensor:
+    """Attention of ``group``'s new tokens over their slots: ``[T', Hq, D]`` in the order of
+    ``group.token_index`` (see ``_GatheredGroup`` for the layout)."""
+    n, e, seq_len = group.num_reqs, group.ext_len, group.seq_len
+    hq, hkv, hd = q.shape[1], kbuf.shape[1], q.shape[2]
+    g = hq // hkv
+    keys = torch.index_select(kbuf, 0, group.slot_index, out=group.k_gather)
+    values = torch.index_select(vbuf, 0, group.slot_index, out=group.v_gather)
+    keys = keys.view(n, seq_len, hkv, hd).transpose(1, 2)               # [n, Hkv, L, D]
+    values = values.view(n, seq_len, hkv, hd).transpose(1, 2)
+    qg = q.index_select(0, group.q_index).view(n, e, hkv, g, hd)
+    qg = qg.transpose(1, 2).reshape(n, hkv, e * g, hd)                  # [n, Hkv, E * G, D]
+    res = F.scaled_dot_product_attention(qg, keys, values, attn_mask=group.mask_for(g),
+                                         scale=scaling)
+    res = res.view(n, hkv, e, g, hd).transpose(1, 2).reshape(n * e, hq, hd)
+    return res if group.real_rows is None else res.index_select(0, group.real_rows)
+
+
+def _split_groups(reqs: list[tuple[int, int, int, int]]) -> list[list[tuple[int, int, int, int]]]:
+    """Sort gathered requests ((start, prefix_len, seq_len, row)) by length and cut them into
+    groups whose padded cost stays within ``_MAX_PAD_COST`` of their unpadded cost."""
+    groups: list[list[tuple[int, int, int, int]]] = []
+    cur: list[tuple[int, int, int, int]] = []
+    real = max_ext = max_len = 0
+    for req in sorted(reqs, key=lambda r: (r[2], r[2] - r[1])):
+        ext, seq_len = req[2] - req[1], req[2]
+        e, s = max(max_ext, ext), max(max_len, seq_len)
+        if cur and (len(cur) + 1) * e * s > _MAX_PAD_COST * (real + ext * seq_len):
+            groups.append(cur)
+            cur, real, e, s = [], 0, ext, seq_len
+        cur.append(req)
+        real += ext * seq_len
+        max_ext, max_len = e, s
+    if cur:
+        groups.append(cur)
+    return groups
