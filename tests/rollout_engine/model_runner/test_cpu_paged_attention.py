@@ -123,6 +123,37 @@ def test_kernel_matches_reference(kernel, hq: int, hkv: int, d: int, page_size: 
     assert_kernel_matches(make_case(gen, MIXED, hq=hq, hkv=hkv, d=d, page_size=page_size))
 
 
+# Every tile shape of the kernel: G = Hq / Hkv of 1, 2, 3 (tiles of 1 head), 4, 6 (tiles of
+# 2), 8 (two tiles of 4), with one and three KV heads.
+@pytest.mark.parametrize("hq,hkv", [(3, 3), (4, 2), (9, 3), (12, 3), (6, 1), (16, 2)])
+def test_kernel_matches_reference_every_gqa_tile(kernel, hq: int, hkv: int) -> None:
+    gen = torch.Generator().manual_seed(hq * 100 + hkv)
+    assert_kernel_matches(make_case(gen, MIXED, hq=hq, hkv=hkv, d=64, page_size=16))
+
+
+def test_kernel_without_avx512_matches_reference(tmp_path, monkeypatch) -> None:
+    """The AVX2 build (8 accumulator registers per tile instead of 16) on this machine's
+    compiler, whatever the machine: the source compiled with -mno-avx512f."""
+    monkeypatch.setenv("ROLLOUT_ENGINE_CACHE", str(tmp_path))
+    try:
+        path = cpu_kernels.build_library(cpu_kernels.SOURCE, "paged_decode_avx2",
+                                         ("-mno-avx512f",))
+    except Exception as e:      # a machine without AVX2 or another compiler: nothing to test
+        pytest.skip(f"no AVX2 build here ({type(e).__name__})")
+    op = cpu_kernels.PagedDecodeOp(path)
+    for hq, hkv in [(8, 2), (6, 2), (3, 1)]:
+        gen = torch.Generator().manual_seed(hq)
+        case = make_case(gen, MIXED, hq=hq, hkv=hkv, d=64, page_size=1)
+        fb, table = case.fb, case.req_to_token.table
+        k, v = case.pool.k_buffers[0], case.pool.v_buffers[0]
+        for min_shared in (None, cpu_kernels.DEFAULT_MIN_SHARED_LEN):
+            plan = cpu_kernels.plan_decode(table, fb.req_pool_indices, fb.seq_lens,
+                                           max(fb.seq_lens_list), min_shared)
+            out = cpu_kernels.paged_decode(op, case.q, k, v, table, plan, 0.125)
+            ref = cpu_kernels.paged_decode_ref(case.q, k, v, table, plan, 0.125)
+            torch.testing.assert_close(out, ref, atol=TOL, rtol=0)
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_shared_prefix_is_whole_sequence(kernel, page_size: int) -> None:
     gen = torch.Generator().manual_seed(7)

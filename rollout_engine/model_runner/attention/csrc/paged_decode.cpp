@@ -6,17 +6,20 @@
 //   k, v   [num_slots + 1, Hkv, D]    one layer's pool buffers, indexed by slot
 //   table  [R, C] int64               req_to_token: table[row, pos] = slot
 //
-// Work is split into segments, each a set of query rows attending to a slot range:
+// Work is split into tasks, taken by torch's intra-op threads (at::parallel_for, so
+// torch.set_num_threads applies) one at a time from a shared counter:
 //
-//   phase 1 (shared):  chunk c = (members, prefix_len): every member row's queries against
-//                      table[row of members[0], 0:prefix_len), one batched pass over the prefix
-//                      (one task per chunk, all KV heads; shaped as small matrix products,
-//                      attend_rows, since every member's query heads share each key)
-//   phase 2 (own):     row b: its queries against table[rows[b], own_start[b]:seq_lens[b]),
-//                      starting from the softmax state phase 1 left for b (if any)
-//                      (one task per row, all KV heads: each slot's K/V row is read whole)
+//   chunk task:  chunk c = (members, prefix_len). Phase 1 (shared): every member row's
+//                queries against table[row of members[0], 0:prefix_len), one batched pass over
+//                the prefix, all KV heads (attend_rows: K transposed per block, so each loaded
+//                key feeds many query rows with no horizontal sums). Phase 2 (own), member by
+//                member: its queries against table[rows[b], own_start[b]:seq_lens[b]),
+//                starting from the softmax state phase 1 left.
+//   lone task:   a row in no chunk: phase 2 over its whole sequence.
 //
-// Tasks run on torch's intra-op pool (at::parallel_for), so torch.set_num_threads applies.
+// Phase 2 (attend) handles the G = Hq / Hkv query heads of a KV head together, in tiles of R
+// heads x JT keys (qk_tile) and R heads x PC vectors of acc (pv_tile), so every K and V vector
+// loaded from the pool feeds R products; each slot's K/V row (all KV heads) is read whole.
 //
 // Both phases run the same online softmax over blocks of keys, keeping per query row
 // m (running max of scores), l (sum of exp(score - m)) and acc (sum of exp(score - m) * v).
@@ -30,6 +33,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -56,15 +60,12 @@ inline void check(bool cond, const Args&... args) {
   throw std::runtime_error(msg.str());
 }
 
-constexpr int64_t kBlock = 32;        // keys per online-softmax step (a multiple of 8)
+constexpr int64_t kBlock = 32;        // keys per online-softmax step (a multiple of 16)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline v8f load8(const float* p) { v8f v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
 inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
-inline float hsum(v8f v) {
-  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
 
 // exp for x <= 0 (scores minus their running max), Cephes' expf polynomial: ~1 ulp, and
 // inputs below -87 give ~1e-38 instead of 0, which no output tolerance can see.
@@ -87,20 +88,24 @@ inline v8f exp8(v8f x) {
   return p * scale;
 }
 
-// sums[j] = sum of the lanes of a[j]: the 8 dot products of 8 keys in one vector.
-inline v8f reduce8(const v8f* a) {
+// out[j] = op-reduction of the lanes of a[j] (op: + or max): 8 reductions in one vector.
+template <typename Op>
+inline v8f reduce8(const v8f* a, Op op) {
   v8f t[4];
   for (int i = 0; i < 4; ++i) {
-    t[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    t[i] = op(__builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14),
+              __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15));
   }
-  v8f u = __builtin_shufflevector(t[0], t[1], 0, 1, 8, 9, 4, 5, 12, 13) +
-          __builtin_shufflevector(t[0], t[1], 2, 3, 10, 11, 6, 7, 14, 15);
-  v8f w = __builtin_shufflevector(t[2], t[3], 0, 1, 8, 9, 4, 5, 12, 13) +
-          __builtin_shufflevector(t[2], t[3], 2, 3, 10, 11, 6, 7, 14, 15);
-  return __builtin_shufflevector(u, w, 0, 1, 2, 3, 8, 9, 10, 11) +
-         __builtin_shufflevector(u, w, 4, 5, 6, 7, 12, 13, 14, 15);
+  v8f u = op(__builtin_shufflevector(t[0], t[1], 0, 1, 8, 9, 4, 5, 12, 13),
+             __builtin_shufflevector(t[0], t[1], 2, 3, 10, 11, 6, 7, 14, 15));
+  v8f w = op(__builtin_shufflevector(t[2], t[3], 0, 1, 8, 9, 4, 5, 12, 13),
+             __builtin_shufflevector(t[2], t[3], 2, 3, 10, 11, 6, 7, 14, 15));
+  return op(__builtin_shufflevector(u, w, 0, 1, 2, 3, 8, 9, 10, 11),
+            __builtin_shufflevector(u, w, 4, 5, 6, 7, 12, 13, 14, 15));
 }
+inline v8f add8(v8f x, v8f y) { return x + y; }
+inline v8f max8(v8f x, v8f y) { return x > y ? x : y; }
+inline v8f reduce8(const v8f* a) { return reduce8(a, add8); }
 
 constexpr int64_t kAhead = 2;         // blocks of keys prefetched ahead
 
@@ -138,85 +143,175 @@ inline int64_t key_block(const int64_t* slots, int64_t n, int64_t j0, const floa
 }
 
 // Rescale each row's state to its new running max; S [rows, kBlock] (scores, masked tail
-// -inf) becomes the weights exp(s - m).
+// -inf) becomes the weights exp(s - m). Rows go eight at a time: their maxima, the factors
+// alpha = exp(m_old - m_new) and the sums are vectors over the rows (no scalar chains).
 template <int NC>
 inline void rescale(int64_t rows, State st, float* S) {
   constexpr int64_t D = NC * 8;
-  for (int64_t r = 0; r < rows; ++r) {
-    float* sr = S + r * kBlock;
-    v8f mv = load8(sr);
-    for (int64_t c = 8; c < kBlock; c += 8) {
-      const v8f x = load8(sr + c);
-      mv = mv > x ? mv : x;
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    const int64_t nr = std::min<int64_t>(8, rows - r0);
+    v8f part[8];
+    for (int64_t i = 0; i < 8; ++i) {      // rows past the end repeat the last one
+      const float* sr = S + (r0 + std::min(i, nr - 1)) * kBlock;
+      v8f mv = load8(sr);
+      for (int64_t c = 8; c < kBlock; c += 8) mv = max8(mv, load8(sr + c));
+      part[i] = mv;
     }
-    float mx = st.m[r];
-    for (int j = 0; j < 8; ++j) mx = std::max(mx, mv[j]);
-    const float alpha = st.m[r] == kNegInf ? 0.0f : std::exp(st.m[r] - mx);
-    v8f sum = splat(0.0f);
-    for (int64_t c = 0; c < kBlock; c += 8) {
-      const v8f p = exp8(load8(sr + c) - mx);
-      store8(sr + c, p);
-      sum += p;  // masked tail keys add ~1e-38 each: below any tolerance
+    float m_old[8], l_old[8], m_new[8], alpha[8], sums[8];
+    for (int64_t i = 0; i < 8; ++i) {
+      m_old[i] = st.m[r0 + std::min(i, nr - 1)];
+      l_old[i] = st.l[r0 + std::min(i, nr - 1)];
     }
-    st.m[r] = mx;
-    st.l[r] = st.l[r] * alpha + hsum(sum);
-    if (alpha != 1.0f) {
-      float* ar = st.acc + r * D;
-      for (int c = 0; c < NC; ++c) store8(ar + 8 * c, load8(ar + 8 * c) * alpha);
+    const v8f mo = load8(m_old), mn = max8(mo, reduce8(part, max8));
+    // m_old = -inf (no keys yet): exp8 gives ~1e-38, times l = 0 and acc = 0
+    store8(alpha, exp8(mo - mn));
+    store8(m_new, mn);
+    for (int64_t i = 0; i < nr; ++i) {
+      float* sr = S + (r0 + i) * kBlock;
+      const v8f mx = splat(m_new[i]);
+      v8f sum = splat(0.0f);
+      for (int64_t c = 0; c < kBlock; c += 8) {
+        const v8f p = exp8(load8(sr + c) - mx);
+        store8(sr + c, p);
+        sum += p;  // masked tail keys add ~1e-38 each: below any tolerance
+      }
+      part[i] = sum;
+    }
+    for (int64_t i = nr; i < 8; ++i) part[i] = splat(0.0f);
+    store8(sums, load8(l_old) * load8(alpha) + reduce8(part));
+    for (int64_t i = 0; i < nr; ++i) {
+      const int64_t r = r0 + i;
+      st.m[r] = m_new[i];
+      st.l[r] = sums[i];
+      if (alpha[i] != 1.0f) {
+        float* ar = st.acc + r * D;
+        const v8f a = splat(alpha[i]);
+        for (int c = 0; c < NC; ++c) store8(ar + 8 * c, load8(ar + 8 * c) * a);
+      }
     }
   }
 }
 
-// Attend the query rows Q [nh, nq, D] (already multiplied by the softmax scale; row (h, i)
+// Accumulator registers a tile may hold: 16 where AVX-512 gives 32 vector registers (also
+// for these 8-lane vectors, via AVX-512VL), else 8 of AVX2's 16.
+#if defined(__AVX512F__)
+constexpr int kAccRegs = 16;
+#else
+constexpr int kAccRegs = 8;
+#endif
+
+// S[r, j] = q_r . k_j for R query rows (Q, row stride D) and JT keys (kp, each already at the
+// head's offset), written at S + r * kBlock + j. Each loaded K vector feeds R products and
+// each Q vector JT; the R * JT lane-wise sums are reduced eight at a time (reduce8).
+template <int NC, int R, int JT>
+inline void qk_tile(const float* Q, const float* const* kp, int64_t koff, float* S) {
+  constexpr int64_t D = NC * 8;
+  static_assert((R * JT) % 8 == 0, "a tile reduces whole groups of 8 sums");
+  v8f a[R * JT];
+  for (int i = 0; i < R * JT; ++i) a[i] = splat(0.0f);
+  for (int c = 0; c < NC; ++c) {
+    v8f kv[JT];
+    for (int j = 0; j < JT; ++j) kv[j] = load8(kp[j] + koff + 8 * c);
+    for (int r = 0; r < R; ++r) {
+      const v8f qv = load8(Q + r * D + 8 * c);
+      for (int j = 0; j < JT; ++j) a[r * JT + j] += qv * kv[j];
+    }
+  }
+  for (int g = 0; g < R * JT / 8; ++g) {
+    const v8f s = reduce8(a + 8 * g);   // lane i: sum of a[8g + i] = (r, j) = divmod(8g + i, JT)
+    if constexpr (JT >= 8) {
+      store8(S + (8 * g / JT) * kBlock + (8 * g) % JT, s);
+    } else {
+      float t[8];
+      store8(t, s);
+      for (int u = 0; u < 8 / JT; ++u)
+        std::memcpy(S + (8 * g / JT + u) * kBlock, t + u * JT, JT * sizeof(float));
+    }
+  }
+}
+
+// acc[r, c0 * 8 : (c0 + PC) * 8] += sum_j p[r, j] v_j[...] for R rows over bk keys: R * PC
+// accumulators stay in registers while the keys stream by.
+template <int NC, int R, int PC>
+inline void pv_tile(const float* P, const float* const* vp, int64_t voff, int64_t bk, int c0,
+                    float* acc) {
+  constexpr int64_t D = NC * 8;
+  v8f a[R][PC];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < PC; ++c) a[r][c] = load8(acc + r * D + 8 * (c0 + c));
+  for (int64_t j = 0; j < bk; ++j) {
+    const float* vj = vp[j] + voff + 8 * c0;
+    v8f vv[PC];
+    for (int c = 0; c < PC; ++c) vv[c] = load8(vj + 8 * c);
+    for (int r = 0; r < R; ++r) {
+      const v8f p = splat(P[r * kBlock + j]);
+      for (int c = 0; c < PC; ++c) a[r][c] += p * vv[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < PC; ++c) store8(acc + r * D + 8 * (c0 + c), a[r][c]);
+}
+
+// Attend the query rows Q [nh, G, D] (already multiplied by the softmax scale; row (h, i)
 // reads KV head h) over the keys at slots[0:n), updating st (rows in the same order).
+// Tiles of R query rows of one KV head (R divides G) share every K and V vector they load.
 // A slot's K (and V) row holds all nh heads, slot_stride = nh * D floats; the whole row is
 // used by one task, so whole rows are prefetched (into L2), kAhead blocks ahead.
-template <int NC>
-void attend(const float* Q, int64_t nh, int64_t nq, const int64_t* slots, int64_t n,
+template <int NC, int R>
+void attend(const float* Q, int64_t nh, int64_t G, const int64_t* slots, int64_t n,
             const float* kbuf, const float* vbuf, int64_t num_slots, int64_t slot_stride,
             State st, float* S) {
   constexpr int64_t D = NC * 8;
-  const int64_t rows = nh * nq, row_bytes = slot_stride * int64_t(sizeof(float));
+  constexpr int JT = kAccRegs / R;                      // keys per QK tile
+  constexpr int PC = NC < kAccRegs / R ? NC : kAccRegs / R;   // acc vectors per row in PV
+  static_assert(NC % PC == 0, "PV passes cover the head");
+  const int64_t rows = nh * G, row_bytes = slot_stride * int64_t(sizeof(float));
   const float* kp[kBlock];
   const float* vp[kBlock];
   for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
     const int64_t bk = key_block(slots, n, j0, kbuf, vbuf, num_slots, slot_stride, row_bytes,
                                  kp, vp);
-    // S[r, j] = q_r . k_j, eight keys at a time
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* qr = Q + r * D;
-      const int64_t koff = (r / nq) * D;
-      v8f qv[NC];
-      for (int c = 0; c < NC; ++c) qv[c] = load8(qr + 8 * c);
-      float* sr = S + r * kBlock;
-      for (int64_t j8 = 0; j8 < bk; j8 += 8) {
-        v8f a[8];
-        for (int j = 0; j < 8; ++j) {
-          const float* kj = kp[j8 + j] + koff;
-          a[j] = qv[0] * load8(kj);
-          for (int c = 1; c < NC; ++c) a[j] += qv[c] * load8(kj + 8 * c);
-        }
-        store8(sr + j8, reduce8(a));
+    for (int64_t h = 0; h < nh; ++h) {
+      for (int64_t r0 = h * G; r0 < (h + 1) * G; r0 += R) {
+        for (int64_t j = 0; j < bk; j += JT)   // tail keys alias key 0: masked below
+          qk_tile<NC, R, JT>(Q + r0 * D, kp + j, h * D, S + r0 * kBlock + j);
       }
-      for (int64_t j = bk; j < kBlock; ++j) sr[j] = kNegInf;
     }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = bk; j < kBlock; ++j) S[r * kBlock + j] = kNegInf;
     rescale<NC>(rows, st, S);
-    // acc_r += sum_j p_rj v_j, eight vectors of acc_r in registers at a time
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* pr = S + r * kBlock;
-      const int64_t voff = (r / nq) * D;
-      float* ar = st.acc + r * D;
-      for (int c0 = 0; c0 < NC; c0 += 8) {
-        constexpr int W = NC < 8 ? NC : 8;
-        v8f a[W];
-        for (int c = 0; c < W; ++c) a[c] = load8(ar + 8 * (c0 + c));
-        for (int64_t j = 0; j < bk; ++j) {
-          const v8f p = splat(pr[j]);
-          const float* vj = vp[j] + voff + 8 * c0;
-          for (int c = 0; c < W; ++c) a[c] += p * load8(vj + 8 * c);
-        }
-        for (int c = 0; c < W; ++c) store8(ar + 8 * (c0 + c), a[c]);
+    for (int64_t h = 0; h < nh; ++h) {
+      for (int64_t r0 = h * G; r0 < (h + 1) * G; r0 += R) {
+        for (int c0 = 0; c0 < NC; c0 += PC)
+          pv_tile<NC, R, PC>(S + r0 * kBlock, vp, h * D, bk, c0, st.acc + r0 * D);
       }
+    }
+  }
+}
+
+// Kt[d * kBlock + j] = k_j[d] for 8 keys j (kp, at head offset koff) and all D dims: 8 x 8
+// tiles transposed in registers (three rounds of shuffles).
+template <int NC>
+inline void transpose_keys(const float* const* kp, int64_t koff, float* Kt) {
+  for (int c = 0; c < NC; ++c) {
+    v8f r[8], t[8], u[8];
+    for (int j = 0; j < 8; ++j) r[j] = load8(kp[j] + koff + 8 * c);
+    for (int i = 0; i < 8; i += 2) {
+      t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+      t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    }
+    for (int i = 0; i < 8; i += 4) {
+      u[i] = __builtin_shufflevector(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+      u[i + 1] = __builtin_shufflevector(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+      u[i + 2] = __builtin_shufflevector(t[i + 1], t[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+      u[i + 3] = __builtin_shufflevector(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+    // u[i] (i < 4) holds dims i and i + 4 of keys 0-3, u[i + 4] the same of keys 4-7
+    for (int i = 0; i < 4; ++i) {
+      store8(Kt + (8 * c + i) * kBlock,
+             __builtin_shufflevector(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11));
+      store8(Kt + (8 * c + i + 4) * kBlock,
+             __builtin_shufflevector(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15));
     }
   }
 }
@@ -233,7 +328,6 @@ void attend_rows(const float* Q, int64_t nh, int64_t nq, const int64_t* slots, i
                  const float* kbuf, const float* vbuf, int64_t num_slots, int64_t slot_stride,
                  State st, float* S, float* Kt) {
   constexpr int64_t D = NC * 8, KV8 = kBlock / 8;
-  constexpr int W = NC < 4 ? NC : 4;   // acc vectors per row held at once
   const int64_t rows = nh * nq, row_bytes = slot_stride * int64_t(sizeof(float));
   const float* kp[kBlock];
   const float* vp[kBlock];
@@ -242,10 +336,7 @@ void attend_rows(const float* Q, int64_t nh, int64_t nq, const int64_t* slots, i
                                  kp, vp);
     for (int64_t h = 0; h < nh; ++h) {
       const int64_t koff = h * D;
-      for (int64_t j = 0; j < kBlock; ++j) {
-        const float* kj = kp[j] + koff;
-        for (int64_t d = 0; d < D; ++d) Kt[d * kBlock + j] = kj[d];
-      }
+      for (int64_t j = 0; j < kBlock; j += 8) transpose_keys<NC>(kp + j, koff, Kt + j);
       for (int64_t r0 = h * nq; r0 < (h + 1) * nq; r0 += kRows) {
         const int64_t nr = std::min(kRows, (h + 1) * nq - r0);
         v8f a[kRows][KV8];
@@ -267,28 +358,15 @@ void attend_rows(const float* Q, int64_t nh, int64_t nq, const int64_t* slots, i
       }
     }
     rescale<NC>(rows, st, S);
+    constexpr int PC = NC < 4 ? NC : 4;
     for (int64_t h = 0; h < nh; ++h) {
-      const int64_t voff = h * D;
-      for (int64_t r0 = h * nq; r0 < (h + 1) * nq; r0 += kRows) {
-        const int64_t nr = std::min(kRows, (h + 1) * nq - r0);
-        for (int c0 = 0; c0 < NC; c0 += W) {
-          v8f a[kRows][W];
-          for (int64_t r = 0; r < kRows; ++r)
-            for (int c = 0; c < W; ++c)
-              a[r][c] = r < nr ? load8(st.acc + (r0 + r) * D + 8 * (c0 + c)) : splat(0.0f);
-          for (int64_t j = 0; j < bk; ++j) {
-            const float* vj = vp[j] + voff + 8 * c0;
-            v8f vv[W];
-            for (int c = 0; c < W; ++c) vv[c] = load8(vj + 8 * c);
-            for (int64_t r = 0; r < kRows; ++r) {
-              const v8f ps = splat(S[(r0 + (r < nr ? r : 0)) * kBlock + j]);
-              for (int c = 0; c < W; ++c) a[r][c] += ps * vv[c];
-            }
-          }
-          for (int64_t r = 0; r < nr; ++r)
-            for (int c = 0; c < W; ++c) store8(st.acc + (r0 + r) * D + 8 * (c0 + c), a[r][c]);
-        }
-      }
+      int64_t r0 = h * nq;
+      for (; r0 + kRows <= (h + 1) * nq; r0 += kRows)
+        for (int c0 = 0; c0 < NC; c0 += PC)
+          pv_tile<NC, kRows, PC>(S + r0 * kBlock, vp, h * D, bk, c0, st.acc + r0 * D);
+      for (; r0 < (h + 1) * nq; ++r0)
+        for (int c0 = 0; c0 < NC; c0 += PC)
+          pv_tile<NC, 1, PC>(S + r0 * kBlock, vp, h * D, bk, c0, st.acc + r0 * D);
     }
   }
 }
@@ -302,15 +380,50 @@ struct Args {
   float* out;
 };
 
+// Phase 2 for batch row b: Q [Hkv, G, D] (scaled) over its own slots, continuing the state
+// (m, l, acc) it holds, then out[b] = acc / l.
+template <int NC>
+void attend_own(const Args& a, int64_t b, const float* Q, State st, float* S, float* out) {
+  constexpr int64_t D = NC * 8;
+  const int64_t G = a.Hq / a.Hkv, start = a.own_start[b], n = a.seq_lens[b] - start;
+  const int64_t* slots = a.table + a.rows[b] * a.C + start;
+  const int64_t stride = a.Hkv * D;
+  if (G % 4 == 0)
+    attend<NC, 4>(Q, a.Hkv, G, slots, n, a.k, a.v, a.num_slots, stride, st, S);
+  else if (G % 2 == 0)
+    attend<NC, 2>(Q, a.Hkv, G, slots, n, a.k, a.v, a.num_slots, stride, st, S);
+  else
+    attend<NC, 1>(Q, a.Hkv, G, slots, n, a.k, a.v, a.num_slots, stride, st, S);
+  for (int64_t r = 0; r < a.Hq; ++r) {
+    const v8f inv = splat(st.l[r] > 0.0f ? 1.0f / st.l[r] : 0.0f);
+    for (int c = 0; c < NC; ++c) store8(out + r * D + 8 * c, load8(st.acc + r * D + 8 * c) * inv);
+  }
+}
+
+// Runs task(i, scratch) for i in [0, n) on torch's intra-op threads, each thread taking the
+// next task when it finishes one (tasks differ in size, and on a shared machine so do threads).
+template <typename Scratch, typename F>
+void parallel_tasks(int64_t n, const F& task) {
+  if (n == 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
+    Scratch scratch;
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) task(i, scratch);
+  });
+}
+
+struct Scratch {
+  std::vector<float> Q, m, l, acc, S, Kt, rq, rm, rl, racc;
+};
+
 template <int NC>
 void run(const Args& a) {
   constexpr int64_t D = NC * 8;
   const int64_t B = a.B, Hq = a.Hq, Hkv = a.Hkv, G = Hq / Hkv, C = a.C, R = a.R;
-  const int64_t slot_stride = Hkv * D, S_total = a.num_slots, num_chunks = a.num_chunks;
-  const float *qd = a.q, *kd = a.k, *vd = a.v;
-  const int64_t *td = a.table, *rd = a.rows, *ld = a.seq_lens, *od = a.own_start;
+  const int64_t slot_stride = Hkv * D, num_chunks = a.num_chunks;
+  const int64_t *rd = a.rows, *ld = a.seq_lens, *od = a.own_start;
   const int64_t *md = a.members, *cod = a.chunk_offsets, *cld = a.chunk_lens;
-  float* outd = a.out;
   const float sc = a.scale;
 
   // The plan is checked before any pointer is formed from it (O(B) work): every row has
@@ -318,79 +431,74 @@ void run(const Args& a) {
   // it is a member of one chunk of that prefix length.
   std::vector<int64_t> prefix_of(B, 0);
   check(cod[0] == 0 && cod[num_chunks] == a.num_members, "chunk offsets");
+  int64_t max_members = 0;
   for (int64_t c = 0; c < num_chunks; ++c) {
     check(cod[c] < cod[c + 1], "empty chunk ", c);
+    max_members = std::max(max_members, cod[c + 1] - cod[c]);
     for (int64_t i = cod[c]; i < cod[c + 1]; ++i) {
       check(md[i] >= 0 && md[i] < B && prefix_of[md[i]] == 0 && cld[c] > 0,
             "bad chunk member ", md[i]);
       prefix_of[md[i]] = cld[c];
     }
   }
+  std::vector<int64_t> lone;         // rows in no chunk: one task each, after the chunks
   for (int64_t b = 0; b < B; ++b) {
     check(rd[b] >= 0 && rd[b] < R && ld[b] >= 1 && ld[b] <= C && od[b] == prefix_of[b] &&
               od[b] <= ld[b],
           "bad row, length or own_start for batch row ", b);
+    if (prefix_of[b] == 0) lone.push_back(b);
   }
 
-  // Phase 1 leaves each grouped row's (m, l) here and its unnormalised acc in out.
-  std::vector<float> m_part(num_chunks ? B * Hq : 0), l_part(num_chunks ? B * Hq : 0);
-
-  // Phase 1: one task per chunk. Its nm members' queries form Q [Hkv, nm * G, D]: KV head
-  // h's block holds query heads h*G .. h*G+G-1 of every member, all against the shared prefix.
-  at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> Q, m, l, acc, S, Kt;
-    for (int64_t c = begin; c < end; ++c) {
-      const int64_t m0 = cod[c], nm = cod[c + 1] - m0, nq = nm * G, rows_q = Hkv * nq;
-      Q.resize(rows_q * D);
-      m.assign(rows_q, kNegInf);
-      l.assign(rows_q, 0.0f);
-      acc.assign(rows_q * D, 0.0f);
-      S.resize(rows_q * kBlock);
-      for (int64_t h = 0; h < Hkv; ++h) {
-        for (int64_t a = 0; a < nm; ++a) {
-          const float* src = qd + (md[m0 + a] * Hq + h * G) * D;
-          float* dst = Q.data() + (h * nq + a * G) * D;
-          for (int64_t x = 0; x < G * D; ++x) dst[x] = src[x] * sc;
-        }
-      }
-      Kt.resize(D * kBlock);
-      attend_rows<NC>(Q.data(), Hkv, nq, td + rd[md[m0]] * C, cld[c], kd, vd, S_total,
-                      slot_stride, State{m.data(), l.data(), acc.data()}, S.data(), Kt.data());
-      for (int64_t h = 0; h < Hkv; ++h) {
-        for (int64_t a = 0; a < nm; ++a) {
-          const int64_t src = h * nq + a * G, dst = md[m0 + a] * Hq + h * G;
-          std::memcpy(&m_part[dst], &m[src], G * sizeof(float));
-          std::memcpy(&l_part[dst], &l[src], G * sizeof(float));
-          std::memcpy(outd + dst * D, &acc[src * D], G * D * sizeof(float));
-        }
+  // Task c < num_chunks: chunk c's shared prefix for all its members at once (phase 1: its
+  // nm members' queries form Q [Hkv, nm * G, D], KV head h's block holding query heads
+  // h*G .. h*G+G-1 of every member), then each member's own slots from the state phase 1
+  // left (phase 2). Later tasks: one lone row's whole sequence.
+  parallel_tasks<Scratch>(num_chunks + int64_t(lone.size()), [&](int64_t t, Scratch& s) {
+    s.rq.resize(Hq * D);
+    s.rm.resize(Hq);
+    s.rl.resize(Hq);
+    s.racc.resize(Hq * D);
+    s.S.resize(std::max(Hq, Hkv * max_members * G) * kBlock);
+    const State row{s.rm.data(), s.rl.data(), s.racc.data()};
+    auto scaled_q = [&](int64_t b) {
+      const float* src = a.q + b * Hq * D;
+      for (int64_t x = 0; x < Hq * D; ++x) s.rq[x] = src[x] * sc;
+    };
+    if (t >= num_chunks) {
+      const int64_t b = lone[t - num_chunks];
+      scaled_q(b);
+      std::fill(s.rm.begin(), s.rm.end(), kNegInf);
+      std::fill(s.rl.begin(), s.rl.end(), 0.0f);
+      std::fill(s.racc.begin(), s.racc.end(), 0.0f);
+      attend_own<NC>(a, b, s.rq.data(), row, s.S.data(), a.out + b * Hq * D);
+      return;
+    }
+    const int64_t m0 = cod[t], nm = cod[t + 1] - m0, nq = nm * G, rows_q = Hkv * nq;
+    s.Q.resize(rows_q * D);
+    s.m.assign(rows_q, kNegInf);
+    s.l.assign(rows_q, 0.0f);
+    s.acc.assign(rows_q * D, 0.0f);
+    s.Kt.resize(D * kBlock);
+    for (int64_t h = 0; h < Hkv; ++h) {
+      for (int64_t i = 0; i < nm; ++i) {
+        const float* src = a.q + (md[m0 + i] * Hq + h * G) * D;
+        float* dst = s.Q.data() + (h * nq + i * G) * D;
+        for (int64_t x = 0; x < G * D; ++x) dst[x] = src[x] * sc;
       }
     }
-  });
-
-  // Phase 2: one task per row over its own slots (Q [Hkv, G, D] is q[b] as laid out), then
-  // normalise.
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> Q(Hq * D), m(Hq), l(Hq), acc(Hq * D), S(Hq * kBlock);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t base = b * Hq, start = od[b], len = ld[b];
-      const float* src = qd + base * D;
-      for (int64_t x = 0; x < Hq * D; ++x) Q[x] = src[x] * sc;
-      if (start > 0) {
-        std::memcpy(m.data(), &m_part[base], Hq * sizeof(float));
-        std::memcpy(l.data(), &l_part[base], Hq * sizeof(float));
-        std::memcpy(acc.data(), outd + base * D, Hq * D * sizeof(float));
-      } else {
-        std::fill(m.begin(), m.end(), kNegInf);
-        std::fill(l.begin(), l.end(), 0.0f);
-        std::fill(acc.begin(), acc.end(), 0.0f);
+    attend_rows<NC>(s.Q.data(), Hkv, nq, a.table + rd[md[m0]] * C, cld[t], a.k, a.v,
+                    a.num_slots, slot_stride, State{s.m.data(), s.l.data(), s.acc.data()},
+                    s.S.data(), s.Kt.data());
+    for (int64_t i = 0; i < nm; ++i) {
+      const int64_t b = md[m0 + i];
+      scaled_q(b);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t src = h * nq + i * G, dst = h * G;
+        std::memcpy(&s.rm[dst], &s.m[src], G * sizeof(float));
+        std::memcpy(&s.rl[dst], &s.l[src], G * sizeof(float));
+        std::memcpy(&s.racc[dst * D], &s.acc[src * D], G * D * sizeof(float));
       }
-      attend<NC>(Q.data(), Hkv, G, td + rd[b] * C + start, len - start, kd, vd, S_total,
-                 slot_stride, State{m.data(), l.data(), acc.data()}, S.data());
-      for (int64_t r = 0; r < Hq; ++r) {
-        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        float* dst = outd + (base + r) * D;
-        for (int64_t x = 0; x < D; ++x) dst[x] = acc[r * D + x] * inv;
-      }
+      attend_own<NC>(a, b, s.rq.data(), row, s.S.data(), a.out + b * Hq * D);
     }
   });
 }
