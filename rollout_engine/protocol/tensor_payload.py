@@ -30,7 +30,6 @@ import binascii
 import io
 import pickle
 import pickletools
-import threading
 from collections import OrderedDict
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -41,6 +40,7 @@ from torch.multiprocessing import reductions  # importing it registers torch's r
 from rollout_engine.compat.sglang_types import SGLANG_GLOBALS
 from rollout_engine.protocol.bucket import FlattenedBucket, TensorMeta
 from rollout_engine.protocol.cuda_handles import CUDA_RECONSTRUCTORS
+from rollout_engine.protocol.payload_cache import ParsedPayloads, SentPayloads, recording
 from rollout_engine.protocol.tensor_handles import (
     TORCH_RECONSTRUCTORS,
     ClassToken,
@@ -49,7 +49,6 @@ from rollout_engine.protocol.tensor_handles import (
     ReadContext,
     Reconstructor,
     Record,
-    ShmStorage,
     UnsafePayloadError,
 )
 
@@ -304,12 +303,23 @@ def serialize_named_tensors(payload: object) -> str:
     Lifetime: keep the tensors alive, and do not modify them, until the receiver has rebuilt
     them and reported back (CUDA IPC requires the producer's memory to outlive every consumer).
     Deserialize each string once: each CPU handle carries one shm reference for its receiver.
+    A list of (name, tensor) pairs whose every view and storage were serialized before gives
+    the same string again without pickling (`payload_cache.SentPayloads`).
     """
+    key = SentPayloads.key(payload)
+    if key is not None:
+        cached = _SENT.get(key)
+        if cached is not None:
+            return cached
     buf = io.BytesIO()
     pickler = ForkingPickler(buf, _PROTOCOL)
-    pickler.dispatch_table[torch.UntypedStorage] = _reduce_storage_by_filename
+    shared: list[torch.UntypedStorage] = []
+    pickler.dispatch_table[torch.UntypedStorage] = recording(_reduce_storage_by_filename, shared)
     pickler.dump(payload)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    text = base64.b64encode(buf.getvalue()).decode("ascii")
+    if key is not None:
+        _SENT.put(key, text, shared)
+    return text
 
 
 def _check_opcodes(data: bytes) -> None:
@@ -342,35 +352,8 @@ def _decode(data: Any) -> bytes:
         raise ValueError(f"tensor payload is not valid base64: {exc}") from exc
 
 
-class _ParsedPayloads:
-    """The descriptor trees of the last few payloads read, by their exact bytes (and the
-    reader's cap, rank and depth). A trainer whose weights live in shared memory sends the same
-    string every refit; parsing it (pickle's Python unpickler, opcode by opcode) costs ~50 us a
-    tensor, so a repeat skips it. Only what parsing is (a pure function of the bytes) is kept:
-    each storage's checks (byte budget, manager socket, shm file size) run again on every read,
-    and the tree is materialized afresh."""
-
-    SIZE = 256   # a refit of a large model in small buckets sends hundreds of payloads
-
-    def __init__(self) -> None:
-        self._trees: OrderedDict[tuple[Any, ...], tuple[Any, list[ShmStorage]]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: tuple[Any, ...]) -> Any:
-        with self._lock:
-            hit = self._trees.get(key)
-            if hit is not None:
-                self._trees.move_to_end(key)
-            return hit
-
-    def put(self, key: tuple[Any, ...], tree: Any, storages: list[ShmStorage]) -> None:
-        with self._lock:
-            self._trees[key] = (tree, storages)
-            while len(self._trees) > self.SIZE:
-                self._trees.popitem(last=False)
-
-
-_PARSED = _ParsedPayloads()
+_PARSED = ParsedPayloads()
+_SENT = SentPayloads()
 
 
 def _read(data: Any, ctx: ReadContext) -> Any:

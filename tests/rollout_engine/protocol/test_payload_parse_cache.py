@@ -26,7 +26,7 @@ def parses(monkeypatch):
             return super().load()
 
     monkeypatch.setattr(tensor_payload, "_RestrictedUnpickler", Counting)
-    monkeypatch.setattr(tensor_payload, "_PARSED", tensor_payload._ParsedPayloads())
+    monkeypatch.setattr(tensor_payload, "_PARSED", tensor_payload.ParsedPayloads())
     return count
 
 
@@ -73,7 +73,7 @@ def test_refused_payloads_are_not_cached(parses):
 
 
 def test_the_cache_is_bounded(parses):
-    keep = [torch.full((4,), float(i)) for i in range(tensor_payload._ParsedPayloads.SIZE + 3)]
+    keep = [torch.full((4,), float(i)) for i in range(tensor_payload.ParsedPayloads.SIZE + 3)]
     for i, t in enumerate(keep):
         deserialize_named_tensors(serialize_named_tensors([(f"w{i}", t)]))
-    assert len(tensor_payload._PARSED._trees) == tensor_payload._ParsedPayloads.SIZE
+    assert len(tensor_payload._PARSED._trees) == tensor_payload.ParsedPayloads.SIZE

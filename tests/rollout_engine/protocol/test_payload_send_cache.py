@@ -1,0 +1,129 @@
+"""The sender's cache of serialized (name, tensor) lists (`payload_cache.SentPayloads`): a repeat
+of the same views of the same storages is the same string without pickling, every handle's
+shm reference is taken again on each send (a receiver in another process drops one on each
+open), and anything else that changed is serialized afresh."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+from rollout_engine.protocol import tensor_payload
+from rollout_engine.protocol.payload_cache import SentPayloads
+from rollout_engine.protocol.tensor_handles import SHM_DIR
+from rollout_engine.protocol.tensor_payload import (
+    deserialize_named_tensors,
+    serialize_named_tensors,
+)
+
+
+@pytest.fixture
+def dumps(monkeypatch):
+    """Counts the pickler's runs, with a fresh cache."""
+    count = []
+    real = tensor_payload.ForkingPickler
+
+    class Counting(real):  # type: ignore[misc, valid-type]
+        def dump(self, obj):
+            count.append(1)
+            return super().dump(obj)
+
+    monkeypatch.setattr(tensor_payload, "ForkingPickler", Counting)
+    monkeypatch.setattr(tensor_payload, "_SENT", SentPayloads())
+    return count
+
+
+def _shm_path(t: torch.Tensor) -> str:
+    _, handle, _ = t.untyped_storage()._share_filename_cpu_()
+    return os.path.join(SHM_DIR, handle.decode()[1:])
+
+
+def _reader(conn) -> None:
+    """Another process: open each payload, report its sums, drop it (closing the mapping)."""
+    while True:
+        text = conn.recv()
+        if text is None:
+            return
+        named = deserialize_named_tensors(text)
+        conn.send([float(t.sum()) for _, t in named])
+        del named
+        gc.collect()
+
+
+def test_repeats_are_one_pickling_and_keep_the_shm_references_balanced(dumps):
+    weights = [("a", torch.arange(6.0)), ("b", torch.ones(2, 3)), ("tied", None)]
+    weights[2] = ("tied", weights[0][1])   # two names, one storage: one handle
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_reader, args=(child,), daemon=True)
+    proc.start()
+    try:
+        texts = []
+        for step in range(4):
+            weights[0][1].add_(1.0)                 # an optimizer step, in place
+            texts.append(serialize_named_tensors(weights))
+            parent.send(texts[-1])
+            assert parent.poll(60), "the reader did not answer"
+            expected = [float(t.sum()) for _, t in weights]
+            assert parent.recv() == expected, step
+        assert len(dumps) == 1 and len(set(texts)) == 1
+        paths = {_shm_path(t) for _, t in weights}
+        assert len(paths) == 2
+        # the reader opened and closed the files four times: a reference missing from a
+        # repeat would have taken them to zero (unlinked) under the live sender
+        assert all(os.path.exists(p) for p in paths)
+        parent.send(None)
+        proc.join(30)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    weights.clear()
+    gc.collect()
+    # ... and one too many would keep them after the sender let go
+    assert not any(os.path.exists(p) for p in paths)
+
+
+def test_any_change_in_what_is_sent_is_serialized_again(dumps):
+    a, b = torch.zeros(8), torch.ones(4)
+    first = serialize_named_tensors([("a", a), ("b", b)])
+    variants = [
+        [("a", a), ("c", b)],                     # another name
+        [("a", a[:4]), ("b", b)],                 # another view of the same storage
+        [("a", a.view(2, 4)), ("b", b)],          # another shape
+        [("a", a), ("b", b.clone())],             # another storage
+        [("a", torch.nn.Parameter(a)), ("b", b)],  # another class
+        [("a", a), ("b", b), ("a2", a)],          # more entries
+    ]
+    texts = [serialize_named_tensors(v) for v in variants]
+    assert len(dumps) == 1 + len(variants)
+    assert len({first, *texts}) == 1 + len(variants)
+    for variant, text in zip(variants, texts):
+        got = deserialize_named_tensors(text)
+        assert [n for n, _ in got] == [n for n, _ in variant]
+        assert all(torch.equal(g, t) and g.shape == t.shape
+                   for (_, g), (_, t) in zip(got, variant))
+
+
+def test_a_freed_storage_is_never_mistaken_for_a_new_one_at_its_address():
+    """The key holds a storage's address; one freed and another allocated there has the same
+    key, and only the string's weak references tell them apart."""
+    cache = SentPayloads()
+    old = torch.full((1024,), 3.0)
+    key = SentPayloads.key([("w", old)])
+    cache.put(key, "text", [old.untyped_storage()])
+    assert cache.get(key) == "text"
+    del old
+    gc.collect()
+    assert cache.get(key) is None   # as a new storage at the same address would look it up
+
+
+def test_other_payloads_are_not_kept():
+    assert SentPayloads.key({"w": torch.zeros(2)}) is None
+    assert SentPayloads.key([("w", 3)]) is None
+    assert SentPayloads.key([]) is None
+    assert SentPayloads.key([("w", torch.zeros(2), 1)]) is None
