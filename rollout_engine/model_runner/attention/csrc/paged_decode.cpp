@@ -64,6 +64,15 @@ constexpr int64_t kBlock = 32;        // keys per online-softmax step (a multipl
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline v8f load8(const float* p) { v8f v; std::memcpy(&v, p, sizeof v); return v; }
+// A vector loaded once for several FMAs is kept in a register: otherwise GCC folds the load into
+// each FMA's memory operand (more loads than FMAs, which then wait on the load ports).
+#if defined(__x86_64__) && defined(__AVX512F__)
+inline v8f in_reg(v8f v) { asm("" : "+v"(v)); return v; }
+#elif defined(__x86_64__)
+inline v8f in_reg(v8f v) { asm("" : "+x"(v)); return v; }
+#else
+inline v8f in_reg(v8f v) { return v; }
+#endif
 inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
 inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
 
@@ -213,7 +222,7 @@ inline void qk_tile(const float* Q, const float* const* kp, int64_t koff, float*
     v8f kv[JT];
     for (int j = 0; j < JT; ++j) kv[j] = load8(kp[j] + koff + 8 * c);
     for (int r = 0; r < R; ++r) {
-      const v8f qv = load8(Q + r * D + 8 * c);
+      const v8f qv = in_reg(load8(Q + r * D + 8 * c));
       for (int j = 0; j < JT; ++j) a[r * JT + j] += qv * kv[j];
     }
   }
@@ -344,7 +353,7 @@ void attend_rows(const float* Q, int64_t nh, int64_t nq, const int64_t* slots, i
           for (int64_t i = 0; i < KV8; ++i) a[r][i] = splat(0.0f);
         for (int64_t d = 0; d < D; ++d) {
           v8f kt[KV8];
-          for (int64_t i = 0; i < KV8; ++i) kt[i] = load8(Kt + d * kBlock + 8 * i);
+          for (int64_t i = 0; i < KV8; ++i) kt[i] = in_reg(load8(Kt + d * kBlock + 8 * i));
           for (int64_t r = 0; r < kRows; ++r) {
             const v8f qs = splat(Q[(r0 + (r < nr ? r : 0)) * D + d]);
             for (int64_t i = 0; i < KV8; ++i) a[r][i] += qs * kt[i];
