@@ -17,6 +17,7 @@ from tests.trainer_bridge.conftest import PROBE, assert_same_rollouts, rollouts
 from trainer_bridge import WeightSyncer
 from trainer_bridge.bucketing import nbytes, state_dict_items
 from trainer_bridge.transports import WeightSyncError
+from trainer_bridge.transports.distributed import DistributedTransport
 from trainer_bridge.transports.tensor import TensorTransport, handle_groups
 
 BUCKET = 64 << 10  # the tiny model is ~420 KB: several buckets
@@ -25,6 +26,12 @@ BUCKET = 64 << 10  # the tiny model is ~420 KB: several buckets
 def PACKED() -> TensorTransport:  # noqa: N802 - reads as a constant at the call sites
     """CPU buckets packed into the reused shared buffers (CPU default: groups of handles)."""
     return TensorTransport(BUCKET, pack=True)
+
+
+def PACKED_BROADCAST() -> DistributedTransport:  # noqa: N802
+    """Gloo buckets packed into one flattened broadcast each (CPU default: a call of
+    per-tensor broadcasts)."""
+    return DistributedTransport(bucket_bytes=BUCKET, pack=True)
 
 
 class Recorder:
@@ -47,11 +54,13 @@ class Recorder:
 
 @pytest.mark.parametrize("transport,bucket_bytes", [
     ("tensor", None), ("tensor", BUCKET), ("tensor-packed", BUCKET), ("distributed", None),
-    ("distributed", BUCKET), ("disk", None)])
+    ("distributed", BUCKET), ("distributed-packed", BUCKET), ("disk", None)])
 def test_sync_makes_a_w1_engine_answer_like_w2(engine_on_w1, w2, transport, bucket_bytes):
     engine = Recorder(engine_on_w1)
     payload = nbytes(state_dict_items(w2.model))
-    chosen: Any = PACKED() if transport == "tensor-packed" else transport
+    chosen: Any = {"tensor-packed": PACKED, "distributed-packed": PACKED_BROADCAST}.get(
+        transport, lambda: transport)()
+    packed = transport.endswith("-packed")
     transport = transport.removesuffix("-packed")
     with WeightSyncer(engine, transport=chosen, bucket_bytes=bucket_bytes) as syncer:
         report = syncer.sync(w2.model, version="step-1")
@@ -78,6 +87,11 @@ def test_sync_makes_a_w1_engine_answer_like_w2(engine_on_w1, w2, transport, buck
             assert versions[:-1] == [f"step-1.partial{i}" for i in range(len(versions) - 1)]
             assert [u["flush_cache"] for u in engine.updates] == [False] * (
                 len(versions) - 1) + [True]
+        if transport in ("tensor", "distributed") and bucket_bytes is not None:
+            # on CPU a bucket is a call of tensors (handles / per-tensor broadcasts), unless
+            # packed into one flattened buffer
+            assert {u["load_format"] for u in engine.updates} == {
+                "flattened_bucket" if packed else None}
         # a version of None: the syncer picks one past an integer version and names it in
         # every engine call (engines, like SGLang, keep their version when none is named)
         engine_on_w1.update_weight_version("41")
