@@ -56,11 +56,18 @@ class PagedDecodeOp:
     releases the GIL while it runs). Checks what the C side cannot see (dtypes, shapes,
     contiguity); the C side checks the plan's values and every slot it reads."""
 
+    ABI = 2   # rollout_engine_paged_decode_abi() of the source these signatures describe
+
     def __init__(self, library_path: str) -> None:
         self._lib = ctypes.CDLL(library_path)
+        abi = getattr(self._lib, "rollout_engine_paged_decode_abi", None)
+        found = abi() if abi is not None else None
+        if found != self.ABI:
+            raise RuntimeError(f"{library_path} has ABI {found}, expected {self.ABI} (a stale "
+                               "build: delete it to rebuild)")
         fn = self._lib.rollout_engine_paged_decode_f32
         fn.restype = ctypes.c_int
-        fn.argtypes = ([ctypes.c_void_p] * 10 + [ctypes.c_int64] * 9
+        fn.argtypes = ([ctypes.c_void_p] * 10 + [ctypes.c_int64] * 10
                        + [ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64])
         self._fn = fn
 
@@ -68,11 +75,13 @@ class PagedDecodeOp:
                  rows: torch.Tensor, seq_lens: torch.Tensor, own_start: torch.Tensor,
                  members: torch.Tensor, chunk_offsets: torch.Tensor, chunk_lens: torch.Tensor,
                  scale: float) -> torch.Tensor:
-        """Row b of q ``[B, Hq, D]`` over its slots; see ``DecodePlan`` for the index tensors."""
+        """Row b of q ``[B, Hq, D]`` over its slots; see ``DecodePlan`` for the index tensors.
+        q's rows may be strided (a view into the fused qkv output: heads and dims contiguous)."""
         for t in (q, k, v):
-            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() \
-                    or t.dim() != 3:
-                raise ValueError("paged_decode: q, k, v must be contiguous 3-D float32 on CPU")
+            if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 3:
+                raise ValueError("paged_decode: q, k, v must be 3-D float32 on CPU")
+        if not (k.is_contiguous() and v.is_contiguous() and _rows_strided(q)):
+            raise ValueError("paged_decode: k and v must be contiguous, q's heads and dims too")
         if k.shape != v.shape or q.shape[2] != k.shape[2]:
             raise ValueError(f"paged_decode: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
                              f"v {tuple(v.shape)} disagree")
@@ -84,15 +93,22 @@ class PagedDecodeOp:
         if table.dim() != 2 or any(t.shape != (batch,) for t in (rows, seq_lens, own_start)) \
                 or chunk_offsets.shape != (chunk_lens.numel() + 1,):
             raise ValueError("paged_decode: index tensor shapes disagree with the batch")
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype)
         err = ctypes.create_string_buffer(256)
         rc = self._fn(*(t.data_ptr() for t in (q, k, v, *index)), batch, q.shape[1],
                       k.shape[1], q.shape[2], k.shape[0], table.shape[0], table.shape[1],
-                      members.numel(), chunk_lens.numel(), scale, out.data_ptr(), err,
-                      len(err))
+                      members.numel(), chunk_lens.numel(), q.stride(0), scale, out.data_ptr(),
+                      err, len(err))
         if rc:
             raise RuntimeError(err.value.decode(errors="replace"))
         return out
+
+
+def _rows_strided(q: torch.Tensor) -> bool:
+    """Whether ``q [B, H, D]`` has contiguous heads and dims, its rows any stride apart."""
+    b, h, d = q.shape
+    return (d <= 1 or q.stride(2) == 1) and (h <= 1 or q.stride(1) == d) and \
+        (b <= 1 or q.stride(0) >= h * d)
 
 
 def _cpu_tag() -> str:
@@ -274,8 +290,9 @@ def paged_decode(op: PagedDecodeOp, q: torch.Tensor, k_buffer: torch.Tensor,
                  scale: float) -> torch.Tensor:
     """q ``[B, Hq, D]`` -> ``[B, Hq, D]``: row b attends to slots ``table[rows[b], :seq_lens[b]]``
     of one layer's pool buffers ``[num_slots + 1, Hkv, D]`` (float32, read in place)."""
-    return op(q.contiguous(), k_buffer, v_buffer, table, plan.rows, plan.seq_lens,
-              plan.own_start, plan.members, plan.chunk_offsets, plan.chunk_lens, float(scale))
+    q = q if _rows_strided(q) else q.contiguous()   # a view into qkv is read in place
+    return op(q, k_buffer, v_buffer, table, plan.rows, plan.seq_lens, plan.own_start,
+              plan.members, plan.chunk_offsets, plan.chunk_lens, float(scale))
 
 
 def _partial(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float

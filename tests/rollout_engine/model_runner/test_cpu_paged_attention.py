@@ -131,6 +131,28 @@ def test_kernel_matches_reference_every_gqa_tile(kernel, hq: int, hkv: int) -> N
     assert_kernel_matches(make_case(gen, MIXED, hq=hq, hkv=hkv, d=64, page_size=16))
 
 
+def test_strided_queries_are_read_in_place(kernel) -> None:
+    """q as the model passes it: a view into the fused qkv output (rows qkv-width apart)."""
+    gen = torch.Generator().manual_seed(13)
+    case = make_case(gen, MIXED, hq=8, hkv=2, d=64, page_size=16)
+    fb, table = case.fb, case.req_to_token.table
+    qkv = torch.randn(fb.batch_size, (8 + 2 * 2) * 64, generator=gen)
+    q = qkv[:, :8 * 64].view(-1, 8, 64)
+    assert not q.is_contiguous() and cpu_kernels._rows_strided(q)
+    k, v = case.pool.k_buffers[0], case.pool.v_buffers[0]
+    plan = cpu_kernels.plan_decode(table, fb.req_pool_indices, fb.seq_lens, max(fb.seq_lens_list))
+    out = cpu_kernels.paged_decode(kernel, q, k, v, table, plan, 0.125)
+    torch.testing.assert_close(
+        out, cpu_kernels.paged_decode(kernel, q.contiguous(), k, v, table, plan, 0.125),
+        atol=0, rtol=0)
+    torch.testing.assert_close(out, cpu_kernels.paged_decode_ref(q, k, v, table, plan, 0.125),
+                               atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match="contiguous"):      # heads not contiguous
+        kernel(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, table, plan.rows,
+               plan.seq_lens, plan.own_start, plan.members, plan.chunk_offsets,
+               plan.chunk_lens, 0.125)
+
+
 def test_kernel_without_avx512_matches_reference(tmp_path, monkeypatch) -> None:
     """The AVX2 build (8 accumulator registers per tile instead of 16) on this machine's
     compiler, whatever the machine: the source compiled with -mno-avx512f."""

@@ -385,6 +385,7 @@ struct Args {
   const float *q, *k, *v;
   const int64_t *table, *rows, *seq_lens, *own_start, *members, *chunk_offsets, *chunk_lens;
   int64_t B, Hq, Hkv, num_slots, R, C, num_members, num_chunks;
+  int64_t q_stride;       // floats from q's row b to row b + 1 (q may be a view into qkv)
   float scale;
   float* out;
 };
@@ -470,7 +471,7 @@ void run(const Args& a) {
     s.S.resize(std::max(Hq, Hkv * max_members * G) * kBlock);
     const State row{s.rm.data(), s.rl.data(), s.racc.data()};
     auto scaled_q = [&](int64_t b) {
-      const float* src = a.q + b * Hq * D;
+      const float* src = a.q + b * a.q_stride;
       for (int64_t x = 0; x < Hq * D; ++x) s.rq[x] = src[x] * sc;
     };
     if (t >= num_chunks) {
@@ -490,7 +491,7 @@ void run(const Args& a) {
     s.Kt.resize(D * kBlock);
     for (int64_t h = 0; h < Hkv; ++h) {
       for (int64_t i = 0; i < nm; ++i) {
-        const float* src = a.q + (md[m0 + i] * Hq + h * G) * D;
+        const float* src = a.q + md[m0 + i] * a.q_stride + h * G * D;
         float* dst = s.Q.data() + (h * nq + i * G) * D;
         for (int64_t x = 0; x < G * D; ++x) dst[x] = src[x] * sc;
       }
@@ -514,6 +515,10 @@ void run(const Args& a) {
 
 }  // namespace
 
+// Bumped whenever the entry point's arguments change: cpu_kernels.py refuses a library built
+// from another version (a stale cache) instead of calling it with the wrong arguments.
+extern "C" int rollout_engine_paged_decode_abi() { return 2; }
+
 // out[b] = attention of q[b] over its slots, per the plan; returns 0, or 1 with a message in
 // err (at most err_len bytes, NUL-terminated) when the head_dim or the plan is unsupported.
 extern "C" int rollout_engine_paged_decode_f32(
@@ -521,11 +526,11 @@ extern "C" int rollout_engine_paged_decode_f32(
     const int64_t* seq_lens, const int64_t* own_start, const int64_t* members,
     const int64_t* chunk_offsets, const int64_t* chunk_lens, int64_t batch, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, int64_t table_rows,
-    int64_t table_cols, int64_t num_members, int64_t num_chunks, float scale, float* out,
-    char* err, int64_t err_len) {
+    int64_t table_cols, int64_t num_members, int64_t num_chunks, int64_t q_stride, float scale,
+    float* out, char* err, int64_t err_len) {
   const Args a{q, k, v, table, rows, seq_lens, own_start, members, chunk_offsets, chunk_lens,
                batch, num_heads, num_kv_heads, num_slots, table_rows, table_cols, num_members,
-               num_chunks, scale, out};
+               num_chunks, q_stride, scale, out};
   try {
     check(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "head counts disagree");
     switch (head_dim) {
