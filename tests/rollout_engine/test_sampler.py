@@ -27,6 +27,7 @@ from rollout_engine.sampler import (
     compute_logprobs,
     sample,
     uniform_for,
+    uniforms_for,
 )
 from rollout_engine.sampling_params import SamplingParams
 from rollout_engine.scheduler.batch import build_sampling_batch
@@ -445,3 +446,18 @@ def test_top_logprobs_only_for_the_rows_that_ask():
         assert [i for _, i in out.top_logprobs[row]] == idx.tolist()
         assert_close(torch.tensor([v for v, _ in out.top_logprobs[row]]), vals)
     assert sample(logits, make_batch(4)).top_logprobs is None
+
+
+def test_batched_uniforms_are_bit_identical_to_the_scalar_ones():
+    """build_sampling_batch's uint64-array uniforms equal uniform_for's Python ints, bit for bit,
+    on every kind of seed (negative, past 64 bits, the extremes)."""
+    import random
+
+    rng = random.Random(0)
+    seeds = [0, 1, -1, -(1 << 70), (1 << 64) - 1, (1 << 63) - 1, 1 << 64, 3 ** 60]
+    seeds += [rng.getrandbits(64) for _ in range(500)] + [rng.randrange(-2 ** 70, 2 ** 70)
+                                                          for _ in range(100)]
+    steps = [rng.randrange(0, 1 << 20) for _ in seeds]
+    got = uniforms_for(seeds, steps)
+    assert got.dtype == torch.float64
+    assert got.tolist() == [uniform_for(s, k) for s, k in zip(seeds, steps)]
