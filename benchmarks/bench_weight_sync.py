@@ -25,7 +25,9 @@ vLLM's CPU build (``benchmarks/vllm_peer.py``, its own venv) loads the same dire
 ``engine apply`` is the scheduler's own time for the update calls (receive + validate + copy);
 ``tensor/<B>`` rows are the CPU default (a bucket is a group of shared-memory handles: no
 packing copy); ``tensor-packed/<B>`` force flattened buckets (``pack=True``, the layout CUDA
-uses), and their ``pack s`` is packing alone into the transport's two reused buffers (warm). The
+uses), and their ``pack s`` is packing alone into the transport's two reused buffers (warm).
+Likewise ``distributed/<B>`` is the gloo default (a call of per-tensor broadcasts per bucket)
+and ``distributed-packed/<B>`` one flattened broadcast per bucket (the NCCL default). The
 cast row pushes a bf16 copy of the trainer into the fp32 engine (cast fused into the copy; its
 roofline is a bf16 -> fp32 ``copy_``). Quick runs save under ``bench_weight_sync_quick``.
 """
@@ -76,39 +78,50 @@ def timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
-def _raw_receiver(port: int, num_bytes: int) -> None:
-    """Rank 1 of `RawBroadcast` (a spawned process): receive until told to stop."""
+def _raw_receiver(port: int, sizes: list[int]) -> None:
+    """Rank 1 of `RawBroadcast` (a spawned process): receive until told to stop, each time
+    the bytes as one flat buffer (flag 1) or as one buffer per tensor (flag 2)."""
     torch.set_num_threads(1)
     group = join_update_group("127.0.0.1", port, 1, 2, "raw", "gloo", 600.0)
-    buf = torch.empty(num_bytes, dtype=torch.uint8)
+    flat = [torch.empty(sum(sizes), dtype=torch.uint8)]
+    per_tensor = [torch.empty(n, dtype=torch.uint8) for n in sizes]
     flag = torch.zeros(1)
     while True:
         group.broadcast(flag).wait()
         if not flag.item():
             break
-        group.broadcast(buf).wait()
+        for work in [group.broadcast(b) for b in (flat if flag.item() == 1 else per_tensor)]:
+            work.wait()
         group.broadcast(torch.zeros(1), src=1).wait()   # "received": rank 0 stops its clock
     group.shutdown()
 
 
 class RawBroadcast:
     """The distributed roofline: one gloo broadcast of the payload's bytes, as one flat buffer,
-    from this process to a second one, timed until that process has all of it."""
+    from this process to a second one, timed until that process has all of it. `per_tensor`
+    times the same bytes as one broadcast per tensor (what a trainer sends without packing,
+    SGLang's ``load_format`` None), from the trainer's tensors into preallocated ones: gloo's
+    own cost of many operations, with no engine in between."""
 
-    def __init__(self, buf: torch.Tensor) -> None:
+    def __init__(self, buf: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         import multiprocessing as mp
 
         port = free_port()
-        self.child = mp.get_context("spawn").Process(target=_raw_receiver,
-                                                     args=(port, buf.numel()), daemon=True)
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        assert sum(sizes) == buf.numel()
+        self.child = mp.get_context("spawn").Process(target=_raw_receiver, args=(port, sizes),
+                                                     daemon=True)
         self.child.start()
         self.group = join_update_group("127.0.0.1", port, 0, 2, "raw", "gloo", 600.0)
         self.buf = buf
+        self.tensors = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
 
-    def once(self) -> float:
-        self.group.broadcast(torch.ones(1)).wait()
+    def once(self, per_tensor: bool = False) -> float:
+        self.group.broadcast(torch.full((1,), 2.0 if per_tensor else 1.0)).wait()
         t0 = time.perf_counter()
-        self.group.broadcast(self.buf).wait()
+        for work in [self.group.broadcast(b) for b in (self.tensors if per_tensor
+                                                        else [self.buf])]:
+            work.wait()
         self.group.broadcast(torch.zeros(1), src=1).wait()
         return time.perf_counter() - t0
 
@@ -125,13 +138,12 @@ class Rooflines:
     memcpy: the fastest of copy_ (torch's threads), one thread's memcpy and two threads'
     (`copy_all`, what the engine's apply uses) between two preallocated fp32 tensors; shm
     copy: the same copy out of POSIX shared memory (what the engine's apply reads: tmpfs maps
-    it in 4 KB pages, where anonymous memory gets huge pages, so it costs more; models up to
-    ROUND_ROBIN_BYTES); cast: bf16 -> fp32 copy_; raw
-    broadcast: `RawBroadcast`; read + copy: the checkpoint files read into a preallocated
+    it in 4 KB pages; models up to ROUND_ROBIN_BYTES); cast: bf16 -> fp32 copy_; raw
+    broadcast: `RawBroadcast` (and its per-tensor variant, a reference, not a goal); read + copy: the checkpoint files read into a preallocated
     buffer, then copy_ of those bytes into preallocated tensors (page cache warm); read alone.
     """
 
-    def __init__(self, model_path: str, num_bytes: int) -> None:
+    def __init__(self, model_path: str, num_bytes: int, tensors: list[torch.Tensor]) -> None:
         self.files = safetensors_files(model_path)
         self.sizes = [Path(f).stat().st_size for f in self.files]
         self.dst = torch.empty(max(num_bytes, max(self.sizes)) // 4, dtype=torch.float32)
@@ -141,7 +153,7 @@ class Rooflines:
         self.shm_src = (shared_buffer(num_bytes, torch.device("cpu")).fill_(1)
                         if num_bytes <= ROUND_ROBIN_BYTES else None)
         self.num_bytes = num_bytes
-        self.bcast = RawBroadcast(self.src.view(torch.uint8)[:num_bytes])
+        self.bcast = RawBroadcast(self.src.view(torch.uint8)[:num_bytes], tensors)
 
     def _read(self, i: int) -> torch.Tensor:
         buf = self.src.view(torch.uint8)[:self.sizes[i]]
@@ -171,6 +183,7 @@ class Rooflines:
             "memcpy_two_threads_seconds": two_threads,
             "cast_copy_seconds": timed(lambda: self.dst[:n].copy_(self.cast_src)),
             "raw_broadcast_seconds": self.bcast.once(),
+            "raw_per_tensor_broadcast_seconds": self.bcast.once(per_tensor=True),
             "read_copy_seconds": timed(self._read_copy),
             "read_seconds": timed(lambda: [self._read(i) for i in range(len(self.files))]),
         }
@@ -276,6 +289,7 @@ def configs(quick: bool) -> list[tuple[str, Optional[int], torch.dtype]]:
             + [("tensor-packed", b, fp32) for b in buckets[::len(buckets) - 1]]
             + [("distributed", None, fp32)]
             + [("distributed", b, fp32) for b in buckets]
+            + [("distributed-packed", b, fp32) for b in buckets[::len(buckets) - 1]]
             + [("disk", None, fp32), ("disk-syncer", None, fp32)])
 
 
@@ -297,9 +311,10 @@ class Row:
         self.transport, self.bucket, self.dtype = transport, bucket, dtype
         self.label = label(transport, bucket, dtype)
         self.syncer: Optional[WeightSyncer] = None
-        if transport == "distributed":   # rows of one round are open together: own groups
+        if transport.startswith("distributed"):   # rows of a round are open together: own groups
             self.syncer = WeightSyncer(eng, DistributedTransport(
-                bucket_bytes=bucket, backend="gloo", group_name=f"bench-{index}"))
+                bucket_bytes=bucket, backend="gloo", group_name=f"bench-{index}",
+                pack=transport == "distributed-packed"))
         elif transport == "tensor-packed":   # CPU buckets as flat copies (the CUDA layout)
             self.syncer = WeightSyncer(eng, TensorTransport(bucket, pack=True))
         elif transport in ("tensor", "disk-syncer"):
@@ -356,7 +371,7 @@ def bench_model(name: str, spec: dict[str, Any], args: argparse.Namespace, threa
     print(f"[{name}] {total / 4 / 1e6:.1f}M params, {total / 1e9:.3f} GB fp32 "
           f"(model ready in {time.perf_counter() - t0:.1f}s)", flush=True)
     half = [(n, t.to(CAST)) for n, t in state_dict_items(trainer)]   # a bf16 trainer's weights
-    limits = Rooflines(path, total)
+    limits = Rooflines(path, total, [t for _, t in state_dict_items(trainer)])
     limit_times: dict[str, list[float]] = {}
     out: dict[str, Any] = {"model": name, "params": total // 4, "bytes": total, "spec": spec,
                            "page_cache": "warm (files just read; dropping it needs root)",
@@ -394,7 +409,7 @@ def bench_model(name: str, spec: dict[str, Any], args: argparse.Namespace, threa
                 assert row.num_cast == (0 if row.dtype == torch.float32
                                         else len(half) * args.repeats)
                 pack_s = (pack_seconds(row.source, row.bucket)
-                          if row.bucket is not None and row.transport == "tensor-packed"
+                          if row.bucket is not None and row.transport.endswith("-packed")
                           else None)
                 s = min(row.seconds)
                 out["rows"].append({
@@ -436,6 +451,9 @@ def bench_model(name: str, spec: dict[str, Any], args: argparse.Namespace, threa
         row["ratio_to_memcpy"] = row["seconds"] / out["memcpy_seconds"]
         row["ratio_to_shm_copy"] = (row["seconds"] / out["shm_copy_seconds"]
                                     if "shm_copy_seconds" in out else None)
+        row["ratio_to_per_tensor_broadcast"] = (
+            row["seconds"] / out["raw_per_tensor_broadcast_seconds"]
+            if row["transport"] == "distributed" else None)
     return out
 
 
@@ -523,23 +541,26 @@ def main() -> None:
                  r["engine_apply_seconds"], r["pack_seconds"] or "-", r["roofline"],
                  r["roofline_seconds"], r["ratio_to_roofline"], r["ratio_to_memcpy"],
                  r["ratio_to_shm_copy"] if r["transport"] == "tensor"
-                 and r["ratio_to_shm_copy"] is not None else "-"]
+                 and r["ratio_to_shm_copy"] is not None else "-",
+                 r["seconds"] / res["raw_per_tensor_broadcast_seconds"]
+                 if r["transport"] == "distributed" else "-"]
                 for r in res["rows"]]
         peer = res["vllm_reload"]
         if peer:
             rows.append([f"vLLM {peer['vllm']} reload_weights", "-", peer["best_seconds"],
                          res["bytes"] / peer["best_seconds"] / 1e9, "-", "-", "read + copy",
                          res["read_copy_seconds"], peer["best_seconds"] / res["read_copy_seconds"],
-                         peer["best_seconds"] / res["memcpy_seconds"], "-"])
+                         peer["best_seconds"] / res["memcpy_seconds"], "-", "-"])
         print(f"\n## {res['model']} ({res['params'] / 1e6:.1f}M params, {res['bytes'] / 1e6:.1f}"
               f" MB). Rooflines: memcpy {res['memcpy_seconds']:.4f}s (out of shared memory "
               f"{res.get('shm_copy_seconds', float('nan')):.4f}s), bf16 -> fp32 copy_ "
               f"{res['cast_copy_seconds']:.4f}s, raw gloo broadcast "
-              f"{res['raw_broadcast_seconds']:.4f}s, read + copy {res['read_copy_seconds']:.4f}s "
+              f"{res['raw_broadcast_seconds']:.4f}s (one broadcast per tensor "
+              f"{res['raw_per_tensor_broadcast_seconds']:.4f}s), read + copy {res['read_copy_seconds']:.4f}s "
               f"(read alone {res['read_seconds']:.4f}s; page cache {res['page_cache']})")
         print(table(rows, ["path", "MB moved", "s/refit", "GB/s", "engine apply s", "pack s",
                            "roofline", "roofline s", "x roofline", "x memcpy",
-                           "x shm copy"]))
+                           "x shm copy", "x per-tensor bcast"]))
         sw = [[w["tags"], f"{w['bytes_freed'] / 1e6:.1f}", w["release_seconds"],
                w["resume_seconds"], w["release_wall_seconds"], w["resume_wall_seconds"]]
               for w in res["sleep_wake"]]
