@@ -74,10 +74,14 @@ class PayloadBudget:
         self.used = 0
         self._seen: set[Any] = set()
 
-    def charge(self, key: Any, num_bytes: int, what: str) -> None:
+    def charge(self, key: Any, num_bytes: int, what: str | Callable[[], str]) -> None:
+        """Count `num_bytes` once per `key`; `what` (or what it returns) names it in the
+        refusal."""
         if key in self._seen:
             return
         if self.used + num_bytes > self.max_bytes:
+            if callable(what):
+                what = what()
             raise UnsafePayloadError(
                 f"tensor payload asks for {self.used + num_bytes} bytes of storage ({what}: "
                 f"{num_bytes}), over this receiver's cap of {self.max_bytes} bytes"
@@ -231,7 +235,7 @@ def shm_file_bytes(handle: bytes, what: str) -> int:
     if not _SHM_NAME.fullmatch(name):
         raise UnsafePayloadError(f"{what}: shared-memory name {name!r} is not one torch creates "
                                  "(/torch_<pid>_<random>_<counter>)")
-    path = os.path.join(SHM_DIR, name[1:])
+    path = SHM_DIR + name   # the name is "/torch_...": no separator, no "..", checked above
     try:
         st = os.lstat(path)
     except OSError as exc:
@@ -272,7 +276,8 @@ class ShmStorage(Lazy):
         the sender's manager socket there, the shm file at least this long (mapping past its
         end would grow it, or fault on access)."""
         what = "rebuild_storage_filename"
-        ctx.budget.charge(("shm", self.handle), self.num_bytes, f"shared memory {self.handle!r}")
+        ctx.budget.charge(("shm", self.handle), self.num_bytes,
+                          lambda: f"shared memory {self.handle!r}")
         if self.manager not in ctx.managers_checked:   # one sender: one socket for all
             _check_manager_socket(self.manager)
             ctx.managers_checked.add(self.manager)
@@ -334,8 +339,8 @@ class CpuTensor(Lazy):
         # in-process, torch returns the sender's own storage from its cache: check it again
         if required_bytes(self.size, self.stride, self.offset, dtype.itemsize) > untyped.nbytes():
             raise UnsafePayloadError("tensor payload: shared storage is smaller than declared")
-        wrapped = torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
-        t = torch._utils._rebuild_tensor(wrapped, self.offset, self.size, self.stride)
+        # what torch._utils._rebuild_tensor does, without a TypedStorage wrapper in between
+        t = torch.empty((0,), dtype=dtype).set_(untyped, self.offset, self.size, self.stride)
         return _finish(t, self.cls, self.requires_grad)
 
 
