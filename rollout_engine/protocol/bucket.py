@@ -14,6 +14,8 @@ Sending a bucket costs one handle instead of one per tensor (SGLang's "flattened
 from __future__ import annotations
 
 import math
+import os
+import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -89,12 +91,51 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 PIECE_BYTES = 16 << 20          # copy_all splits plain copies into pieces of at most this
-PARALLEL_MIN_BYTES = 32 << 20   # ... and uses a second thread from this many bytes on
+MIN_PIECE_BYTES = 1 << 20       # ... and of at least this (unless a copy is smaller)
+PARALLEL_MIN_BYTES = 4 << 20    # ... and uses its helper threads from this many bytes on
+
+
+class _Helpers:
+    """Persistent helper threads for `copy_all`, started on first use and after a fork: a
+    thread started per call costs about as much as copying a megabyte, which a refit sent in
+    small buckets would pay on every call."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queues: list[queue.SimpleQueue] = []
+        self._pid = -1
+
+    def run(self, index: int, task: Callable[[], None]) -> threading.Event:
+        """Run `task` on helper `index` (tasks of one helper run in the order given); the
+        event is set once it has returned."""
+        with self._lock:
+            if self._pid != os.getpid():   # a forked child has the queues but no threads
+                self._queues, self._pid = [], os.getpid()
+            while len(self._queues) <= index:
+                q: queue.SimpleQueue = queue.SimpleQueue()
+                threading.Thread(target=self._serve, args=(q,), daemon=True,
+                                 name=f"copy-helper-{len(self._queues)}").start()
+                self._queues.append(q)
+        done = threading.Event()
+        self._queues[index].put((task, done))
+        return done
+
+    @staticmethod
+    def _serve(q: queue.SimpleQueue) -> None:
+        while True:
+            task, done = q.get()
+            try:
+                task()
+            finally:
+                done.set()
+
+
+_HELPERS = _Helpers()
 
 
 def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], num_threads: int = 2) -> None:
     """`copy_into` for every (dst, src) pair, the plain byte copies split into pieces shared
-    by `num_threads` threads (the caller's and helpers) when there are enough bytes.
+    by `num_threads` threads (the caller's and persistent helpers) when there are enough bytes.
 
     Why not torch's own parallel copy: a copy is bound by memory bandwidth, and torch's
     OpenMP threads spin at a barrier at the end of every copy_, so on a busy 2-core machine
@@ -102,19 +143,20 @@ def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], num_threads: in
     2-10x slower under load on a 2-core EPYC). Plain Python threads running numpy's memcpy
     on their own pieces never wait for each other until the end.
     """
-    plain: list[tuple[np.ndarray, np.ndarray]] = []
+    whole: list[tuple[np.ndarray, np.ndarray]] = []
     for dst, src in pairs:
         if not _plain_copy(dst, src):
             dst.copy_(src)   # a cast, another device, a strided view: torch copies it
             continue
-        d, s = _bytes(dst), _bytes(src)
-        plain += [(d[i:i + PIECE_BYTES], s[i:i + PIECE_BYTES])
-                  for i in range(0, d.size, PIECE_BYTES)]
-    total = sum(d.size for d, _ in plain)
+        whole.append((_bytes(dst), _bytes(src)))
+    total = sum(d.size for d, _ in whole)
     if num_threads <= 1 or total < PARALLEL_MIN_BYTES:
-        for d, s in plain:
+        for d, s in whole:
             np.copyto(d, s)
         return
+    # pieces small enough to balance the threads, big enough to stay cheap
+    piece = min(PIECE_BYTES, max(MIN_PIECE_BYTES, total // (4 * num_threads)))
+    plain = [(d[i:i + piece], s[i:i + piece]) for d, s in whole for i in range(0, d.size, piece)]
     shares: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(num_threads)]
     loads = [0] * num_threads
     for d, s in sorted(plain, key=lambda p: -p[0].size):   # biggest first, to the lightest
@@ -130,13 +172,11 @@ def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], num_threads: in
         except BaseException as e:  # noqa: BLE001 - re-raised by the caller
             errors.append(e)
 
-    helpers = [threading.Thread(target=run, args=(share,), daemon=True)
-               for share in shares[1:]]
-    for t in helpers:
-        t.start()
+    done = [_HELPERS.run(i, lambda share=share: run(share))
+            for i, share in enumerate(shares[1:])]
     run(shares[0])
-    for t in helpers:
-        t.join()
+    for event in done:
+        event.wait()
     if errors:
         raise errors[0]
 
