@@ -13,6 +13,7 @@ repeat and the best time is kept (shared, noisy machines).
 
     python benchmarks/bench_attention.py --quick   # fewer repeats
     python benchmarks/bench_attention.py
+    python benchmarks/bench_attention.py --baseline 87cd69c   # + that commit's kernel (cascade)
 
 The last line printed is the kernel / reference speedup at each batch (plain and cascade).
 """
@@ -46,6 +47,56 @@ VARIANTS = {  # name -> TorchNativeBackend keyword arguments
     "kernel": {"use_kernel": True, "min_shared_len": None},
     "cascade": {"use_kernel": True},
 }
+
+
+class BaselineOp:
+    """The paged decode kernel of another commit (``--baseline REV``), compiled beside this
+    one, called like ``PagedDecodeOp``; also a source from before the ABI check (ABI 1: no q
+    row stride, q contiguous)."""
+
+    def __init__(self, rev: str) -> None:
+        import ctypes
+        import subprocess
+        import tempfile
+        from pathlib import Path
+
+        rel = cpu_kernels.SOURCE.relative_to(Path(_HERE).parent)
+        text = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=os.path.dirname(_HERE),
+                              check=True, capture_output=True, text=True).stdout
+        src = Path(tempfile.mkdtemp()) / "paged_decode_baseline.cpp"
+        src.write_text(text)
+        path = cpu_kernels.build_library(src, "rollout_engine_paged_decode_baseline")
+        lib = ctypes.CDLL(path)
+        self.abi = lib.rollout_engine_paged_decode_abi() if hasattr(
+            lib, "rollout_engine_paged_decode_abi") else 1
+        if self.abi == cpu_kernels.PagedDecodeOp.ABI:
+            self._op = cpu_kernels.PagedDecodeOp(path)
+            return
+        if self.abi != 1:
+            raise SystemExit(f"--baseline {rev}: kernel ABI {self.abi} is not supported here")
+        fn = lib.rollout_engine_paged_decode_f32
+        fn.restype = ctypes.c_int
+        fn.argtypes = ([ctypes.c_void_p] * 10 + [ctypes.c_int64] * 9
+                       + [ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64])
+        self._fn, self._op = fn, None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
+                 *index_and_scale: object) -> torch.Tensor:
+        if self._op is not None:
+            return self._op(q, k, v, table, *index_and_scale)
+        import ctypes
+
+        *index, scale = index_and_scale
+        q = q.contiguous()
+        members, chunk_lens = index[3], index[5]
+        out = torch.empty_like(q)
+        err = ctypes.create_string_buffer(256)
+        rc = self._fn(*(t.data_ptr() for t in (q, k, v, table, *index)), q.shape[0], q.shape[1],
+                      k.shape[1], q.shape[2], k.shape[0], table.shape[0], table.shape[1],
+                      members.numel(), chunk_lens.numel(), scale, out.data_ptr(), err, len(err))
+        if rc:
+            raise RuntimeError(err.value.decode(errors="replace"))
+        return out
 
 
 def grpo_batch(batch: int, gen: torch.Generator) -> tuple[KVPool, ReqToTokenPool, ForwardBatch]:
@@ -107,6 +158,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=common.DEFAULT_THREADS)
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--baseline", metavar="REV",
+                    help="also time this git revision's kernel (cascade plan), side by side")
     args = ap.parse_args()
     threads = common.set_threads(args.threads)
     reps = 10 if args.quick else 40
@@ -121,6 +174,11 @@ def main() -> None:
           f" {threads} threads; kernel load {load_s:.2f} s;"
           f" copy_ {machine['copy_gbps']} GB/s (read + write)")
 
+    variants = dict(VARIANTS)
+    baseline = None
+    if args.baseline:
+        baseline = BaselineOp(args.baseline)
+        variants["baseline"] = {"use_kernel": True}
     gen = torch.Generator().manual_seed(0)
     rows, results = [], []
     for batch in args.batches:
@@ -128,41 +186,51 @@ def main() -> None:
         q = torch.randn(batch, HQ, HEAD_DIM, generator=gen)
         k = torch.randn(batch, HKV, HEAD_DIM, generator=gen)
         v = torch.randn(batch, HKV, HEAD_DIM, generator=gen)
-        backends = {name: TorchNativeBackend(pool, rtt, **kw) for name, kw in VARIANTS.items()}
+        backends = {name: TorchNativeBackend(pool, rtt, **kw) for name, kw in variants.items()}
+        if baseline is not None:
+            backends["baseline"].decode_kernel = baseline  # type: ignore[assignment]
         plan_fns = {n: functools.partial(b.init_forward_metadata, fb) for n, b in backends.items()}
         layer_fns = {}
         for name, backend in backends.items():
             plan_fns[name]()
             layer_fns[name] = functools.partial(run_layer, backend, fb.attn_metadata, fb, q, k, v)
         outs = {name: fn() for name, fn in layer_fns.items()}
-        err = max(float((outs[n] - outs["reference"]).abs().max()) for n in ("kernel", "cascade"))
+        err = max(float((outs[n] - outs["reference"]).abs().max()) for n in variants
+                  if n != "reference")
         layer_s = interleaved_best(layer_fns, reps)
         plan_s = interleaved_best(plan_fns, max(3, reps // 4))
-        gbps = {n: kv_bytes(fb, n == "cascade") / layer_s[n] / 1e9 for n in VARIANTS}
+        gbps = {n: kv_bytes(fb, n != "kernel") / layer_s[n] / 1e9 for n in variants
+                if n != "reference"}
         speed = {n: layer_s["reference"] / layer_s[n] for n in ("kernel", "cascade")}
         rows.append([batch, round(sum(fb.seq_lens_list) / batch),
                      *(layer_s[n] * 1e3 for n in VARIANTS),
                      speed["kernel"], speed["cascade"],
                      *(plan_s[n] * 1e3 for n in VARIANTS), gbps["kernel"], gbps["cascade"], err])
+        if baseline is not None:
+            speed["cascade_vs_baseline"] = layer_s["baseline"] / layer_s["cascade"]
+            rows[-1] += [layer_s["baseline"] * 1e3, speed["cascade_vs_baseline"]]
         results.append({"batch": batch, "mean_seq_len": sum(fb.seq_lens_list) / batch,
-                        "layer_ms": {n: layer_s[n] * 1e3 for n in VARIANTS},
-                        "metadata_ms": {n: plan_s[n] * 1e3 for n in VARIANTS},
+                        "layer_ms": {n: layer_s[n] * 1e3 for n in variants},
+                        "metadata_ms": {n: plan_s[n] * 1e3 for n in variants},
                         "speedup_vs_reference": speed, "kv_read_gbps": gbps,
                         "max_abs_err_vs_reference": err})
     header = ["batch", "mean len", "ref ms", "kernel ms", "cascade ms", "kernel x", "cascade x",
               "ref meta ms", "kernel meta ms", "cascade meta ms", "kernel GB/s", "cascade GB/s",
-              "max err"]
+              "max err"] + (["baseline ms", "cascade x baseline"] if baseline is not None else [])
     print(common.table(rows, header))
     name = "bench_attention" + ("" if threads == common.DEFAULT_THREADS else f"_t{threads}")
     path = common.save_result(name + ("_quick" if args.quick else ""), {
         "machine": machine, "threads": threads, "kernel_load_s": load_s, "reps": reps,
+        "baseline": args.baseline,
         "shape": {"hq": HQ, "hkv": HKV, "head_dim": HEAD_DIM, "group": GROUP, "prompt": PROMPT,
                   "own": [OWN_MIN, OWN_MAX]},
         "results": results})
     print(f"saved {path}")
     print("speedup vs index_select + SDPA: " + ", ".join(
         f"B={r['batch']} kernel {r['speedup_vs_reference']['kernel']:.2f}x"
-        f" cascade {r['speedup_vs_reference']['cascade']:.2f}x" for r in results))
+        f" cascade {r['speedup_vs_reference']['cascade']:.2f}x"
+        + (f" (vs baseline {r['speedup_vs_reference']['cascade_vs_baseline']:.2f}x)"
+           if baseline is not None else "") for r in results))
 
 
 if __name__ == "__main__":
