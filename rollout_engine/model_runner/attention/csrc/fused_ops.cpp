@@ -257,18 +257,23 @@ void sample_row(const float* x, int64_t v, float t, float min_p, double u, bool 
   float mx = -INFINITY;
   for (int j = 0; j < 16; ++j) mx = mx16[j] > mx ? mx16[j] : mx;
   for (int64_t i = full; i < v; ++i) mx = x[i] > mx ? x[i] : mx;
-  int64_t arg = 0;
-  const v16f mxv = splat16(mx);
-  while (arg + 16 <= full) {   // the first block of 16 holding the max, then its entry
-    v16f xi;
-    std::memcpy(&xi, x + arg, sizeof xi);
-    v16i eq = xi == mxv;
-    bool any = false;
-    for (int j = 0; j < 16; ++j) any |= eq[j] != 0;
-    if (any) break;
-    arg += 16;
-  }
-  while (arg < v - 1 && !(x[arg] == mx)) ++arg;
+  // the argmax: the greedy token, and a sampled row's fallback (rare: only when rounding
+  // leaves no token past the target), so sampled rows look for it only then
+  auto argmax = [&]() {
+    int64_t arg = 0;
+    const v16f mxv = splat16(mx);
+    while (arg + 16 <= full) {   // the first block of 16 holding the max, then its entry
+      v16f xi;
+      std::memcpy(&xi, x + arg, sizeof xi);
+      v16i eq = xi == mxv;
+      bool any = false;
+      for (int j = 0; j < 16; ++j) any |= eq[j] != 0;
+      if (any) break;
+      arg += 16;
+    }
+    while (arg < v - 1 && !(x[arg] == mx)) ++arg;
+    return arg;
+  };
   const float m = scale ? mx / t : mx;   // x / t is monotonic: max(x / t) == max(x) / t
   const float cut = min_p > 0.0f ? min_p : 0.0f;
   const v16f mv = splat16(m), tv = splat16(t), cutv = splat16(cut), zero = splat16(0.0f);
@@ -328,7 +333,7 @@ void sample_row(const float* x, int64_t v, float t, float min_p, double u, bool 
       blocks[j / kBlock] += e[j];
     }
   }
-  int64_t tok = arg;
+  int64_t tok = greedy ? argmax() : -1;
   if (!greedy) {
     double total = 0.0;
     for (int64_t b = 0; b < nb; ++b) total += blocks[b];
@@ -350,7 +355,7 @@ void sample_row(const float* x, int64_t v, float t, float min_p, double u, bool 
       }
       run += blocks[b];
     }
-    if (tok < 0) tok = arg;   // u * total past every block (rounding): the most likely token
+    if (tok < 0) tok = argmax();   // u * total past every block (rounding): the most likely
   }
   const float xt = scale ? x[tok] / t : x[tok];
   *token = tok;
