@@ -242,7 +242,8 @@ void kth_largest(const float* x, int64_t v, int64_t k, float* tau, int64_t* ties
 // m_out / sum_out (may be null): the row's max(x / t) and sum of exp(x / t - max).
 void sample_row(const float* x, int64_t v, float t, float min_p, double u, bool greedy,
                 float* e, float* blocks, int64_t* token, float* logprob, float tau = -INFINITY,
-                int64_t ties = 0, float* m_out = nullptr, double* sum_out = nullptr) {
+                int64_t ties = 0, float* m_out = nullptr, double* sum_out = nullptr,
+                const float* next = nullptr) {
   const bool topk = tau > -INFINITY && !greedy;
   const v16f tauv = splat16(tau);
   const bool scale = t != 1.0f;
@@ -282,6 +283,9 @@ void sample_row(const float* x, int64_t v, float t, float min_p, double u, bool 
   double sum = 0.0;   // of every e_i: float within a block of kBlock, double across blocks
   int64_t nb = 0;
   for (int64_t i = 0; i < full; i += 16) {
+    // the next row (next, may be null) comes into L2 one cache line per 16 entries while
+    // this row's exponentials are computed, not on its own first pass
+    if (next) __builtin_prefetch(next + i, 0, 2);
     v16f xi;
     std::memcpy(&xi, x + i, sizeof xi);
     const v16f raw = xi;
@@ -420,7 +424,8 @@ int rollout_engine_sample_rows_f32(const float* logits, int64_t rows, int64_t v,
         int64_t ties = 0;
         if (top_ks && top_ks[r] < v && greedy[r] == 0) kth_largest(x, v, top_ks[r], &tau, &ties);
         sample_row(x, v, temps[r], min_ps[r], uniforms[r], greedy[r] != 0, scratch.data(),
-                   blocks.data(), tokens + r, logprobs + r, tau, ties);
+                   blocks.data(), tokens + r, logprobs + r, tau, ties, nullptr, nullptr,
+                   r + 1 < hi ? logits + (r + 1) * ld : nullptr);
         continue;
       }
       patched.assign(x, x + v);
