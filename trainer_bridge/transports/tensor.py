@@ -24,7 +24,8 @@ as they are), pipelined:
 Two calls are outstanding (`MAX_IN_FLIGHT`), so an engine finds the next bucket queued when it
 has applied one. A slot is refilled only after the engine call that read it has returned
 (engines copy out of the buffer during the call), so reuse never shows an engine half-written
-or stale bytes. Unpacked handle groups are pipelined the same way. A
+or stale bytes. Unpacked handle groups are pipelined the same way, up to
+`MAX_IN_FLIGHT_GROUPS` deep (they hold no buffer). A
 tensor bigger than `bucket_bytes` (a bucket of its own) is not packed: its bucket is its own
 bytes, sent as the unbucketed path sends them.
 """
@@ -50,7 +51,13 @@ from trainer_bridge.transports.base import (
 __all__ = ["BucketBuffers", "TensorTransport", "handle_groups"]
 
 MAX_IN_FLIGHT = 2
-"""Bucket calls outstanding per sync: an engine finds bucket k+1 queued when it has applied k."""
+"""Packed bucket calls outstanding per sync (one per reusable buffer): an engine finds bucket
+k+1 queued when it has applied k."""
+
+MAX_IN_FLIGHT_GROUPS = 8
+"""Calls of handle groups outstanding per sync: they hold no buffer of the trainer's, so more
+may wait in the engine's queue, which then never idles while the trainer hears an answer and
+sends the next call (a call's answer takes a few thread hand-offs to reach the trainer)."""
 
 
 def shared_buffer(num_bytes: int, device: torch.device) -> torch.Tensor:
@@ -129,7 +136,8 @@ class TensorTransport(WeightTransport):
         packs = self.pack if self.pack is not None else any(t.is_cuda for _, t in tensors)
         if not packs:   # handles into the trainer's own memory: nothing is reused
             groups = handle_groups(tensors, self.bucket_bytes)
-            self._pipeline(lambda index, group: group, groups, None, engines, version)
+            self._pipeline(lambda index, group: group, groups, None, engines, version,
+                           max_in_flight=MAX_IN_FLIGHT_GROUPS)
             return nbytes(tensors)
         plans = self.plan(tensors)
         own = [_as_own_bucket(p, self.bucket_bytes) for p in plans]
@@ -157,12 +165,13 @@ class TensorTransport(WeightTransport):
 
     def _pipeline(self, payload_of: Callable[[int, Any], Any], buckets: Sequence[Any],
                   load_format: Optional[str], engines: Sequence[Any], version: str,
-                  started: Optional[Callable[[int, list[Future[Any]]], None]] = None) -> None:
-        """One call per bucket, `MAX_IN_FLIGHT` outstanding: each engine takes bucket k+1 from
+                  started: Optional[Callable[[int, list[Future[Any]]], None]] = None,
+                  max_in_flight: int = MAX_IN_FLIGHT) -> None:
+        """One call per bucket, `max_in_flight` outstanding: each engine takes bucket k+1 from
         its queue as soon as it has applied bucket k (no round trip between them), while the
         trainer prepares the one after. Calls of one engine run in the order sent."""
         in_flight: list[list[Future[Any]]] = []
-        depth = pipeline_depth(engines, MAX_IN_FLIGHT)
+        depth = pipeline_depth(engines, max_in_flight)
         try:
             for index, bucket in enumerate(buckets):
                 payload = payload_of(index, bucket)
