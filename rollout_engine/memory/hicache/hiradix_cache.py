@@ -175,10 +175,10 @@ class HiRadixCache(RadixCache):
                namespace: CacheNamespace) -> int:
         """As RadixCache.insert; host-only nodes on the path take the caller's fresh slots
         (their KV was just recomputed), so P is the device prefix before them."""
-        start = self._insert_start(token_ids, slots, namespace)
-        if start is None:
+        begun = self._insert_start(token_ids, slots, namespace)
+        if begun is None:
             return 0
-        key, ns_root = start
+        key, ns_root = begun
         path, pos = self._walk_path(ns_root, key)
         device = _device_prefix(path)
         present = sum(len(n.key) for n in device)

@@ -4,11 +4,11 @@ the invariants of ``hiradix_cache.py``: host-held nodes closed under ancestors, 
 load in progress pinned (``cache._pinned``) so host eviction cannot take them.
 
 Loads are bulk, once per step: each admission's ``load`` only allocates device slots and queues
-its copy; ``PendingLoads.commit`` copies every queued row in one gather from the host buffer
-and one scatter per layer and K/V. On CUDA the rows go through pinned memory with a
-non-blocking copy; copies are not overlapped with the forward layer by layer (SGLang's
-layer-wise load): on CPU there is no copy engine to overlap with, a copy takes the same cores
-the forward would use."""
+its copy; ``PendingLoads.commit`` copies every queued row at once (``HostKVPool.load``: on CPU
+a gather from the host rows and a scatter into the pool per layer and K/V; on CUDA one gather
+into pinned memory, one non-blocking copy, a scatter per layer). Copies are not overlapped
+with the forward layer by layer (SGLang's layer-wise load): on CPU there is no copy engine to
+overlap with, a copy takes the same cores the forward would use."""
 
 from __future__ import annotations
 
@@ -120,9 +120,9 @@ def load(cache: HiRadixCache, device: list[HiTreeNode],
 
 
 class PendingLoads:
-    """Host -> device copies queued by the step's admissions, done as one gather and one
-    scatter per layer (``commit``). Until then the device slots hold no valid KV: the cache
-    commits before it frees any of them, and the scheduler before every forward."""
+    """Host -> device copies queued by the step's admissions, done together (``commit``).
+    Until then the device slots hold no valid KV: the cache commits before it frees any of
+    them, and the scheduler before every forward."""
 
     def __init__(self) -> None:
         self.host: list[torch.Tensor] = []

@@ -180,6 +180,35 @@ def test_random_operations_keep_every_invariant(policy, seed, storage, tmp_path)
     cache.close()
 
 
+def test_host_pool_copies_scattered_slots_exactly():
+    """Backup and load move every layer's K and V of each slot to the right row, in the
+    page-first layout, for scattered slots in any order; the byte counts are the rows'."""
+    gen = torch.Generator().manual_seed(0)
+    pool = KVPool(40, num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                  device=torch.device("cpu"))
+    for buf in pool.k_buffers + pool.v_buffers:
+        buf.normal_(generator=gen)
+    host = HostKVPool(pool, 64, 1)
+    device_slots = torch.randperm(40, generator=gen)[:17]
+    host_slots = torch.randperm(64, generator=gen)[:17]
+    want_k = [pool.k_buffers[i][device_slots].clone() for i in range(3)]
+    want_v = [pool.v_buffers[i][device_slots].clone() for i in range(3)]
+    assert host.backup(device_slots, host_slots) == 17 * host.bytes_per_token
+    for i in range(3):
+        assert torch.equal(host.buffer[host_slots, 0, i], want_k[i])
+        assert torch.equal(host.buffer[host_slots, 1, i], want_v[i])
+    assert host.buffer[[s for s in range(64) if s not in host_slots.tolist()]].abs().sum() == 0
+    for buf in pool.k_buffers + pool.v_buffers:
+        buf.zero_()
+    target = torch.randperm(40, generator=gen)[:17]
+    assert host.load(host_slots, target) == 17 * host.bytes_per_token
+    for i in range(3):
+        assert torch.equal(pool.k_buffers[i][target], want_k[i])
+        assert torch.equal(pool.v_buffers[i][target], want_v[i])
+    others = [s for s in range(41) if s not in target.tolist()]
+    assert all(buf[others].abs().sum() == 0 for buf in pool.k_buffers + pool.v_buffers)
+
+
 @pytest.mark.gpu
 def test_pinned_host_tier_round_trip_cuda():
     pool = KVPool(32, num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.bfloat16,
