@@ -352,20 +352,35 @@ def _all_done(works: list[Any], timeout_s: float) -> bool:
     return True
 
 
+def _module(name: str) -> str:
+    """The module a weight belongs to: its name without the last two parts
+    ("model.layers.3.self_attn.k_proj.weight" -> "model.layers.3.self_attn")."""
+    return name.rsplit(".", 2)[0]
+
+
 def _groups(named_tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int
             ) -> list[list[tuple[str, torch.Tensor]]]:
     """Consecutive runs of tensors of at most `bucket_bytes` bytes together (a bigger tensor
-    alone)."""
+    alone). A run that the next tensor would overflow is cut before its trailing tensors of
+    that tensor's module, when something stays before them: a module's projections (q / k / v,
+    gate / up), which an engine holds as one fused parameter, then arrive in one call, which
+    the engine receives straight into spare storage, where a call carrying a third of a fused
+    parameter is staged and copied."""
     runs: list[list[tuple[str, torch.Tensor]]] = []
     run: list[tuple[str, torch.Tensor]] = []
-    used = 0
     for name, tensor in named_tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        if run and used + nbytes > bucket_bytes:
-            runs.append(run)
-            run, used = [], 0
+        if run and _group_bytes(run) + nbytes > bucket_bytes:
+            cut = len(run)
+            while cut > 0 and _module(run[cut - 1][0]) == _module(name):
+                cut -= 1
+            cut = cut or len(run)   # the whole run is that module: cut here
+            runs.append(run[:cut])
+            run = run[cut:]
+            if run and _group_bytes(run) + nbytes > bucket_bytes:   # still too much together
+                runs.append(run)
+                run = []
         run.append((name, tensor.contiguous()))
-        used += nbytes
     if run:
         runs.append(run)
     return runs
