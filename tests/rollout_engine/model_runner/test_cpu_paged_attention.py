@@ -155,13 +155,10 @@ def test_strided_queries_are_read_in_place(kernel) -> None:
 
 def test_kernel_without_avx512_matches_reference(tmp_path, monkeypatch) -> None:
     """The AVX2 build (8 accumulator registers per tile instead of 16) on this machine's
-    compiler, whatever the machine: the source compiled with -mno-avx512f."""
+    compiler, whatever the machine: the source compiled with -mno-avx512f (every development
+    and CI machine has AVX2 and gcc, so a failed build fails the test)."""
     monkeypatch.setenv("ROLLOUT_ENGINE_CACHE", str(tmp_path))
-    try:
-        path = cpu_kernels.build_library(cpu_kernels.SOURCE, "paged_decode_avx2",
-                                         ("-mno-avx512f",))
-    except Exception as e:      # a machine without AVX2 or another compiler: nothing to test
-        pytest.skip(f"no AVX2 build here ({type(e).__name__})")
+    path = cpu_kernels.build_library(cpu_kernels.SOURCE, "paged_decode_avx2", ("-mno-avx512f",))
     op = cpu_kernels.PagedDecodeOp(path)
     for hq, hkv in [(8, 2), (6, 2), (3, 1)]:
         gen = torch.Generator().manual_seed(hq)
