@@ -368,19 +368,22 @@ def _groups(named_tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int
     parameter is staged and copied."""
     runs: list[list[tuple[str, torch.Tensor]]] = []
     run: list[tuple[str, torch.Tensor]] = []
+    used = 0
     for name, tensor in named_tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        if run and _group_bytes(run) + nbytes > bucket_bytes:
+        if run and used + nbytes > bucket_bytes:
             cut = len(run)
             while cut > 0 and _module(run[cut - 1][0]) == _module(name):
                 cut -= 1
             cut = cut or len(run)   # the whole run is that module: cut here
             runs.append(run[:cut])
             run = run[cut:]
-            if run and _group_bytes(run) + nbytes > bucket_bytes:   # still too much together
+            used = _group_bytes(run)
+            if run and used + nbytes > bucket_bytes:   # still too much together
                 runs.append(run)
-                run = []
+                run, used = [], 0
         run.append((name, tensor.contiguous()))
+        used += nbytes
     if run:
         runs.append(run)
     return runs
