@@ -13,6 +13,8 @@ Sending a bucket costs one handle instead of one per tensor (SGLang's "flattened
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import math
 import os
 import queue
@@ -23,6 +25,8 @@ from types import MappingProxyType
 
 import numpy as np
 import torch
+
+from rollout_engine.protocol.stream_copy import load_stream_copy
 
 __all__ = [
     "ALIGN_BYTES",
@@ -90,9 +94,10 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-PIECE_BYTES = 16 << 20          # copy_all splits plain copies into pieces of at most this
+PIECE_BYTES = 4 << 20           # copy_all splits plain copies into pieces of at most this
 MIN_PIECE_BYTES = 1 << 20       # ... and of at least this (unless a copy is smaller)
 PARALLEL_MIN_BYTES = 4 << 20    # ... and uses its helper threads from this many bytes on
+STREAM_MIN_BYTES = 4 << 20      # ... and streaming stores from this many bytes on
 
 
 class _Helpers:
@@ -140,45 +145,77 @@ def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], num_threads: in
     Why not torch's own parallel copy: a copy is bound by memory bandwidth, and torch's
     OpenMP threads spin at a barrier at the end of every copy_, so on a busy 2-core machine
     a descheduled thread stalls the copy while its partner burns the other core (measured
-    2-10x slower under load on a 2-core EPYC). Plain Python threads running numpy's memcpy
-    on their own pieces never wait for each other until the end.
+    2-10x slower under load on a 2-core EPYC). Plain threads copying their own pieces never
+    wait for each other until the end. From `STREAM_MIN_BYTES` on, the pieces are copied with
+    streaming stores (`stream_copy`: a destination that large is not read before it leaves
+    the caches anyway, and skipping its read for ownership saves a third of the traffic).
     """
-    whole: list[tuple[np.ndarray, np.ndarray]] = []
+    whole: list[tuple[torch.Tensor, torch.Tensor]] = []
     for dst, src in pairs:
         if not _plain_copy(dst, src):
             dst.copy_(src)   # a cast, another device, a strided view: torch copies it
             continue
-        whole.append((_bytes(dst), _bytes(src)))
-    total = sum(d.size for d, _ in whole)
-    if num_threads <= 1 or total < PARALLEL_MIN_BYTES:
+        whole.append((dst, src))
+    total = sum(d.numel() * d.element_size() for d, _ in whole)
+    stream = load_stream_copy() if total >= STREAM_MIN_BYTES else None
+    if stream is None and (num_threads <= 1 or total < PARALLEL_MIN_BYTES):
         for d, s in whole:
-            np.copyto(d, s)
+            np.copyto(_bytes(d), _bytes(s))
         return
-    # pieces small enough to balance the threads, big enough to stay cheap
-    piece = min(PIECE_BYTES, max(MIN_PIECE_BYTES, total // (4 * num_threads)))
-    plain = [(d[i:i + piece], s[i:i + piece]) for d, s in whole for i in range(0, d.size, piece)]
-    shares: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(num_threads)]
-    loads = [0] * num_threads
-    for d, s in sorted(plain, key=lambda p: -p[0].size):   # biggest first, to the lightest
-        i = loads.index(min(loads))
-        shares[i].append((d, s))
-        loads[i] += d.size
+    # pieces small enough to balance the threads, big enough to stay cheap; each thread takes
+    # the next piece when done with one, so a thread the OS deschedules (a busy 2-core
+    # machine: the trainer's own threads, the frontend) holds back only the piece it is on
+    threads = max(1, num_threads)
+    piece = min(PIECE_BYTES, max(MIN_PIECE_BYTES, total // (8 * threads)))
+    plain = [(d.data_ptr() + i, s.data_ptr() + i, min(piece, n - i))
+             for d, s in whole for n in (d.numel() * d.element_size(),)
+             for i in range(0, n, piece)]
+    copy = stream.copy if stream is not None else _memcpy
+    _share_out(plain, copy, threads)
+
+
+def _share_out(pieces: list[tuple[int, int, int]], copy: Callable[[int, int, int], None],
+               threads: int) -> None:
+    """Copy every (dst, src, nbytes) piece, this thread and up to `threads - 1` helpers each
+    taking the next piece when done with one. A helper that has not started when this thread
+    finds no piece left is not waited for (it will find none either), so a helper stuck
+    behind the OS scheduler delays the copy by at most the piece it is on."""
+    order = itertools.count()   # next() of a count is atomic under the GIL
+    state = threading.Condition()
+    active = [0]
+    closed = [False]
     errors: list[BaseException] = []
 
-    def run(share: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    def run() -> None:
+        with state:
+            if closed[0]:
+                return
+            active[0] += 1
         try:
-            for d, s in share:
-                np.copyto(d, s)
+            for i in iter(order.__next__, None):
+                if i >= len(pieces) or errors:
+                    break
+                copy(*pieces[i])
         except BaseException as e:  # noqa: BLE001 - re-raised by the caller
             errors.append(e)
+        finally:
+            with state:
+                active[0] -= 1
+                state.notify_all()
 
-    done = [_HELPERS.run(i, lambda share=share: run(share))
-            for i, share in enumerate(shares[1:])]
-    run(shares[0])
-    for event in done:
-        event.wait()
+    for i in range(min(threads, len(pieces)) - 1):
+        _HELPERS.run(i, run)
+    run()
+    with state:
+        closed[0] = True      # helpers not yet started return at once
+        state.wait_for(lambda: active[0] == 0)
     if errors:
         raise errors[0]
+
+
+def _memcpy(dst: int, src: int, nbytes: int) -> None:
+    """libc's memmove between two raw ranges (a ctypes CFUNCTYPE: it releases the GIL)."""
+    ctypes.memmove(dst, src, nbytes)
 
 
 def _plain_copy(dst: torch.Tensor, src: torch.Tensor) -> bool:

@@ -1,12 +1,18 @@
 """copy_all, the copy behind every refit's apply and bucket pack: byte-exact for plain copies
-split over threads and pieces, casts and strided views handled by torch, nothing skipped."""
+split over threads and pieces (numpy's memcpy or the streaming-store kernel), casts and
+strided views handled by torch, nothing skipped; a stalled helper never holds a copy back."""
 
 from __future__ import annotations
 
+import logging
+import platform
+import threading
+
+import numpy as np
 import pytest
 import torch
 
-from rollout_engine.protocol import bucket
+from rollout_engine.protocol import bucket, stream_copy
 
 
 def _pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -21,12 +27,16 @@ def _pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(dsts, srcs))
 
 
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("num_threads", [1, 2, 3])
 @pytest.mark.parametrize("piece,parallel_min", [(16 << 20, 32 << 20), (1000, 0), (7, 64)])
-def test_copy_all_is_exact(monkeypatch, num_threads, piece, parallel_min):
+def test_copy_all_is_exact(monkeypatch, num_threads, piece, parallel_min, stream):
     monkeypatch.setattr(bucket, "PIECE_BYTES", piece)
     monkeypatch.setattr(bucket, "MIN_PIECE_BYTES", 1)
     monkeypatch.setattr(bucket, "PARALLEL_MIN_BYTES", parallel_min)
+    monkeypatch.setattr(bucket, "STREAM_MIN_BYTES", 0 if stream else 1 << 62)
+    if stream:   # every dev and CI machine has gcc: the kernel must build
+        assert stream_copy.load_stream_copy() is not None
     pairs = _pairs()
     bucket.copy_all(pairs, num_threads=num_threads)
     for dst, src in pairs:
@@ -37,18 +47,19 @@ def test_copy_all_raises_a_helpers_failure(monkeypatch):
     monkeypatch.setattr(bucket, "PIECE_BYTES", 8)
     monkeypatch.setattr(bucket, "MIN_PIECE_BYTES", 1)
     monkeypatch.setattr(bucket, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(bucket, "STREAM_MIN_BYTES", 1 << 62)
     dst = torch.zeros(64)
     readonly = torch.zeros(64)
     calls = {"n": 0}
-    real = bucket.np.copyto
+    real = bucket._memcpy
 
-    def failing(d, s):
+    def failing(d, s, n):
         calls["n"] += 1
         if calls["n"] == 5:
             raise MemoryError("boom")
-        real(d, s)
+        real(d, s, n)
 
-    monkeypatch.setattr(bucket.np, "copyto", failing)
+    monkeypatch.setattr(bucket, "_memcpy", failing)
     with pytest.raises(MemoryError, match="boom"):
         bucket.copy_all([(dst, readonly)], num_threads=2)
 
@@ -80,3 +91,69 @@ def test_copies_from_several_threads_share_the_helpers_exactly(monkeypatch):
     for t in threads:
         t.join(60)
     assert not bad and not any(t.is_alive() for t in threads)
+
+
+def test_stream_copy_is_exact_at_every_alignment():
+    """The kernel's aligned middle, plain head and tail: every destination and source offset
+    in a 64-byte line, lengths around the 16- and 64-byte steps; not a byte written outside
+    the range."""
+    op = stream_copy.load_stream_copy()
+    assert op is not None
+    assert op.streams == (platform.machine() in ("x86_64", "AMD64"))
+    rng = np.random.default_rng(0)
+    src = rng.integers(0, 256, 8192, dtype=np.uint8)
+    for length in (0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 1000, 4097):
+        for d_off in range(0, 64, 7):
+            for s_off in (0, 1, 13, 32):
+                dst = np.full(8192, 0xAB, dtype=np.uint8)
+                op.copy(dst.ctypes.data + 128 + d_off, src.ctypes.data + s_off, length)
+                want = np.full(8192, 0xAB, dtype=np.uint8)
+                want[128 + d_off:128 + d_off + length] = src[s_off:s_off + length]
+                assert np.array_equal(dst, want), (length, d_off, s_off)
+
+
+def test_a_stalled_helper_does_not_hold_the_copy_back(monkeypatch):
+    """A helper busy elsewhere (here: blocked on an event) takes no piece: the calling thread
+    copies them all and returns, exact, while the helper is still stuck."""
+    monkeypatch.setattr(bucket, "PIECE_BYTES", 1 << 12)
+    monkeypatch.setattr(bucket, "MIN_PIECE_BYTES", 1 << 12)
+    monkeypatch.setattr(bucket, "PARALLEL_MIN_BYTES", 0)
+    release = threading.Event()
+    stuck = bucket._HELPERS.run(0, lambda: release.wait(60))
+    try:
+        dst, src = torch.zeros(1 << 16), torch.randn(1 << 16)
+        bucket.copy_all([(dst, src)], num_threads=2)
+        assert torch.equal(dst, src) and not stuck.is_set()
+    finally:
+        release.set()
+    assert stuck.wait(60)
+    dst.zero_()   # the helper serves again, and the copy it missed did not run late
+    bucket.copy_all([(dst, src)], num_threads=2)
+    assert torch.equal(dst, src)
+
+
+def test_without_the_kernel_copies_stay_exact(monkeypatch, caplog):
+    """Turned off, or failing to build: one warning (none when turned off), numpy's memcpy."""
+    stream_copy.load_stream_copy.cache_clear()
+    try:
+        monkeypatch.setenv(stream_copy.STREAM_COPY_ENV, "0")
+        assert stream_copy.load_stream_copy() is None
+        stream_copy.load_stream_copy.cache_clear()
+        monkeypatch.delenv(stream_copy.STREAM_COPY_ENV)
+        from rollout_engine.model_runner.attention import cpu_kernels
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("no compiler")
+
+        monkeypatch.setattr(cpu_kernels, "build_library", broken)
+        with caplog.at_level(logging.WARNING):
+            assert stream_copy.load_stream_copy() is None
+        assert "streaming copy unavailable" in caplog.text and "no compiler" in caplog.text
+        monkeypatch.setattr(bucket, "STREAM_MIN_BYTES", 0)
+        monkeypatch.setattr(bucket, "PARALLEL_MIN_BYTES", 0)
+        monkeypatch.setattr(bucket, "MIN_PIECE_BYTES", 1 << 10)
+        dst, src = torch.zeros(1 << 14), torch.randn(1 << 14)
+        bucket.copy_all([(dst, src)], num_threads=2)
+        assert torch.equal(dst, src)
+    finally:
+        stream_copy.load_stream_copy.cache_clear()

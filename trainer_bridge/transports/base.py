@@ -16,8 +16,8 @@ from typing import Any, Optional, TypeVar
 
 import torch
 
-__all__ = ["WeightSyncError", "WeightTransport", "call_all", "checked", "pipeline_depth", "spawn",
-           "start_call", "step_version", "with_last"]
+__all__ = ["Answer", "WeightSyncError", "WeightTransport", "call_all", "checked", "pipeline_depth",
+           "spawn", "start_call", "step_version", "waited", "with_last"]
 
 T = TypeVar("T")
 
@@ -108,9 +108,10 @@ def start_call(engine: Any, method: str, *args: Any, **kwargs: Any) -> Future[An
     a thread per call does not promise. So an engine that can send a call without waiting for
     its answer (its class has ``send_call(method, ...)`` -> a function that waits for the
     answer, as `Engine` and `trainer_bridge.ray.RayEngine` do) is sent to here, in the
-    caller's thread, and only the wait runs in the thread. Other engines, and wrappers that
-    merely forward attributes (their own update methods must be the ones called), are called
-    in the thread."""
+    caller's thread, and only the wait is left (an `Answer`: `call_all` waits for a lone one
+    in its own thread, else in a thread each). Other engines, and wrappers that merely
+    forward attributes (their own update methods must be the ones called), are called in the
+    thread."""
     send = _sender(engine)
     if send is None:
         return spawn(checked, engine, method, *args, **kwargs)
@@ -120,7 +121,55 @@ def start_call(engine: Any, method: str, *args: Any, **kwargs: Any) -> Future[An
         failed: Future[Any] = Future()
         failed.set_exception(e)
         return failed
-    return spawn(lambda: _refused(engine, method, answer()))
+    return Answer(lambda: _refused(engine, method, answer()))
+
+
+class Answer(Future):
+    """The answer of a call already sent: a future nobody waits for until asked.
+
+    A thread per call (to wait for its answer) costs ~0.1-0.2 ms of CPU a call, which a refit
+    in small buckets pays on the cores the engine is copying with. So the wait runs either in
+    the thread of whoever waits for this answer alone (`call_all` of one future, no timeout)
+    or, once anything else needs it done (several engines, a timeout), in a thread of its own;
+    whichever comes first, once."""
+
+    def __init__(self, wait_for_it: Callable[[], Any]) -> None:
+        super().__init__()
+        self._wait_for_it: Optional[Callable[[], Any]] = wait_for_it
+        self._claim = threading.Lock()
+
+    def _claimed(self) -> Optional[Callable[[], Any]]:
+        with self._claim:
+            fn, self._wait_for_it = self._wait_for_it, None
+            return fn
+
+    def _settle(self, fn: Callable[[], Any]) -> None:
+        try:
+            self.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - delivered to the waiter
+            self.set_exception(e)
+
+    def wait_here(self) -> None:
+        """Wait in this thread (unless a thread of its own already waits)."""
+        fn = self._claimed()
+        if fn is not None:
+            self._settle(fn)
+
+    def wait_in_thread(self) -> None:
+        """Have a daemon thread wait (unless someone already does)."""
+        fn = self._claimed()
+        if fn is not None:
+            threading.Thread(target=self._settle, args=(fn,), daemon=True,
+                             name="answer").start()
+
+
+def waited(futures: Sequence[Future[Any]]) -> Sequence[Future[Any]]:
+    """`futures`, each `Answer` among them with a thread waiting for it: what
+    `concurrent.futures.wait` needs of them."""
+    for f in futures:
+        if isinstance(f, Answer):
+            f.wait_in_thread()
+    return futures
 
 
 def spawn(fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
@@ -140,7 +189,9 @@ def spawn(fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
 def call_all(futures: Sequence[Future[Any]], timeout: Optional[float] = None) -> list[Any]:
     """Wait for `futures`; raise the first failure at once (without waiting for the rest),
     TimeoutError if they are not done within `timeout` seconds."""
-    done, pending = wait(futures, timeout=timeout, return_when=FIRST_EXCEPTION)
+    if len(futures) == 1 and timeout is None and isinstance(futures[0], Answer):
+        futures[0].wait_here()
+    done, pending = wait(waited(futures), timeout=timeout, return_when=FIRST_EXCEPTION)
     for f in futures:
         if f in done and f.exception() is not None:
             raise f.exception()  # type: ignore[misc]

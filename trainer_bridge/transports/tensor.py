@@ -46,6 +46,7 @@ from trainer_bridge.transports.base import (
     pipeline_depth,
     start_call,
     step_version,
+    waited,
 )
 
 __all__ = ["BucketBuffers", "TensorTransport", "handle_groups"]
@@ -187,7 +188,7 @@ class TensorTransport(WeightTransport):
                 call_all(in_flight.pop(0), self.timeout_s)
         except BaseException:
             pending = [f for calls in in_flight for f in calls]
-            _, still_running = wait(pending, timeout=self.timeout_s)
+            _, still_running = wait(waited(pending), timeout=self.timeout_s)
             if still_running:  # an engine may still read the buffers: never refill them
                 self.buffers.release()
             raise

@@ -1,0 +1,56 @@
+"""Large byte copies with streaming stores (``csrc/stream_copy.cpp``), for `bucket.copy_all`.
+
+Compiled at first use like the attention kernels (``cpu_kernels.build_library``, cached under
+``$ROLLOUT_ENGINE_CACHE/torch_extensions``). If it cannot be built, or
+``ROLLOUT_ENGINE_STREAM_COPY=0``, `load_stream_copy` logs one warning (none when turned off)
+and returns None, and copies stay numpy's memcpy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "stream_copy.cpp"
+STREAM_COPY_ENV = "ROLLOUT_ENGINE_STREAM_COPY"
+
+
+class StreamCopy:
+    """The compiled copy: ``copy(dst_address, src_address, nbytes)`` over raw addresses (the
+    caller owns both ranges; ctypes releases the GIL while it runs)."""
+
+    ABI = 1
+
+    def __init__(self, library_path: str) -> None:
+        lib = ctypes.CDLL(library_path)
+        abi = getattr(lib, "rollout_engine_stream_copy_abi", None)
+        found = abi() if abi is not None else None
+        if found != self.ABI:
+            raise RuntimeError(f"{library_path} has ABI {found}, expected {self.ABI} (a stale "
+                               "build: delete it to rebuild)")
+        self.streams = bool(lib.rollout_engine_stream_copy_streams())
+        fn = lib.rollout_engine_stream_copy
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        self.copy = fn
+
+
+@functools.cache
+def load_stream_copy() -> Optional[StreamCopy]:
+    """The compiled copy, or None (after one warning) when it cannot be built."""
+    if os.environ.get(STREAM_COPY_ENV, "1") == "0":
+        return None
+    try:
+        from rollout_engine.model_runner.attention import cpu_kernels
+
+        return StreamCopy(cpu_kernels.build_library(SOURCE, "rollout_engine_stream_copy"))
+    except Exception as e:  # noqa: BLE001 - any build/load failure means "use numpy's memcpy"
+        logger.warning("streaming copy unavailable (%s: %s); copies use numpy's memcpy",
+                       type(e).__name__, str(e).strip().splitlines()[-1:])
+        return None
