@@ -44,6 +44,7 @@ from rollout_engine.protocol.payload_cache import ParsedPayloads, SentPayloads, 
 from rollout_engine.protocol.tensor_handles import (
     TORCH_RECONSTRUCTORS,
     ClassToken,
+    CpuTensor,
     Lazy,
     PayloadBudget,
     ReadContext,
@@ -245,6 +246,16 @@ _ATOMS = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.
 def _materialize(root: Any, ctx: ReadContext) -> Any:
     """Replace every descriptor in the unpickled tree by its value; keeps shared references."""
     memo: dict[int, Any] = {}
+    if type(root) is list and all(type(x) is tuple and len(x) == 2 and type(x[0]) is str
+                                  and type(x[1]) is CpuTensor for x in root):
+        # what every refit sends (a list of (name, CPU tensor) pairs), without the walk
+        out = []
+        for name, lazy in root:
+            t = memo.get(id(lazy))
+            if t is None:
+                t = memo[id(lazy)] = lazy.materialize(ctx, None)
+            out.append((name, t))
+        return out
 
     def convert(obj: Any) -> Any:
         if isinstance(obj, _ATOMS):
