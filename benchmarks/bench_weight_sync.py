@@ -137,15 +137,18 @@ class RawBroadcast:
 
 
 class Rooflines:
-    """Each path's physical limit on the same bytes, one timing of each per `time()` call, so
-    rounds interleave them with the refits they bound (the machine is shared):
+    """Each path's physical limit on the same bytes, timed by `time(family)` right before each
+    refit it bounds (the machine is shared: its memory bandwidth swings ~2x from minute to
+    minute, so a refit is paired with the limit measured next to it):
 
-    memcpy: the fastest of copy_ (torch's threads), one thread's memcpy and two threads'
-    (`copy_all`, what the engine's apply uses) between two preallocated fp32 tensors; shm
-    copy: the same copy out of POSIX shared memory (what the engine's apply reads: tmpfs maps
-    it in 4 KB pages; models up to ROUND_ROBIN_BYTES); cast: bf16 -> fp32 copy_; raw
-    broadcast: `RawBroadcast` (and its per-tensor variant, a reference, not a goal); read + copy: the checkpoint files read into a preallocated
-    buffer, then copy_ of those bytes into preallocated tensors (page cache warm); read alone.
+    memcpy: the fastest of copy_ (torch's threads), one thread's and two threads' `copy_all`
+    (what the engine's apply uses: streaming stores from 4 MB, the fastest copy we have)
+    between two preallocated fp32 tensors; shm copy: the same copy out of POSIX shared memory
+    (what the engine's apply reads: tmpfs maps it in 4 KB pages; models up to
+    ROUND_ROBIN_BYTES); cast: bf16 -> fp32 copy_; raw broadcast: `RawBroadcast` (and its
+    per-tensor variant, a reference, not a goal); read + copy: the checkpoint files read into
+    a preallocated buffer, then the fastest copy (as for memcpy) of those bytes into
+    preallocated tensors (page cache warm); read alone.
     """
 
     def __init__(self, model_path: str, num_bytes: int, tensors: list[torch.Tensor]) -> None:
@@ -170,28 +173,32 @@ class Rooflines:
 
     def _read_copy(self) -> None:
         out = self.dst.view(torch.uint8)
-        for i in range(len(self.files)):
-            out[:self.sizes[i]].copy_(self._read(i))
+        copy_all([(out[:self.sizes[i]], self._read(i)) for i in range(len(self.files))])
 
-    def time(self) -> dict[str, float]:
+    def time(self, family: Optional[str] = None) -> dict[str, float]:
+        """One timing of each limit of `family` ("tensor", "distributed", "disk"; None: all)."""
+        out: dict[str, float] = {}
         n = self.num_bytes // 4
-        torch_copy = timed(lambda: self.dst[:n].copy_(self.src[:n]))
-        one_thread = timed(lambda: copy_all([(self.dst[:n], self.src[:n])], num_threads=1))
-        two_threads = timed(lambda: copy_all([(self.dst[:n], self.src[:n])]))
-        shm_src = self.shm_src
-        shm = {} if shm_src is None else {"shm_copy_seconds": timed(lambda: copy_all(
-            [(self.dst.view(torch.uint8)[:self.num_bytes], shm_src)]))}
-        return {
-            **shm,
-            "memcpy_seconds": min(torch_copy, one_thread, two_threads),
-            "memcpy_torch_seconds": torch_copy, "memcpy_one_thread_seconds": one_thread,
-            "memcpy_two_threads_seconds": two_threads,
-            "cast_copy_seconds": timed(lambda: self.dst[:n].copy_(self.cast_src)),
-            "raw_broadcast_seconds": self.bcast.once(),
-            "raw_per_tensor_broadcast_seconds": self.bcast.once(per_tensor=True),
-            "read_copy_seconds": timed(self._read_copy),
-            "read_seconds": timed(lambda: [self._read(i) for i in range(len(self.files))]),
-        }
+        if family in (None, "tensor"):
+            torch_copy = timed(lambda: self.dst[:n].copy_(self.src[:n]))
+            one_thread = timed(lambda: copy_all([(self.dst[:n], self.src[:n])], num_threads=1))
+            two_threads = timed(lambda: copy_all([(self.dst[:n], self.src[:n])]))
+            shm_src = self.shm_src
+            if shm_src is not None:
+                out["shm_copy_seconds"] = timed(lambda: copy_all(
+                    [(self.dst.view(torch.uint8)[:self.num_bytes], shm_src)]))
+            out.update({
+                "memcpy_seconds": min(torch_copy, one_thread, two_threads),
+                "memcpy_torch_seconds": torch_copy, "memcpy_one_thread_seconds": one_thread,
+                "memcpy_two_threads_seconds": two_threads,
+                "cast_copy_seconds": timed(lambda: self.dst[:n].copy_(self.cast_src))})
+        if family in (None, "distributed"):
+            out["raw_broadcast_seconds"] = self.bcast.once()
+            out["raw_per_tensor_broadcast_seconds"] = self.bcast.once(per_tensor=True)
+        if family in (None, "disk"):
+            out["read_copy_seconds"] = timed(self._read_copy)
+            out["read_seconds"] = timed(lambda: [self._read(i) for i in range(len(self.files))])
+        return out
 
     def close(self) -> None:
         self.bcast.close()
@@ -378,6 +385,7 @@ def bench_model(name: str, spec: dict[str, Any], args: argparse.Namespace, threa
           f"(model ready in {time.perf_counter() - t0:.1f}s)", flush=True)
     half = [(n, t.to(CAST)) for n, t in state_dict_items(trainer)]   # a bf16 trainer's weights
     limits = Rooflines(path, total, [t for _, t in state_dict_items(trainer)])
+    limits.time()   # warm-up, not kept: the first copy into a buffer takes its page faults
     limit_times: dict[str, list[float]] = {}
     out: dict[str, Any] = {"model": name, "params": total // 4, "bytes": total, "spec": spec,
                            "page_cache": "warm (files just read; dropping it needs root)",
@@ -401,16 +409,17 @@ def bench_model(name: str, spec: dict[str, Any], args: argparse.Namespace, threa
                 rows += open_rows
                 try:
                     for i in range(args.repeats):
-                        this_round = limits.time()
-                        for key, value in this_round.items():
-                            limit_times.setdefault(key, []).append(value)
                         for row in open_rows:
-                            row.round_limits.append(this_round)
                             # tensor rows together exceed what the engine keeps mapped (twice
                             # the model): each timed sync follows a warm one, as every sync of
                             # a trainer with one syncer is warm
                             if i == 0 or (family == "tensor" and len(open_rows) > 1):
                                 row.sync(f"{row.label}-warm", record=False)
+                            # the limits of this row's path, timed just before it
+                            this_round = limits.time(family)
+                            for key, value in this_round.items():
+                                limit_times.setdefault(key, []).append(value)
+                            row.round_limits.append(this_round)
                             row.sync(f"{row.label}-{i}")
                 finally:
                     for row in open_rows:
@@ -460,12 +469,16 @@ def bench_model(name: str, spec: dict[str, Any], args: argparse.Namespace, threa
         row["roofline"] = roofline_of(row)
         row["roofline_seconds"] = out[ROOFLINE_KEY[row["roofline"]]]
         row["ratio_to_roofline"] = row["seconds"] / row["roofline_seconds"]
-        # each round's refit over the roofline timed just before it (the machine is shared:
-        # a best-of over best-of pairs moments that may be far apart)
+        # each refit over the roofline timed just before it (the machine is shared: a best-of
+        # over best-of pairs moments that may be far apart)
         key = ROOFLINE_KEY[row["roofline"]]
-        row["round_ratios"] = [t / lim[key] for t, lim in zip(row["all_seconds"],
-                                                             row.pop("round_limits"))]
+        limits_of = row.pop("round_limits")
+        row["round_ratios"] = [t / lim[key] for t, lim in zip(row["all_seconds"], limits_of)]
         row["median_round_ratio"] = statistics.median(row["round_ratios"])
+        if row["transport"] == "tensor":   # the issue's own wording of the roofline: copy_
+            row["ratio_to_torch_copy"] = row["seconds"] / out["memcpy_torch_seconds"]
+            row["median_round_ratio_torch_copy"] = statistics.median(
+                t / lim["memcpy_torch_seconds"] for t, lim in zip(row["all_seconds"], limits_of))
         row["ratio_to_memcpy"] = row["seconds"] / out["memcpy_seconds"]
         row["ratio_to_shm_copy"] = (row["seconds"] / out["shm_copy_seconds"]
                                     if "shm_copy_seconds" in out else None)
@@ -486,29 +499,48 @@ def roofline_of(row: dict[str, Any]) -> str:
 
 
 def verdicts_of(res: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each goal of issue 18 on this model: met or not, with the numbers."""
+    """Each goal of issue 18 on this model, by two statistics:
+
+    paired (``met``): the median over rounds of each refit over its path's roofline timed
+    just before it; for "no slower", that median of the bucketed row over the unbucketed
+    row's (both normalized by their own rooflines, which cancels the machine's drift);
+    best-of (``met_best_of``): a row's best refit over the roofline's best over all rounds,
+    which pairs moments that may be minutes apart on a shared machine.
+    """
     rows = [r for r in res["rows"] if r["source_dtype"] == "float32"]
     out = []
     for transport, goal in GOALS.items():
         mine = [r for r in rows if r["transport"] == transport
                 and not r["syncer_writes_the_files"]]
-        best = min(mine, key=lambda r: r["ratio_to_roofline"])
+        best = min(mine, key=lambda r: r["median_round_ratio"])
         out.append({"goal": f"{transport} <= {goal:g}x {ROOFLINE[transport]}",
-                    "best": best["label"], "value": round(best["ratio_to_roofline"], 3),
-                    "met": best["ratio_to_roofline"] <= goal,
-                    "median_round_ratio": round(best["median_round_ratio"], 3)})
+                    "best": best["label"], "value": round(best["median_round_ratio"], 3),
+                    "met": best["median_round_ratio"] <= goal,
+                    "best_of": round(best["ratio_to_roofline"], 3),
+                    "met_best_of": best["ratio_to_roofline"] <= goal})
+        if transport == "tensor":   # next to it, the same goal over torch's copy_ alone
+            by_copy = min(mine, key=lambda r: r["median_round_ratio_torch_copy"])
+            out.append({"goal": f"tensor <= {goal:g}x torch copy_ (the issue's wording)",
+                        "best": by_copy["label"],
+                        "value": round(by_copy["median_round_ratio_torch_copy"], 3),
+                        "met": by_copy["median_round_ratio_torch_copy"] <= goal,
+                        "best_of": round(by_copy["ratio_to_torch_copy"], 3),
+                        "met_best_of": by_copy["ratio_to_torch_copy"] <= goal})
         plain = next((r for r in mine if r["bucket_bytes"] is None), None)
         for r in mine:
             if r["bucket_bytes"] is not None and plain is not None:
+                paired = r["median_round_ratio"] / plain["median_round_ratio"]
+                best_of = r["seconds"] / plain["seconds"]
                 out.append({"goal": f"{r['label']} no slower than {plain['label']}",
-                            "best": r["label"], "value": round(r["seconds"] / plain["seconds"], 3),
-                            "met": r["seconds"] <= plain["seconds"]})
+                            "best": r["label"], "value": round(paired, 3), "met": paired <= 1.0,
+                            "best_of": round(best_of, 3), "met_best_of": best_of <= 1.0})
     peer = res.get("vllm_reload")
     disk = next(r for r in rows if r["label"].startswith("disk (load"))
     if peer:
+        ratio = disk["seconds"] / peer["best_seconds"]
         out.append({"goal": "disk refit faster than vLLM CPU reload_weights", "best": disk["label"],
-                    "value": round(disk["seconds"] / peer["best_seconds"], 3),
-                    "met": disk["seconds"] < peer["best_seconds"]})
+                    "value": round(ratio, 3), "met": ratio < 1.0,
+                    "best_of": round(ratio, 3), "met_best_of": ratio < 1.0})
     return [{"model": res["model"], **v} for v in out]
 
 
@@ -554,11 +586,13 @@ def main() -> None:
     results = [bench_model(n, MODELS[n], args, threads) for n in names]
 
     print(f"\nCPU: {mach['cpu_model']} ({mach['cores']} cores), torch {mach['torch']}, "
-          f"best of {args.repeats}")
+          f"best of {args.repeats} (x roofline: best over best; paired: median over rounds of "
+          "each refit over the roofline timed just before it)")
     for res in results:
         rows = [[r["label"], f"{r['bytes'] / 1e6:.1f}", r["seconds"], r["gbps"],
                  r["engine_apply_seconds"], r["pack_seconds"] or "-", r["roofline"],
-                 r["roofline_seconds"], r["ratio_to_roofline"], r["ratio_to_memcpy"],
+                 r["roofline_seconds"], r["ratio_to_roofline"], r["median_round_ratio"],
+                 r["ratio_to_memcpy"], r.get("ratio_to_torch_copy") or "-",
                  r["ratio_to_shm_copy"] if r["transport"] == "tensor"
                  and r["ratio_to_shm_copy"] is not None else "-",
                  r["seconds"] / res["raw_per_tensor_broadcast_seconds"]
@@ -569,7 +603,7 @@ def main() -> None:
             rows.append([f"vLLM {peer['vllm']} reload_weights", "-", peer["best_seconds"],
                          res["bytes"] / peer["best_seconds"] / 1e9, "-", "-", "read + copy",
                          res["read_copy_seconds"], peer["best_seconds"] / res["read_copy_seconds"],
-                         peer["best_seconds"] / res["memcpy_seconds"], "-", "-"])
+                         "-", peer["best_seconds"] / res["memcpy_seconds"], "-", "-", "-"])
         print(f"\n## {res['model']} ({res['params'] / 1e6:.1f}M params, {res['bytes'] / 1e6:.1f}"
               f" MB). Rooflines: memcpy {res['memcpy_seconds']:.4f}s (out of shared memory "
               f"{res.get('shm_copy_seconds', float('nan')):.4f}s), bf16 -> fp32 copy_ "
@@ -578,7 +612,7 @@ def main() -> None:
               f"{res['raw_per_tensor_broadcast_seconds']:.4f}s), read + copy {res['read_copy_seconds']:.4f}s "
               f"(read alone {res['read_seconds']:.4f}s; page cache {res['page_cache']})")
         print(table(rows, ["path", "MB moved", "s/refit", "GB/s", "engine apply s", "pack s",
-                           "roofline", "roofline s", "x roofline", "x memcpy",
+                           "roofline", "roofline s", "x roofline", "paired", "x memcpy", "x copy_",
                            "x shm copy", "x per-tensor bcast"]))
         sw = [[w["tags"], f"{w['bytes_freed'] / 1e6:.1f}", w["release_seconds"],
                w["resume_seconds"], w["release_wall_seconds"], w["resume_wall_seconds"]]
@@ -593,16 +627,15 @@ def main() -> None:
     chart(results, png)
     path = save_result(name, {
         "machine": mach, "mode": "quick" if args.quick else "full", "repeats": args.repeats,
-        "statistic": "best of repeats (verdicts); round_ratios: each round over its own "
-                     "rooflines", "goals_x_roofline": GOALS, "rooflines": ROOFLINE,
+        "statistic": "verdicts: median over rounds of each refit over its roofline timed just "
+                     "before it (met), and best-of repeats over the best roofline (met_best_of)",
+        "goals_x_roofline": GOALS, "rooflines": ROOFLINE,
         "models": results, "verdicts": verdicts, "chart": png.name})
     print(f"\nsaved {path} and {png}")
     for v in verdicts:
-        per_round = (f"; median of its rounds over the same round's roofline "
-                     f"{v['median_round_ratio']:.2f}" if "median_round_ratio" in v else "")
-        print(f"[{v['model']}] {v['goal']}: {v['best']} {v['value']:.2f} "
-              f"({'MET' if v['met'] else 'NOT MET'}{per_round})")
-
+        print(f"[{v['model']}] {v['goal']}: {v['best']} paired {v['value']:.2f} "
+              f"({'MET' if v['met'] else 'NOT MET'}), best-of {v['best_of']:.2f} "
+              f"({'met' if v['met_best_of'] else 'not met'})")
 
 if __name__ == "__main__":
     main()
