@@ -48,193 +48,37 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import vllm_peer  # noqa: E402
 from benchmarks.common import RESULTS_DIR, measure_machine, save_result, set_threads, table  # noqa: E402
+from benchmarks.weight_sync_limits import (  # noqa: E402
+    CAST,
+    ROUND_ROBIN_BYTES,
+    Rooflines,
+    timed,
+    vllm_reload_seconds,
+)
+from benchmarks.weight_sync_report import (  # noqa: E402
+    GOALS,
+    ROOFLINE,
+    ROOFLINE_KEY,
+    chart,
+    roofline_of,
+    verdicts_of,
+)
 from rollout_engine import Engine  # noqa: E402
-from rollout_engine.protocol.bucket import copy_all, plan_buckets  # noqa: E402
-from rollout_engine.protocol.weight_broadcast import join_update_group  # noqa: E402
+from rollout_engine.protocol.bucket import plan_buckets  # noqa: E402
 from rollout_engine.testing.tiny_model import PRESET_55M, tiny_model_path  # noqa: E402
 from rollout_engine.weights.loader import safetensors_files  # noqa: E402
 from trainer_bridge.bucketing import nbytes, state_dict_items  # noqa: E402
-from trainer_bridge.transports.distributed import DistributedTransport, free_port  # noqa: E402
-from trainer_bridge.transports.tensor import (  # noqa: E402
-    BucketBuffers,
-    TensorTransport,
-    shared_buffer,
-)
+from trainer_bridge.transports.distributed import DistributedTransport  # noqa: E402
+from trainer_bridge.transports.tensor import BucketBuffers, TensorTransport  # noqa: E402
 from trainer_bridge.weight_syncer import WeightSyncer  # noqa: E402
 
 MB = 1 << 20
-GOALS = {"tensor": 1.5, "distributed": 1.2, "disk": 1.5}   # x each path's own roofline
-ROOFLINE = {"tensor": "memcpy", "distributed": "raw broadcast", "disk": "read + copy"}
 MODELS = {
     "55M": dict(PRESET_55M, tie_word_embeddings=False),
     "540M": dict(hidden_size=1024, num_layers=24, num_heads=16, num_kv_heads=4,
                  intermediate_size=5632, vocab_size=32000, tie_word_embeddings=False),
 }
-
-
-def timed(fn: Any) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def _raw_receiver(port: int, sizes: list[int]) -> None:
-    """Rank 1 of `RawBroadcast` (a spawned process): receive until told to stop, each time
-    the bytes as one flat buffer (flag 1) or as one buffer per tensor (flag 2)."""
-    torch.set_num_threads(1)
-    group = join_update_group("127.0.0.1", port, 1, 2, "raw", "gloo", 600.0)
-    flat = [torch.empty(sum(sizes), dtype=torch.uint8)]
-    per_tensor, used = [], 0   # views of the same buffer (a second one would not fit at 540M)
-    for n in sizes:
-        per_tensor.append(flat[0][used:used + n])
-        used += n
-    flag = torch.zeros(1)
-    while True:
-        group.broadcast(flag).wait()
-        if not flag.item():
-            break
-        for work in [group.broadcast(b) for b in (flat if flag.item() == 1 else per_tensor)]:
-            work.wait()
-        group.broadcast(torch.zeros(1), src=1).wait()   # "received": rank 0 stops its clock
-    group.shutdown()
-
-
-class RawBroadcast:
-    """The distributed roofline: one gloo broadcast of the payload's bytes, as one flat buffer,
-    from this process to a second one, timed until that process has all of it. `per_tensor`
-    times the same bytes as one broadcast per tensor (what a trainer sends without packing,
-    SGLang's ``load_format`` None), from the trainer's tensors into consecutive slices of the
-    receiver's buffer: gloo's own cost of many operations, with no engine in between."""
-
-    def __init__(self, buf: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-        import multiprocessing as mp
-
-        port = free_port()
-        sizes = [t.numel() * t.element_size() for t in tensors]
-        assert sum(sizes) == buf.numel()
-        self.child = mp.get_context("spawn").Process(target=_raw_receiver, args=(port, sizes),
-                                                     daemon=True)
-        self.child.start()
-        self.group = join_update_group("127.0.0.1", port, 0, 2, "raw", "gloo", 600.0)
-        self.buf = buf
-        self.tensors = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-
-    def once(self, per_tensor: bool = False) -> float:
-        self.group.broadcast(torch.full((1,), 2.0 if per_tensor else 1.0)).wait()
-        t0 = time.perf_counter()
-        for work in [self.group.broadcast(b) for b in (self.tensors if per_tensor
-                                                        else [self.buf])]:
-            work.wait()
-        self.group.broadcast(torch.zeros(1), src=1).wait()
-        return time.perf_counter() - t0
-
-    def close(self) -> None:
-        self.group.broadcast(torch.zeros(1)).wait()
-        self.group.shutdown()
-        self.child.join(60)
-
-
-class Rooflines:
-    """Each path's physical limit on the same bytes, timed by `time(family)` right before each
-    refit it bounds (the machine is shared: its memory bandwidth swings ~2x from minute to
-    minute, so a refit is paired with the limit measured next to it):
-
-    memcpy: the fastest of copy_ (torch's threads), one thread's and two threads' `copy_all`
-    (what the engine's apply uses: streaming stores from 4 MB, the fastest copy we have)
-    between two preallocated fp32 tensors; shm copy: the same copy out of POSIX shared memory
-    (what the engine's apply reads: tmpfs maps it in 4 KB pages; models up to
-    ROUND_ROBIN_BYTES); cast: bf16 -> fp32 copy_; raw broadcast: `RawBroadcast` (and its
-    per-tensor variant, a reference, not a goal); read + copy: the checkpoint files read into
-    a preallocated buffer, then the fastest copy (as for memcpy) of those bytes into
-    preallocated tensors (page cache warm); read alone.
-    """
-
-    def __init__(self, model_path: str, num_bytes: int, tensors: list[torch.Tensor]) -> None:
-        self.files = safetensors_files(model_path)
-        self.sizes = [Path(f).stat().st_size for f in self.files]
-        self.dst = torch.empty(max(num_bytes, max(self.sizes)) // 4, dtype=torch.float32)
-        self.src = torch.ones_like(self.dst)
-        self.cast_src = torch.ones(num_bytes // 4, dtype=CAST)
-        # a big model has no room for one more model's worth (measured apart, see the report)
-        self.shm_src = (shared_buffer(num_bytes, torch.device("cpu")).fill_(1)
-                        if num_bytes <= ROUND_ROBIN_BYTES else None)
-        self.num_bytes = num_bytes
-        self.bcast = RawBroadcast(self.src.view(torch.uint8)[:num_bytes], tensors)
-
-    def _read(self, i: int) -> torch.Tensor:
-        buf = self.src.view(torch.uint8)[:self.sizes[i]]
-        with open(self.files[i], "rb", buffering=0) as f:
-            view = memoryview(buf.numpy())
-            while view:
-                view = view[f.readinto(view):]
-        return buf
-
-    def _read_copy(self) -> None:
-        out = self.dst.view(torch.uint8)
-        copy_all([(out[:self.sizes[i]], self._read(i)) for i in range(len(self.files))])
-
-    def time(self, family: Optional[str] = None) -> dict[str, float]:
-        """One timing of each limit of `family` ("tensor", "distributed", "disk"; None: all)."""
-        out: dict[str, float] = {}
-        n = self.num_bytes // 4
-        if family in (None, "tensor"):
-            torch_copy = timed(lambda: self.dst[:n].copy_(self.src[:n]))
-            one_thread = timed(lambda: copy_all([(self.dst[:n], self.src[:n])], num_threads=1))
-            two_threads = timed(lambda: copy_all([(self.dst[:n], self.src[:n])]))
-            shm_src = self.shm_src
-            if shm_src is not None:
-                out["shm_copy_seconds"] = timed(lambda: copy_all(
-                    [(self.dst.view(torch.uint8)[:self.num_bytes], shm_src)]))
-            out.update({
-                "memcpy_seconds": min(torch_copy, one_thread, two_threads),
-                "memcpy_torch_seconds": torch_copy, "memcpy_one_thread_seconds": one_thread,
-                "memcpy_two_threads_seconds": two_threads,
-                "cast_copy_seconds": timed(lambda: self.dst[:n].copy_(self.cast_src))})
-        if family in (None, "distributed"):
-            out["raw_broadcast_seconds"] = self.bcast.once()
-            out["raw_per_tensor_broadcast_seconds"] = self.bcast.once(per_tensor=True)
-        if family in (None, "disk"):
-            out["read_copy_seconds"] = timed(self._read_copy)
-            out["read_seconds"] = timed(lambda: [self._read(i) for i in range(len(self.files))])
-        return out
-
-    def close(self) -> None:
-        self.bcast.close()
-
-
-VLLM_SCRIPT = r"""
-import json, sys, time
-args = json.loads(sys.argv[1])
-from vllm import LLM, SamplingParams
-import vllm
-llm = LLM(model=args["model_dir"], dtype="float32", max_model_len=512, seed=0,
-          enforce_eager=True)
-greedy = SamplingParams(max_tokens=4, temperature=0)
-before = llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy)[0].outputs[0].token_ids
-def reload():
-    llm.collective_rpc("reload_weights", kwargs={"weights_path": args["model_dir"]})
-reload()
-secs = []
-for _ in range(args["repeats"]):
-    t0 = time.perf_counter(); reload(); secs.append(time.perf_counter() - t0)
-after = llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy)[0].outputs[0].token_ids
-print("RESULT " + json.dumps({"seconds": secs, "vllm": vllm.__version__,
-                              "same_tokens_after_reload": list(before) == list(after)}))
-"""
-
-
-def vllm_reload_seconds(model_path: str, repeats: int) -> Optional[dict[str, Any]]:
-    """vLLM CPU's reload_weights of `model_path` (best of `repeats`), or None without vLLM."""
-    py = vllm_peer.vllm_python(setup=False)
-    if py is None:
-        return None
-    res = vllm_peer.run_vllm_script(py, VLLM_SCRIPT, {"model_dir": model_path,
-                                                      "repeats": repeats}, timeout=1800)
-    if res is None:
-        return None
-    return {**res, "best_seconds": min(res["seconds"])}
 
 
 def pack_seconds(source: Any, bucket_bytes: int) -> float:
@@ -285,10 +129,6 @@ class ApplyRecorder:
     def take(self) -> float:
         s, self.seconds = self.seconds, 0.0
         return s
-
-
-CAST = torch.bfloat16   # the cast row's trainer dtype (the engine is float32)
-ROUND_ROBIN_BYTES = 1 << 30   # models up to this size run a transport's rows in turns
 
 
 def configs(quick: bool) -> list[tuple[str, Optional[int], torch.dtype]]:
@@ -486,87 +326,6 @@ def bench_model(name: str, spec: dict[str, Any], args: argparse.Namespace, threa
             row["seconds"] / out["raw_per_tensor_broadcast_seconds"]
             if row["transport"] == "distributed" else None)
     return out
-
-
-ROOFLINE_KEY = {"memcpy": "memcpy_seconds", "bf16 -> fp32 copy_": "cast_copy_seconds",
-                "raw broadcast": "raw_broadcast_seconds", "read + copy": "read_copy_seconds"}
-
-
-def roofline_of(row: dict[str, Any]) -> str:
-    if row["transport"] == "tensor" and row["source_dtype"] != "float32":
-        return "bf16 -> fp32 copy_"
-    return ROOFLINE[row["transport"]]
-
-
-def verdicts_of(res: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each goal of issue 18 on this model, by two statistics:
-
-    paired (``met``): the median over rounds of each refit over its path's roofline timed
-    just before it; for "no slower", that median of the bucketed row over the unbucketed
-    row's (both normalized by their own rooflines, which cancels the machine's drift);
-    best-of (``met_best_of``): a row's best refit over the roofline's best over all rounds,
-    which pairs moments that may be minutes apart on a shared machine.
-    """
-    rows = [r for r in res["rows"] if r["source_dtype"] == "float32"]
-    out = []
-    for transport, goal in GOALS.items():
-        mine = [r for r in rows if r["transport"] == transport
-                and not r["syncer_writes_the_files"]]
-        best = min(mine, key=lambda r: r["median_round_ratio"])
-        out.append({"goal": f"{transport} <= {goal:g}x {ROOFLINE[transport]}",
-                    "best": best["label"], "value": round(best["median_round_ratio"], 3),
-                    "met": best["median_round_ratio"] <= goal,
-                    "best_of": round(best["ratio_to_roofline"], 3),
-                    "met_best_of": best["ratio_to_roofline"] <= goal})
-        if transport == "tensor":   # next to it, the same goal over torch's copy_ alone
-            by_copy = min(mine, key=lambda r: r["median_round_ratio_torch_copy"])
-            out.append({"goal": f"tensor <= {goal:g}x torch copy_ (the issue's wording)",
-                        "best": by_copy["label"],
-                        "value": round(by_copy["median_round_ratio_torch_copy"], 3),
-                        "met": by_copy["median_round_ratio_torch_copy"] <= goal,
-                        "best_of": round(by_copy["ratio_to_torch_copy"], 3),
-                        "met_best_of": by_copy["ratio_to_torch_copy"] <= goal})
-        plain = next((r for r in mine if r["bucket_bytes"] is None), None)
-        for r in mine:
-            if r["bucket_bytes"] is not None and plain is not None:
-                paired = r["median_round_ratio"] / plain["median_round_ratio"]
-                best_of = r["seconds"] / plain["seconds"]
-                out.append({"goal": f"{r['label']} no slower than {plain['label']}",
-                            "best": r["label"], "value": round(paired, 3), "met": paired <= 1.0,
-                            "best_of": round(best_of, 3), "met_best_of": best_of <= 1.0})
-    peer = res.get("vllm_reload")
-    disk = next(r for r in rows if r["label"].startswith("disk (load"))
-    if peer:
-        ratio = disk["seconds"] / peer["best_seconds"]
-        out.append({"goal": "disk refit faster than vLLM CPU reload_weights", "best": disk["label"],
-                    "value": round(ratio, 3), "met": ratio < 1.0,
-                    "best_of": round(ratio, 3), "met_best_of": ratio < 1.0})
-    return [{"model": res["model"], **v} for v in out]
-
-
-def chart(results: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results), figsize=(8 * len(results), 4.8), squeeze=False)
-    colors = {"tensor": "tab:blue", "distributed": "tab:orange", "disk": "tab:gray"}
-    for ax, res in zip(axes[0], results):
-        rows = res["rows"]
-        ax.bar(range(len(rows)), [r["ratio_to_roofline"] for r in rows],
-               color=[colors[r["transport"]] for r in rows])
-        for transport, goal in GOALS.items():
-            ax.axhline(goal, color=colors[transport], ls=":", lw=1,
-                       label=f"{transport} goal ({goal:g}x {ROOFLINE[transport]})")
-        ax.axhline(1.0, color="red", ls="--", lw=1, label="the path's own roofline")
-        ax.set_xticks(range(len(rows)), [r["label"] for r in rows], rotation=40, ha="right")
-        ax.set_ylabel("refit seconds / roofline seconds (same run)")
-        ax.set_title(f"{res['model']} qwen2 fp32 ({res['bytes'] / 1e9:.2f} GB) refit on CPU")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main() -> None:
