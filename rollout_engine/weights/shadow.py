@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from rollout_engine.protocol.bucket import copy_all
 from rollout_engine.weights.loader import LoadReport, weight_table
 
 MIN_COVERAGE = 0.5
@@ -97,9 +98,13 @@ class ShadowWeights:
         """Every byte arrived: fill each spare's rows the update did not carry from the live
         parameter, then swap spare and parameter."""
         with torch.no_grad():
-            for key, (param, spare, ranges) in plan.params.items():
-                for start, stop in _uncovered(ranges, param.shape[0]):
-                    spare[start:stop].copy_(param.data[start:stop])
+            # one copy_all for every uncovered range (contiguous rows: plain byte copies, on
+            # both threads with streaming stores when large: a bucket that splits a fused
+            # projection across calls copies the projection's other half here)
+            copy_all([(spare[start:stop], param.data[start:stop])
+                      for param, spare, ranges in plan.params.values()
+                      for start, stop in _uncovered(ranges, param.shape[0])])
+            for key, (param, spare, _) in plan.params.items():
                 old = param.data
                 param.data = spare
                 self.spares[key] = old
