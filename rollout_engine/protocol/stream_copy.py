@@ -10,12 +10,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import os
 from pathlib import Path
 from typing import Optional
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "stream_copy.cpp"
 STREAM_COPY_ENV = "ROLLOUT_ENGINE_STREAM_COPY"
@@ -44,13 +40,8 @@ class StreamCopy:
 @functools.cache
 def load_stream_copy() -> Optional[StreamCopy]:
     """The compiled copy, or None (after one warning) when it cannot be built."""
-    if os.environ.get(STREAM_COPY_ENV, "1") == "0":
-        return None
-    try:
-        from rollout_engine.model_runner.attention import cpu_kernels
+    from rollout_engine.model_runner.attention import cpu_kernels
 
-        return StreamCopy(cpu_kernels.build_library(SOURCE, "rollout_engine_stream_copy"))
-    except Exception as e:  # noqa: BLE001 - any build/load failure means "use numpy's memcpy"
-        logger.warning("streaming copy unavailable (%s: %s); copies use numpy's memcpy",
-                       type(e).__name__, str(e).strip().splitlines()[-1:])
-        return None
+    return cpu_kernels.load_or_warn(
+        lambda: StreamCopy(cpu_kernels.build_library(SOURCE, "rollout_engine_stream_copy")),
+        "streaming copy", "copies use numpy's memcpy", STREAM_COPY_ENV)

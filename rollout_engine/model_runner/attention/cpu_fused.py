@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import os
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from rollout_engine.model_runner.attention import cpu_kernels
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_ops.cpp"
 FUSED_ENV = "ROLLOUT_ENGINE_FUSED_OPS"
@@ -168,11 +164,6 @@ class FusedOps:
 def load_fused_ops() -> Optional[FusedOps]:
     """The compiled ops, or None (after one warning) when they cannot be built or are turned
     off by ``ROLLOUT_ENGINE_FUSED_OPS=0``."""
-    if os.environ.get(FUSED_ENV, "1") == "0":
-        return None
-    try:
-        return FusedOps(cpu_kernels.build_library(SOURCE, "rollout_engine_fused_ops"))
-    except Exception as e:  # noqa: BLE001 - any build/load failure means "use the torch ops"
-        logger.warning("CPU fused ops unavailable (%s: %s); using the PyTorch ops",
-                       type(e).__name__, str(e).strip().splitlines()[-1:])
-        return None
+    return cpu_kernels.load_or_warn(
+        lambda: FusedOps(cpu_kernels.build_library(SOURCE, "rollout_engine_fused_ops")),
+        "CPU fused ops", "using the PyTorch ops", FUSED_ENV)

@@ -38,7 +38,7 @@ import platform
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, TypeVar
 
 import numpy as np
 import torch
@@ -193,11 +193,23 @@ def load_paged_decode() -> Optional[PagedDecodeOp]:
 
 
 def _load(build: Callable[[], PagedDecodeOp]) -> Optional[PagedDecodeOp]:
+    return load_or_warn(build, "CPU paged decode attention kernel", "using the PyTorch path")
+
+
+T = TypeVar("T")
+
+
+def load_or_warn(build: Callable[[], T], what: str, instead: str,
+                 off_env: Optional[str] = None) -> Optional[T]:
+    """``build()``, or None: when ``$off_env`` is "0" (silently), or after one warning naming
+    `what` and what happens `instead` when building or loading it fails in any way."""
+    if off_env is not None and os.environ.get(off_env, "1") == "0":
+        return None
     try:
         return build()
-    except Exception as e:  # noqa: BLE001 - any build/import failure means "use the torch path"
-        logger.warning("CPU paged decode attention kernel unavailable (%s: %s); using the "
-                       "PyTorch path", type(e).__name__, str(e).strip().splitlines()[-1:])
+    except Exception as e:  # noqa: BLE001 - any build/import failure means the fallback
+        logger.warning("%s unavailable (%s: %s); %s", what, type(e).__name__,
+                       str(e).strip().splitlines()[-1:], instead)
         return None
 
 
