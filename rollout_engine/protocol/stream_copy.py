@@ -24,12 +24,9 @@ class StreamCopy:
     ABI = 1
 
     def __init__(self, library_path: str) -> None:
-        lib = ctypes.CDLL(library_path)
-        abi = getattr(lib, "rollout_engine_stream_copy_abi", None)
-        found = abi() if abi is not None else None
-        if found != self.ABI:
-            raise RuntimeError(f"{library_path} has ABI {found}, expected {self.ABI} (a stale "
-                               "build: delete it to rebuild)")
+        from rollout_engine.model_runner.attention import cpu_kernels
+
+        lib = cpu_kernels.open_library(library_path, "rollout_engine_stream_copy_abi", self.ABI)
         self.streams = bool(lib.rollout_engine_stream_copy_streams())
         fn = lib.rollout_engine_stream_copy
         fn.restype = None

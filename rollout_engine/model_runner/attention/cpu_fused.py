@@ -32,12 +32,7 @@ class FusedOps:
     ABI = 3   # rollout_engine_fused_ops_abi() of the source these signatures describe
 
     def __init__(self, library_path: str) -> None:
-        lib = ctypes.CDLL(library_path)
-        abi = getattr(lib, "rollout_engine_fused_ops_abi", None)
-        found = abi() if abi is not None else None
-        if found != self.ABI:
-            raise RuntimeError(f"{library_path} has ABI {found}, expected {self.ABI} (a stale "
-                               "build: delete it to rebuild)")
+        lib = cpu_kernels.open_library(library_path, "rollout_engine_fused_ops_abi", self.ABI)
         sig = {"rmsnorm": [_P, _P, _P, _I64, _I64, _I64, _F32],
                "add_rmsnorm": [_P, _P, _P, _P, _I64, _I64, _F32],
                "rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64],

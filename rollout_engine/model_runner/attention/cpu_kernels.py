@@ -59,12 +59,7 @@ class PagedDecodeOp:
     ABI = 2   # rollout_engine_paged_decode_abi() of the source these signatures describe
 
     def __init__(self, library_path: str) -> None:
-        self._lib = ctypes.CDLL(library_path)
-        abi = getattr(self._lib, "rollout_engine_paged_decode_abi", None)
-        found = abi() if abi is not None else None
-        if found != self.ABI:
-            raise RuntimeError(f"{library_path} has ABI {found}, expected {self.ABI} (a stale "
-                               "build: delete it to rebuild)")
+        self._lib = open_library(library_path, "rollout_engine_paged_decode_abi", self.ABI)
         fn = self._lib.rollout_engine_paged_decode_f32
         fn.restype = ctypes.c_int
         fn.argtypes = ([ctypes.c_void_p] * 10 + [ctypes.c_int64] * 10
@@ -121,6 +116,18 @@ def _cpu_tag() -> str:
         pass
     key = f"{torch.__version__}|{platform.python_version()}|{cpu}"
     return hashlib.sha1(key.encode()).hexdigest()[:10]
+
+
+def open_library(library_path: str, abi_symbol: str, abi: int) -> ctypes.CDLL:
+    """Load a built library whose ``abi_symbol()`` must return `abi` (the version of the C
+    signatures its Python wrapper describes); a stale build raises."""
+    lib = ctypes.CDLL(library_path)
+    fn = getattr(lib, abi_symbol, None)
+    found = fn() if fn is not None else None
+    if found != abi:
+        raise RuntimeError(f"{library_path} has ABI {found}, expected {abi} (a stale build: "
+                           "delete it to rebuild)")
+    return lib
 
 
 def _kernel_name(stem: str = "rollout_engine_paged_decode") -> str:
