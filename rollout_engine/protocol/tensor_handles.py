@@ -101,6 +101,16 @@ class ReadContext:
         self._read_nested = read_nested
         self.shm_storages: list[ShmStorage] = []   # every shm storage the payload names
         self.managers_checked: set[bytes] = set()
+        self._opened: dict[int, torch.UntypedStorage] = {}
+
+    def open_once(self, storage: ShmStorage | EmptyStorage) -> torch.UntypedStorage:
+        """`storage.open()`, once per storage per read however many tensors view it: the
+        sender took one shm reference per storage it pickled, and each open drops one (two
+        views of one storage opened twice would unlink the file under the live sender)."""
+        opened = self._opened.get(id(storage))
+        if opened is None:
+            opened = self._opened[id(storage)] = storage.open()
+        return opened
 
     def read_nested(self, data: Any) -> Any:
         """Read a payload embedded in this one, with the same restrictions and byte budget."""
@@ -334,7 +344,7 @@ class CpuTensor(Lazy):
         self.size, self.stride, self.requires_grad = size, stride, requires_grad
 
     def materialize(self, ctx, convert):
-        untyped = self.storage.storage.open()
+        untyped = ctx.open_once(self.storage.storage)
         dtype = self.storage.dtype
         # in-process, torch returns the sender's own storage from its cache: check it again
         if required_bytes(self.size, self.stride, self.offset, dtype.itemsize) > untyped.nbytes():

@@ -127,3 +127,35 @@ def test_other_payloads_are_not_kept():
     assert SentPayloads.key([("w", 3)]) is None
     assert SentPayloads.key([]) is None
     assert SentPayloads.key([("w", torch.zeros(2), 1)]) is None
+
+
+def test_views_of_one_storage_drop_one_reference_per_read(dumps):
+    """Two names viewing one storage (a fused projection sent as its q / k / v slices): the
+    sender takes one reference for the storage, so the reader must drop one per read, not one
+    per view. Dropping two unlinked the file under the live sender and the second refit failed
+    ("does not exist")."""
+    fused = torch.arange(12.0)
+    weights = [("q", fused[:6]), ("k", fused[6:9]), ("v", fused[9:])]
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_reader, args=(child,), daemon=True)
+    proc.start()
+    try:
+        for step in range(4):
+            fused.add_(1.0)
+            parent.send(serialize_named_tensors(weights))
+            assert parent.poll(60), "the reader did not answer"
+            answer = parent.recv()
+            assert answer == [float(t.sum()) for _, t in weights], (step, answer)
+        path = _shm_path(fused)
+        assert os.path.exists(path)
+        parent.send(None)
+        proc.join(30)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    weights.clear()
+    del fused
+    gc.collect()
+    assert not os.path.exists(path)   # and no reference is left over either
