@@ -276,3 +276,41 @@ def test_handle_groups_bound_their_bytes_and_keep_order():
     assert [n for g in groups for n, _ in g] == [n for n, _ in items]
     with pytest.raises(ValueError, match="pack"):
         TensorTransport(BUCKET, pack="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bucket_bytes", [None, 1 << 16])
+def test_a_trainer_whose_weights_view_one_flat_buffer_refits_again_and_again(
+        engine_on_w1, w2, bucket_bytes):
+    """Parameters that are views of one flat buffer (FSDP / DeepSpeed flat parameters), in the
+    colocated loop (sleep, train, wake, refit): every refit sends one storage under many
+    names; the engine must drop one shm reference per read, not one per view, or its
+    unmapping at the next sleep unlinks the file under the trainer and the refit after the
+    wake fails ("does not exist"), or, with more views than references, the count never
+    returns to zero and the file outlives everyone (both measured before the fix)."""
+    import copy
+
+    trainer = copy.deepcopy(w2.model)
+    params = list(trainer.parameters())
+    flat = torch.zeros(sum(p.numel() for p in params))
+    with torch.no_grad():
+        offset = 0
+        for p in params:
+            view = flat[offset:offset + p.numel()].view(p.shape)
+            view.copy_(p.data)
+            p.data = view
+            offset += p.numel()
+    with WeightSyncer(engine_on_w1, transport="tensor", bucket_bytes=bucket_bytes) as syncer:
+        for step in range(3):
+            engine_on_w1.release_memory_occupation(["weights"])   # sleep: unmaps the shm
+            with torch.no_grad():
+                flat.mul_(1.0 - 2.0 ** -10)   # an optimizer step, in place
+            engine_on_w1.resume_memory_occupation(["weights"])
+            syncer.sync(trainer, version=f"flat-{step}")
+            assert _engine_matches(engine_on_w1, trainer), step
+    path = _shm_path(flat)
+    assert os.path.exists(path)
+    engine_on_w1.release_memory_occupation(["weights"])   # the engine unmaps it
+    engine_on_w1.resume_memory_occupation(["weights"])
+    del trainer, params, p, view, flat
+    gc.collect()
+    assert not os.path.exists(path)   # the last reference was the trainer's
