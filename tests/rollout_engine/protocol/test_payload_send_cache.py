@@ -11,6 +11,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from rollout_engine.protocol import tensor_payload
 from rollout_engine.protocol.payload_cache import SentPayloads
@@ -49,9 +51,10 @@ def _reader(conn) -> None:
         if text is None:
             return
         named = deserialize_named_tensors(text)
-        conn.send([float(t.sum()) for _, t in named])
+        sums = [float(t.sum()) for _, t in named]
         del named
-        gc.collect()
+        gc.collect()   # unmapped before answering: the answer says this process let go
+        conn.send(sums)
 
 
 def test_repeats_are_one_pickling_and_keep_the_shm_references_balanced(dumps):
@@ -159,3 +162,51 @@ def test_views_of_one_storage_drop_one_reference_per_read(dumps):
     del fused
     gc.collect()
     assert not os.path.exists(path)   # and no reference is left over either
+
+
+@pytest.fixture(scope="module")
+def reader():
+    """One reader process for many payloads (`_reader`)."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_reader, args=(child,), daemon=True)
+    proc.start()
+    yield parent
+    parent.send(None)
+    proc.join(30)
+    if proc.is_alive():
+        proc.kill()
+
+
+_VIEWS = st.lists(st.tuples(st.integers(0, 2), st.integers(0, 60), st.integers(1, 40),
+                            st.booleans()), min_size=1, max_size=8)
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(views=_VIEWS, sends=st.integers(1, 3))
+def test_any_views_of_any_storages_keep_the_shm_references_balanced(reader, views, sends):
+    """Random views (offset, length; some the very same tensor under a second name) of up to
+    three storages, sent `sends` times to another process that opens and drops each payload:
+    every read sees the current values, the files live while the sender holds the storages,
+    and none is left once it lets go (an extra drop unlinks early, a missing one leaks)."""
+    storages = [torch.arange(100.0) + 1000 * i for i in range(3)]
+    named: list[tuple[str, torch.Tensor]] = []
+    for i, (which, start, length, again) in enumerate(views):
+        if again and named:
+            named.append((f"w{i}", named[-1][1]))   # the same tensor, another name
+        else:
+            named.append((f"w{i}", storages[which][start:start + length]))
+    for step in range(sends):
+        torch._foreach_add_(storages, 1.0)   # an optimizer step (no loop variable left holding one)
+        reader.send(serialize_named_tensors(named))
+        assert reader.poll(60), "the reader did not answer"
+        assert reader.recv() == [float(t.sum()) for _, t in named], step
+    used = {id(t.untyped_storage()._cdata): t for _, t in named}
+    paths = {_shm_path(t) for t in used.values()}
+    assert all(os.path.exists(p) for p in paths)
+    named.clear()
+    used.clear()
+    storages.clear()
+    gc.collect()
+    assert not any(os.path.exists(p) for p in paths)
