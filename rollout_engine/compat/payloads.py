@@ -62,9 +62,13 @@ def refit_payload_cap(model: nn.Module) -> int:
 _CAPS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
 
-def read_refit_payload(data: Any, model: nn.Module, tp_rank: int = 0) -> Any:
-    """One rank's `serialized_named_tensors` entry, read with the model's byte cap."""
-    return deserialize_named_tensors(data, max_bytes=refit_payload_cap(model), tp_rank=tp_rank)
+def read_refit_payload(data: Any, model: nn.Module, tp_rank: int = 0,
+                       read_by_others: bool = False) -> Any:
+    """One rank's `serialized_named_tensors` entry, read with the model's byte cap
+    (`read_by_others`: the same string is every rank's, and another rank drops the sender's
+    references: `deserialize_named_tensors`)."""
+    return deserialize_named_tensors(data, max_bytes=refit_payload_cap(model), tp_rank=tp_rank,
+                                     read_by_others=read_by_others)
 
 
 def _is_sglang_bucket(obj: Any) -> bool:

@@ -217,7 +217,11 @@ class TPWorker:
             self.mapped = refit.MappedStorages.for_model(self.model)
         # refit_from_serialized's steps, as rank tp_rank (verl's LocalSerializedTensor holds a
         # value per rank)
-        payload = read_refit_payload(mine, self.model, tp_rank=self.tp.rank)
+        # one payload for every rank: rank 0 drops the sender's shm references, this rank
+        # keeps them (two drops for one reference would unlink the trainer's files once the
+        # ranks unmap them, at the next sleep)
+        payload = read_refit_payload(mine, self.model, tp_rank=self.tp.rank,
+                                     read_by_others=len(payloads) == 1)
         named = refit.named_tensors_from_payload(payload, load_format)
         report = load_weights(self.model, named)
         self.mapped.keep(named)

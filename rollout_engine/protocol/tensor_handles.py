@@ -94,11 +94,16 @@ class ReadContext:
     """What reconstructors and records see while one payload is read."""
 
     def __init__(self, budget: PayloadBudget, tp_rank: int, depth: int,
-                 read_nested: Callable[[Any, ReadContext], Any]) -> None:
+                 read_nested: Callable[[Any, ReadContext], Any],
+                 restore_references: bool = False) -> None:
         self.budget = budget
         self.tp_rank = tp_rank
         self.depth = depth
         self._read_nested = read_nested
+        # one payload read by several processes (every rank of a tensor-parallel engine):
+        # the sender took one reference per storage, for one reader; the others give back
+        # the one their open drops
+        self.restore_references = restore_references
         self.shm_storages: list[ShmStorage] = []   # every shm storage the payload names
         self.managers_checked: set[bytes] = set()
         self._opened: dict[int, torch.UntypedStorage] = {}
@@ -110,6 +115,8 @@ class ReadContext:
         opened = self._opened.get(id(storage))
         if opened is None:
             opened = self._opened[id(storage)] = storage.open()
+            if self.restore_references and isinstance(storage, ShmStorage):
+                opened._shared_incref()
         return opened
 
     def read_nested(self, data: Any) -> Any:
@@ -117,7 +124,7 @@ class ReadContext:
         if self.depth >= 1:
             raise UnsafePayloadError("tensor payload nests serialized payloads more than once")
         return self._read_nested(data, ReadContext(self.budget, self.tp_rank, self.depth + 1,
-                                                   self._read_nested))
+                                                   self._read_nested, self.restore_references))
 
 
 class Lazy:

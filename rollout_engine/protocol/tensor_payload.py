@@ -390,13 +390,16 @@ def _read(data: Any, ctx: ReadContext) -> Any:
 
 
 def deserialize_named_tensors(data: str | bytes, *, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-                              tp_rank: int = 0) -> object:
+                              tp_rank: int = 0, read_by_others: bool = False) -> object:
     """Decode a tensor payload string (ours, or one SGLang's trainers build), rebuilding tensors
     from their handles.
 
     `data`: base64 text (or the raw pickle bytes). `max_bytes` caps the storage bytes the
     payload, nested payloads included, may map. `tp_rank` picks the rank's entry of an SGLang
-    `LocalSerializedTensor`.
+    `LocalSerializedTensor`. `read_by_others`: this very string is also read by another
+    process (one payload for every rank of a tensor-parallel engine), which drops the one shm
+    reference the sender took for each storage; this reader gives back the one it drops, so
+    the sender's file is not unlinked under it once the ranks unmap.
 
     Raises UnsafePayloadError (a ValueError) for any global, opcode or handle outside the
     rules in the module docstring, before anything is mapped or executed. Malformed base64,
@@ -409,4 +412,5 @@ def deserialize_named_tensors(data: str | bytes, *, max_bytes: int = DEFAULT_MAX
     """
     if not isinstance(tp_rank, int) or tp_rank < 0:
         raise ValueError(f"tp_rank: must be a non-negative int, got {tp_rank!r}")
-    return _read(data, ReadContext(PayloadBudget(max_bytes), tp_rank, 0, _read))
+    return _read(data, ReadContext(PayloadBudget(max_bytes), tp_rank, 0, _read,
+                                   restore_references=read_by_others))

@@ -117,6 +117,40 @@ def test_a_retracted_request_resumes_as_it_would_have_run(tp2, one_rank):
     assert last["output_ids"] == one_rank[2][0]
 
 
+def test_tensor_refits_keep_the_trainers_shm_through_sleep_and_wake(tp2, one_rank, one_kv_head):
+    """The colocated loop on TP=2 (refit by tensor handles, sleep, wake, refit): one payload
+    is every rank's, so only one rank may drop the sender's shm references; both dropping
+    them unlinked the trainer's files at the first sleep and the refit after the wake failed
+    ("does not exist"). The files live while the trainer does, and not after."""
+    import gc
+
+    from transformers import AutoModelForCausalLM
+
+    from trainer_bridge import WeightSyncer
+
+    trainer = AutoModelForCausalLM.from_pretrained(one_kv_head, dtype=torch.float32)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.data = p.data.clone()   # memory of its own, as a trainer's weights are
+    with WeightSyncer(tp2, transport="tensor") as syncer:
+        for step in range(3):
+            syncer.sync(trainer, version=f"loop-{step}")
+            tp2.release_memory_occupation(["weights"])
+            tp2.resume_memory_occupation(["weights"])
+        syncer.sync(trainer, version="loop-final")
+    _same(_rollouts(tp2), one_rank)
+    weight = next(trainer.parameters())
+    handle = weight.untyped_storage()._share_filename_cpu_()[1].decode()
+    path = os.path.join("/dev/shm", handle.lstrip("/"))
+    assert os.path.exists(path)
+    tp2.release_memory_occupation(["weights"])   # both ranks unmap it
+    tp2.resume_memory_occupation(["weights"])
+    assert tp2.update_weights_from_disk(one_kv_head)[0]
+    del trainer, weight, p
+    gc.collect()
+    assert not os.path.exists(path)
+
+
 def test_sizes_that_cannot_shard_are_refused(one_kv_head):
     with pytest.raises(ValueError, match=r"tp_size: must divide num_attention_heads \(4\)"):
         EngineConfig(model_path=one_kv_head, tp_size=3)
