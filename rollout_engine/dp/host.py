@@ -110,6 +110,11 @@ class DataParallelChannel(Channel):
             if msg.method == "init_weights_update_group":
                 kwargs = {**kwargs,
                           "rank_offset": kwargs["rank_offset"] + i * self.ranks_per_replica}
+            elif msg.method == "update_weights_from_tensor" and i:
+                # every replica reads the same payload; the sender took one shm reference per
+                # storage, for one reader: the others keep it (two drops for one reference
+                # unlink the trainer's files once the replicas unmap them, at the next sleep)
+                kwargs = {**kwargs, "read_by_others": True}
             r.chan.send(dataclasses.replace(msg, kwargs=kwargs))
 
     # -- replicas -> frontend ----------------------------------------------------------------

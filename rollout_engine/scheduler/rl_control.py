@@ -237,8 +237,11 @@ class RLControl(BroadcastRefits):
                                        weight_version: Optional[str] = None,
                                        abort_all_requests: bool = False,
                                        torch_empty_cache: bool = False,
+                                       read_by_others: bool = False,
                                        **sglang_flags: Any) -> dict[str, Any]:
-        """``sglang_flags``: disable_draft_model (no draft model here), pp_rank."""
+        """``sglang_flags``: disable_draft_model (no draft model here), pp_rank.
+        ``read_by_others`` (set by the data-parallel host, not a client): another replica
+        reads the same payload and drops the sender's shm references."""
         self._refuse_while_receiving("update_weights_from_tensor")
         model = self.s.runner.model
         self._before_update(abort_all_requests, weight_version=weight_version,
@@ -247,8 +250,8 @@ class RLControl(BroadcastRefits):
         if self.mapped is None:     # sized from the model once: its weights never change size
             self.mapped = refit.MappedStorages.for_model(model)
         return self._apply(lambda: refit.refit_from_serialized(
-            model, serialized_named_tensors, load_format, self.mapped), weight_version,
-            flush_cache, torch_empty_cache)
+            model, serialized_named_tensors, load_format, self.mapped, read_by_others),
+            weight_version, flush_cache, torch_empty_cache)
 
     def rpc_get_weights_by_name(self, name: str, truncate_size: int = 100) -> WeightSlice:
         """The first ``truncate_size`` rows of a weight, bounded (a debugging read)."""

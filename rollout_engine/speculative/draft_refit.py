@@ -160,6 +160,7 @@ class DraftRLControl(RLControl):
                                        torch_empty_cache: bool = False,
                                        disable_draft_model: Optional[bool] = None,
                                        selector: Optional[str] = None,
+                                       read_by_others: bool = False,
                                        **sglang_flags: Any) -> dict[str, Any]:
         self._refuse_while_receiving("update_weights_from_tensor")
         sel = resolve_selector(selector, disable_draft_model)
@@ -174,7 +175,8 @@ class DraftRLControl(RLControl):
             self.mapped = refit.MappedStorages.for_model(both)
 
         def load() -> LoadReport:
-            payload = read_refit_payload(serialized_named_tensors[0], both)
+            payload = read_refit_payload(serialized_named_tensors[0], both,
+                                         read_by_others=read_by_others)
             named = refit.named_tensors_from_payload(payload, load_format)
             report = self._load_named(named, sel)
             assert self.mapped is not None

@@ -121,13 +121,17 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 def refit_from_serialized(model: nn.Module, serialized: list[str], load_format: Optional[str],
-                          mapped: Optional[MappedStorages] = None) -> LoadReport:
-    """Load one `update_weights_from_tensor` payload; `mapped` keeps its shm mapped after."""
+                          mapped: Optional[MappedStorages] = None,
+                          read_by_others: bool = False) -> LoadReport:
+    """Load one `update_weights_from_tensor` payload; `mapped` keeps its shm mapped after;
+    `read_by_others`: another process reads the same payload and drops the sender's shm
+    references (a data-parallel replica other than the first)."""
     if not isinstance(serialized, list) or not serialized:
         raise ValueError("serialized_named_tensors: must be a non-empty list of strings "
                          "(one per tensor-parallel rank)")
     # one rank here: rank 0's payload is ours
-    payload = read_refit_payload(serialized[0], model)  # byte cap from the model's size
+    payload = read_refit_payload(serialized[0], model,   # byte cap from the model's size
+                                 read_by_others=read_by_others)
     named_tensors = named_tensors_from_payload(payload, load_format)
     report = load_weights(model, named_tensors)
     if mapped is not None:

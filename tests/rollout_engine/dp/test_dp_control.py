@@ -103,6 +103,34 @@ def test_refit_by_every_transport_and_sleep_wake(dp2, fresh, w1_w2):
     assert len(integrity["dp_results"]) == 2 and all(r["idle"] for r in integrity["dp_results"])
 
 
+def test_tensor_refits_keep_the_trainers_shm_through_sleep_and_wake(dp2, fresh, w1_w2):
+    """The colocated loop on two replicas (refit by tensor handles, sleep, wake, refit): both
+    read the same payload, so only one may drop the sender's shm references; both dropping
+    them unlinked the trainer's files at the first sleep and the refit after the wake failed
+    ("does not exist"). The files live while the trainer does, and not after."""
+    import gc
+
+    from trainer_bridge import WeightSyncer
+
+    weights = [(n, t.clone()) for n, t in iter_safetensors(w1_w2[1])]   # the trainer's own
+    with WeightSyncer(dp2, transport="tensor") as syncer:
+        for step in range(3):
+            syncer.sync(weights, version=f"loop-{step}")
+            dp2.release_memory_occupation(["weights"])
+            dp2.resume_memory_occupation(["weights"])
+        syncer.sync(weights, version="loop-final")
+    _same(_rollouts(dp2), fresh["w2"])
+    handle = weights[0][1].untyped_storage()._share_filename_cpu_()[1].decode()
+    path = os.path.join("/dev/shm", handle.lstrip("/"))
+    assert os.path.exists(path)
+    dp2.release_memory_occupation(["weights"])   # both replicas unmap it
+    dp2.resume_memory_occupation(["weights"])
+    assert dp2.update_weights_from_disk(w1_w2[0])[0]
+    weights.clear()
+    gc.collect()
+    assert not os.path.exists(path)
+
+
 def test_a_dead_replica_takes_the_engine_down(dp2):
     from rollout_engine.request_state import SchedulerDeadError
 
