@@ -112,6 +112,9 @@ class _LocalSerializedTensor(Record):
         if ctx.tp_rank >= len(values):
             raise UnsafePayloadError(f"LocalSerializedTensor has {len(values)} ranks' values; "
                                      f"this receiver is tensor-parallel rank {ctx.tp_rank}")
+        # each rank's value is that rank's own pickle (SGLang: one per rank), with its own shm
+        # references, whoever else reads the outer payload: this rank drops them (values of
+        # several pickles of one tensor are the same bytes, so equal values prove nothing)
         tensor = ctx.read_nested(values[ctx.tp_rank])
         if not isinstance(tensor, torch.Tensor):
             raise UnsafePayloadError("LocalSerializedTensor value must hold one tensor, got "

@@ -210,3 +210,64 @@ def test_any_views_of_any_storages_keep_the_shm_references_balanced(reader, view
     storages.clear()
     gc.collect()
     assert not any(os.path.exists(p) for p in paths)
+
+
+def _rank_reader(conn) -> None:
+    """`_reader`, for (payload, deserialize keyword arguments) pairs (a tensor-parallel rank)."""
+    while True:
+        item = conn.recv()
+        if item is None:
+            return
+        text, kwargs = item
+        named = deserialize_named_tensors(text, **kwargs)
+        sums = [float(t.sum()) for _, t in named]
+        del named
+        gc.collect()
+        conn.send(sums)
+
+
+def test_two_ranks_reading_one_payload_drop_each_reference_once():
+    """One payload for both ranks of a TP=2 engine (rank 1 reads it `read_by_others`, as the
+    worker does), its tensors in verl's LocalSerializedTensor with a value pickled for each
+    rank (SGLang: one per rank; two pickles of one tensor are the same bytes): each rank drops
+    its own value's references, the outer payload's flag notwithstanding. Across repeats the
+    files live while the sender holds the tensors, and none is left after (passing the flag
+    into the values leaked them)."""
+    from tests.rollout_engine.compat.sglang_fakes import (
+        LocalSerializedTensor,
+        file_system_sharing,
+        mp_serialize,
+        sglang_modules,
+    )
+
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for _ in range(2):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_rank_reader, args=(child,), daemon=True)
+        proc.start()
+        pipes.append(parent)
+        procs.append(proc)
+    weight = torch.arange(8.0)
+    try:
+        with file_system_sharing(), sglang_modules():
+            for step in range(3):
+                weight.add_(1.0)
+                values = [mp_serialize(weight) for _ in range(2)]   # one per rank
+                text = mp_serialize([("w", LocalSerializedTensor(values=values))],
+                                    output_str=True)
+                for rank, pipe in enumerate(pipes):
+                    pipe.send((text, {"tp_rank": rank, "read_by_others": rank > 0}))
+                for pipe in pipes:
+                    assert pipe.poll(60), "a reader did not answer"
+                    assert pipe.recv() == [float(weight.sum())], step
+        path = _shm_path(weight)
+        assert os.path.exists(path)
+    finally:
+        for pipe in pipes:
+            pipe.send(None)
+        for proc in procs:
+            proc.join(30)
+    del weight
+    gc.collect()
+    assert not os.path.exists(path)
