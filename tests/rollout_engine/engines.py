@@ -28,3 +28,23 @@ def app_client(engine: Any) -> Iterator[Any]:
 
     with TestClient(create_app(engine)) as c:
         yield c
+
+
+def colocated_refits(engine: Any, trainer: Any, cycles: int = 3) -> str:
+    """The colocated RL loop on `engine` with tensor handles: `cycles` times refit, sleep (the
+    weights released: the engine unmaps the trainer's shm), wake; then a last refit. Returns
+    the path of the shm file behind `trainer`'s first weight (for lifetime checks)."""
+    import os
+
+    from trainer_bridge import WeightSyncer
+    from trainer_bridge.bucketing import state_dict_items
+
+    with WeightSyncer(engine, transport="tensor") as syncer:
+        for step in range(cycles):
+            syncer.sync(trainer, version=f"loop-{step}")
+            engine.release_memory_occupation(["weights"])
+            engine.resume_memory_occupation(["weights"])
+        syncer.sync(trainer, version="loop-final")
+    first = next(t for _, t in state_dict_items(trainer))
+    handle = first.untyped_storage()._share_filename_cpu_()[1].decode()
+    return os.path.join("/dev/shm", handle.lstrip("/"))

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from rollout_engine.weights.loader import iter_safetensors
-from tests.rollout_engine.engines import thread_engine
+from tests.rollout_engine.engines import colocated_refits, thread_engine
 
 GREEDY = {"max_new_tokens": 5, "temperature": 0.0}
 PROMPTS = [[1, 2, 3], [9, 30, 200, 11], [5, 6], [70, 71, 72, 73, 74]]
@@ -110,18 +110,9 @@ def test_tensor_refits_keep_the_trainers_shm_through_sleep_and_wake(dp2, fresh, 
     ("does not exist"). The files live while the trainer does, and not after."""
     import gc
 
-    from trainer_bridge import WeightSyncer
-
     weights = [(n, t.clone()) for n, t in iter_safetensors(w1_w2[1])]   # the trainer's own
-    with WeightSyncer(dp2, transport="tensor") as syncer:
-        for step in range(3):
-            syncer.sync(weights, version=f"loop-{step}")
-            dp2.release_memory_occupation(["weights"])
-            dp2.resume_memory_occupation(["weights"])
-        syncer.sync(weights, version="loop-final")
+    path = colocated_refits(dp2, weights)
     _same(_rollouts(dp2), fresh["w2"])
-    handle = weights[0][1].untyped_storage()._share_filename_cpu_()[1].decode()
-    path = os.path.join("/dev/shm", handle.lstrip("/"))
     assert os.path.exists(path)
     dp2.release_memory_occupation(["weights"])   # both replicas unmap it
     dp2.resume_memory_occupation(["weights"])

@@ -5,6 +5,7 @@ open), and anything else that changed is serialized afresh."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing as mp
 import os
@@ -57,14 +58,28 @@ def _reader(conn) -> None:
         conn.send(sums)
 
 
+@contextlib.contextmanager
+def _reader_process(target=None):
+    """A reader in another process (`_reader` by default); its end of the pipe. Told to stop
+    and joined (exit code 0 asserted) on the way out; killed if it will not."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target or _reader, args=(child,), daemon=True)
+    proc.start()
+    try:
+        yield parent
+        parent.send(None)
+        proc.join(30)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+
+
 def test_repeats_are_one_pickling_and_keep_the_shm_references_balanced(dumps):
     weights = [("a", torch.arange(6.0)), ("b", torch.ones(2, 3)), ("tied", None)]
     weights[2] = ("tied", weights[0][1])   # two names, one storage: one handle
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_reader, args=(child,), daemon=True)
-    proc.start()
-    try:
+    with _reader_process() as parent:
         texts = []
         for step in range(4):
             weights[0][1].add_(1.0)                 # an optimizer step, in place
@@ -79,12 +94,6 @@ def test_repeats_are_one_pickling_and_keep_the_shm_references_balanced(dumps):
         # the reader opened and closed the files four times: a reference missing from a
         # repeat would have taken them to zero (unlinked) under the live sender
         assert all(os.path.exists(p) for p in paths)
-        parent.send(None)
-        proc.join(30)
-        assert proc.exitcode == 0
-    finally:
-        if proc.is_alive():
-            proc.kill()
     weights.clear()
     gc.collect()
     # ... and one too many would keep them after the sender let go
@@ -139,11 +148,7 @@ def test_views_of_one_storage_drop_one_reference_per_read(dumps):
     ("does not exist")."""
     fused = torch.arange(12.0)
     weights = [("q", fused[:6]), ("k", fused[6:9]), ("v", fused[9:])]
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_reader, args=(child,), daemon=True)
-    proc.start()
-    try:
+    with _reader_process() as parent:
         for step in range(4):
             fused.add_(1.0)
             parent.send(serialize_named_tensors(weights))
@@ -152,12 +157,6 @@ def test_views_of_one_storage_drop_one_reference_per_read(dumps):
             assert answer == [float(t.sum()) for _, t in weights], (step, answer)
         path = _shm_path(fused)
         assert os.path.exists(path)
-        parent.send(None)
-        proc.join(30)
-        assert proc.exitcode == 0
-    finally:
-        if proc.is_alive():
-            proc.kill()
     weights.clear()
     del fused
     gc.collect()
@@ -167,15 +166,8 @@ def test_views_of_one_storage_drop_one_reference_per_read(dumps):
 @pytest.fixture(scope="module")
 def reader():
     """One reader process for many payloads (`_reader`)."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_reader, args=(child,), daemon=True)
-    proc.start()
-    yield parent
-    parent.send(None)
-    proc.join(30)
-    if proc.is_alive():
-        proc.kill()
+    with _reader_process() as parent:
+        yield parent
 
 
 _VIEWS = st.lists(st.tuples(st.integers(0, 2), st.integers(0, 60), st.integers(1, 40),
@@ -240,16 +232,9 @@ def test_two_ranks_reading_one_payload_drop_each_reference_once():
         sglang_modules,
     )
 
-    ctx = mp.get_context("spawn")
-    pipes, procs = [], []
-    for _ in range(2):
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_rank_reader, args=(child,), daemon=True)
-        proc.start()
-        pipes.append(parent)
-        procs.append(proc)
     weight = torch.arange(8.0)
-    try:
+    with _reader_process(_rank_reader) as rank0, _reader_process(_rank_reader) as rank1:
+        pipes = [rank0, rank1]
         with file_system_sharing(), sglang_modules():
             for step in range(3):
                 weight.add_(1.0)
@@ -263,11 +248,6 @@ def test_two_ranks_reading_one_payload_drop_each_reference_once():
                     assert pipe.recv() == [float(weight.sum())], step
         path = _shm_path(weight)
         assert os.path.exists(path)
-    finally:
-        for pipe in pipes:
-            pipe.send(None)
-        for proc in procs:
-            proc.join(30)
     del weight
     gc.collect()
     assert not os.path.exists(path)

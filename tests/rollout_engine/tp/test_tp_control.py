@@ -20,7 +20,7 @@ from rollout_engine.config import EngineConfig
 from rollout_engine.entrypoints.launch_server import parse_args
 from rollout_engine.protocol.tensor_payload import serialize_named_tensors
 from rollout_engine.weights.loader import iter_safetensors
-from tests.rollout_engine.engines import thread_engine
+from tests.rollout_engine.engines import colocated_refits, thread_engine
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0}
 PROMPTS = [[1, 2, 3], [9, 30, 200, 11, 300, 17], list(range(40, 60))]
@@ -126,27 +126,18 @@ def test_tensor_refits_keep_the_trainers_shm_through_sleep_and_wake(tp2, one_ran
 
     from transformers import AutoModelForCausalLM
 
-    from trainer_bridge import WeightSyncer
 
     trainer = AutoModelForCausalLM.from_pretrained(one_kv_head, dtype=torch.float32)
     with torch.no_grad():
         for p in trainer.parameters():
             p.data = p.data.clone()   # memory of its own, as a trainer's weights are
-    with WeightSyncer(tp2, transport="tensor") as syncer:
-        for step in range(3):
-            syncer.sync(trainer, version=f"loop-{step}")
-            tp2.release_memory_occupation(["weights"])
-            tp2.resume_memory_occupation(["weights"])
-        syncer.sync(trainer, version="loop-final")
+    path = colocated_refits(tp2, trainer)
     _same(_rollouts(tp2), one_rank)
-    weight = next(trainer.parameters())
-    handle = weight.untyped_storage()._share_filename_cpu_()[1].decode()
-    path = os.path.join("/dev/shm", handle.lstrip("/"))
     assert os.path.exists(path)
     tp2.release_memory_occupation(["weights"])   # both ranks unmap it
     tp2.resume_memory_occupation(["weights"])
     assert tp2.update_weights_from_disk(one_kv_head)[0]
-    del trainer, weight, p
+    del trainer, p
     gc.collect()
     assert not os.path.exists(path)
 
