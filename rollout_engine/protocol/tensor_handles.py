@@ -119,14 +119,14 @@ class ReadContext:
                 opened._shared_incref()
         return opened
 
-    def read_nested(self, data: Any, read_by_others: bool = False) -> Any:
+    def read_nested(self, data: Any) -> Any:
         """Read a payload embedded in this one, with the same restrictions and byte budget.
-        `read_by_others`: whether another reader opens this nested payload too (a per-rank
-        value is normally its rank's alone, whoever else reads the outer payload)."""
+        Its references are always dropped: a nested payload (a rank's value) is its reader's
+        own pickle, whoever else reads the outer payload."""
         if self.depth >= 1:
             raise UnsafePayloadError("tensor payload nests serialized payloads more than once")
         return self._read_nested(data, ReadContext(self.budget, self.tp_rank, self.depth + 1,
-                                                   self._read_nested, read_by_others))
+                                                   self._read_nested))
 
 
 class Lazy:

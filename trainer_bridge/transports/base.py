@@ -143,23 +143,17 @@ class Answer(Future):
             fn, self._wait_for_it = self._wait_for_it, None
             return fn
 
-    def _settle(self, fn: Callable[[], Any]) -> None:
-        try:
-            self.set_result(fn())
-        except BaseException as e:  # noqa: BLE001 - delivered to the waiter
-            self.set_exception(e)
-
     def wait_here(self) -> None:
         """Wait in this thread (unless a thread of its own already waits)."""
         fn = self._claimed()
         if fn is not None:
-            self._settle(fn)
+            _settle(self, fn)
 
     def wait_in_thread(self) -> None:
         """Have a daemon thread wait (unless someone already does)."""
         fn = self._claimed()
         if fn is not None:
-            threading.Thread(target=self._settle, args=(fn,), daemon=True,
+            threading.Thread(target=_settle, args=(self, fn), daemon=True,
                              name="answer").start()
 
 
@@ -172,17 +166,19 @@ def waited(futures: Sequence[Future[Any]]) -> Sequence[Future[Any]]:
     return futures
 
 
+def _settle(future: Future[T], fn: Callable[[], T]) -> None:
+    """`future` completed with what `fn()` returns or raises."""
+    try:
+        future.set_result(fn())
+    except BaseException as e:  # noqa: BLE001 - delivered to the waiter
+        future.set_exception(e)
+
+
 def spawn(fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
     """Run `fn` in a daemon thread (a call blocked on a dead peer must not block exit)."""
     future: Future[T] = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as e:  # noqa: BLE001 - delivered to the waiter
-            future.set_exception(e)
-
-    threading.Thread(target=run, daemon=True, name=getattr(fn, "__name__", "call")).start()
+    threading.Thread(target=_settle, args=(future, lambda: fn(*args, **kwargs)), daemon=True,
+                     name=getattr(fn, "__name__", "call")).start()
     return future
 
 
