@@ -30,7 +30,7 @@ def _onednn_linear_ok() -> bool:
     """Whether float32 CPU linears go through oneDNN (``torch.ops.mkldnn._linear_pointwise``
     on the plain weight: nothing prepacked, so refits and sleep need no hook). On the 2-core
     development machine it runs the decode shapes at 210-230 GFLOP/s where ``F.linear`` (MKL)
-    reaches 155-195 (``benchmarks/bench_linear.py``). Off by ``ROLLOUT_ENGINE_ONEDNN=0``, or
+    reaches 155-195. Off by ``ROLLOUT_ENGINE_ONEDNN=0``, or
     when this torch has no oneDNN, or when it disagrees with ``F.linear`` on a probe."""
     if os.environ.get(ONEDNN_ENV, "1") == "0" or not torch.backends.mkldnn.is_available():
         return False
@@ -43,18 +43,16 @@ def _onednn_linear_ok() -> bool:
         return False
 
 
-# oneDNN builds (and caches, by shape) a primitive per distinct row count, ~0.5-2 ms each: up
-# to this many rows (decode batches, short extends: a bounded set of shapes that repeat) it
-# pays; longer extends have arbitrary row counts, where MKL is as fast and builds nothing.
-ONEDNN_MAX_ROWS = 1024
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
            ) -> torch.Tensor:
-    """``F.linear``; float32 on CPU without autograd by oneDNN (see ``_onednn_linear_ok``)
-    for up to ``ONEDNN_MAX_ROWS`` rows."""
+    """``F.linear``; float32 on CPU without autograd by oneDNN (see ``_onednn_linear_ok``).
+
+    oneDNN builds (and caches, by shape) a primitive per distinct row count, ~0.5-3 ms each.
+    Long extends have arbitrary row counts, so each new length pays that once per projection
+    shape; but their products are >= 1 GFLOP each, where on the 2-core AVX-512 EPYC oneDNN
+    runs 380-440 GFLOP/s and MKL 150-190 (1,024-2,377 rows, the 55M model's shapes), so every
+    row count goes to oneDNN."""
     if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and x.numel() <= ONEDNN_MAX_ROWS * x.shape[-1]
             and (bias is None or bias.dtype == torch.float32)
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and _onednn_linear_ok()):

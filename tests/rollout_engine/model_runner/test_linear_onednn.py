@@ -62,17 +62,20 @@ def test_the_switch_turns_onednn_off(monkeypatch):
         layers._onednn_linear_ok.cache_clear()
 
 
-def test_long_extends_use_mkl(monkeypatch):
-    """Past ONEDNN_MAX_ROWS rows (arbitrary prefill lengths) no oneDNN primitive is built."""
+def test_long_extends_use_onednn(monkeypatch):
+    """Every row count goes to oneDNN, long arbitrary prefill lengths included, and equals
+    F.linear there."""
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
                         lambda *a: calls.append(a[0].shape[0]) or real(*a), raising=False)
     layers._onednn_linear_ok()   # probe first: it calls oneDNN itself
     calls.clear()
-    w = torch.randn(8, 16)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 16, generator=g)
     with torch.inference_mode():
-        for rows in (layers.ONEDNN_MAX_ROWS, layers.ONEDNN_MAX_ROWS + 1):
-            torch.testing.assert_close(layers.linear(torch.ones(rows, 16), w),
-                                       F.linear(torch.ones(rows, 16), w))
-    assert calls == ([layers.ONEDNN_MAX_ROWS] if layers._onednn_linear_ok() else [])
+        for rows in (1024, 1025, 3001):
+            x = torch.randn(rows, 16, generator=g)
+            torch.testing.assert_close(layers.linear(x, w), F.linear(x, w),
+                                       rtol=1e-5, atol=1e-5)
+    assert calls == ([1024, 1025, 3001] if layers._onednn_linear_ok() else [])
