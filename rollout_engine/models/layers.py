@@ -43,21 +43,51 @@ def _onednn_linear_ok() -> bool:
         return False
 
 
+ONEDNN_EXACT_ROWS = 16
+"""Row counts up to this go to oneDNN as they are; larger ones are padded (`onednn_rows`)."""
+
+
+def onednn_rows(rows: int) -> int:
+    """The row count a product of ``rows`` rows runs at in oneDNN: ``rows`` up to
+    ``ONEDNN_EXACT_ROWS``, else rounded up to a multiple of 1/16 of its power of two (17-32 by
+    1, 33-64 by 2, ..., 1025-2048 by 64): at most 1/16 more rows, 16 row counts an octave.
+
+    oneDNN (and torch's ideep layer over it) builds and caches a primitive per distinct shape,
+    ~0.7 MB each: prompts of every length and decode batches of every size each added ~3.6 MB
+    to the scheduler process (100 prefill lengths: +360 MB, never given back). Bucketed, a
+    decoder's products need at most ~5 x 16 primitives an octave of row counts."""
+    if rows <= ONEDNN_EXACT_ROWS:
+        return rows
+    step = 1 << max(0, (rows - 1).bit_length() - 5)
+    return -(-rows // step) * step
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
            ) -> torch.Tensor:
-    """``F.linear``; float32 on CPU without autograd by oneDNN (see ``_onednn_linear_ok``).
+    """``F.linear``; float32 on CPU without autograd by oneDNN (see ``_onednn_linear_ok``), at
+    a bucketed row count (`onednn_rows`: the input padded with zero rows, the output a view of
+    its first rows).
 
-    oneDNN builds (and caches, by shape) a primitive per distinct row count, ~0.5-3 ms each.
-    Long extends have arbitrary row counts, so each new length pays that once per projection
-    shape; but their products are >= 1 GFLOP each, where on the 2-core AVX-512 EPYC oneDNN
-    runs 380-440 GFLOP/s and MKL 150-190 (1,024-2,377 rows, the 55M model's shapes), so every
-    row count goes to oneDNN."""
-    if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+    oneDNN builds a primitive per shape (~0.5-3 ms, then cached), so long extends of a new
+    length bucket pay that once per projection shape, against products of >= 1 GFLOP each,
+    where on the 2-core AVX-512 EPYC oneDNN runs 380-440 GFLOP/s and MKL 150-190 (1,024-2,377
+    rows, the 55M model's shapes): every row count goes to oneDNN."""
+    if not (x.device.type == "cpu" and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and x.dim() >= 1
             and (bias is None or bias.dtype == torch.float32)
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and _onednn_linear_ok()):
+        return F.linear(x, weight, bias)
+    rows = x.numel() // max(1, x.shape[-1])
+    padded = onednn_rows(rows)
+    if padded == rows:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    staged = flat.new_empty((padded, flat.shape[1]))
+    staged[:rows].copy_(flat)
+    staged[rows:].zero_()
+    out = torch.ops.mkldnn._linear_pointwise(staged, weight, bias, "none", [], "")[:rows]
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 class Linear(nn.Linear):

@@ -216,9 +216,11 @@ class ProcessHost(SchedulerHost):
         # cores are shared (the frontend, a colocated trainer); the child reads this at import.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         # oneDNN's primitive cache (models/layers.linear; keyed by shapes, ~5 a row count for a
-        # decoder) holds 1024 by default; read once when torch loads, so only a child can
-        # raise it: room for every batch size up to max_running_requests and more
-        env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
+        # decoder, ~0.7 MB each) is read once when torch loads, so only a child can set it.
+        # linear buckets row counts (80 up to 256 rows, 16 an octave above), so its default
+        # of 1024 holds every decode batch size and the common prefill lengths; a larger one
+        # only lets the process keep more memory it will rarely reuse
+        env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
         # torch's CPU allocator asks for transparent huge pages (madvise) on allocations of
         # 2 MB and more when this is set (read at the first allocation): the weights, the KV
         # pool and the refit spares then take far fewer TLB misses (a refit's copy into the

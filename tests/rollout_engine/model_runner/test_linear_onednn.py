@@ -78,4 +78,45 @@ def test_long_extends_use_onednn(monkeypatch):
             x = torch.randn(rows, 16, generator=g)
             torch.testing.assert_close(layers.linear(x, w), F.linear(x, w),
                                        rtol=1e-5, atol=1e-5)
-    assert calls == ([1024, 1025, 3001] if layers._onednn_linear_ok() else [])
+    # padded to their buckets (1025 -> 1088, 3001 -> 3072)
+    assert calls == ([1024, 1088, 3072] if layers._onednn_linear_ok() else [])
+
+
+def test_row_buckets_are_few_and_tight():
+    """Every row count runs at a bucket at most 1/16 above it (exact up to 16 rows), and the
+    buckets are few: 80 for 1-256 rows (decode batches), 16 an octave above."""
+    buckets = [layers.onednn_rows(m) for m in range(1, 8193)]
+    for m, b in zip(range(1, 8193), buckets):
+        assert m <= b <= max(m, m * 17 // 16 + 1)
+        assert layers.onednn_rows(b) == b
+    assert buckets[:16] == list(range(1, 17))
+    assert buckets == sorted(buckets)
+    assert len(set(buckets[:256])) == 80
+    assert len(set(buckets[4096:])) == 16   # rows 4097-8192
+
+
+def test_padded_rows_equal_f_linear_and_reach_onednn_bucketed(monkeypatch):
+    """Row counts off a bucket are padded with zero rows: the output (a view of the first rows,
+    3-D inputs too) equals F.linear, and oneDNN only ever sees bucketed row counts (each shape
+    it sees is a primitive it builds and keeps: memory of the serving process)."""
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda *a: calls.append(a[0].shape[0]) or real(*a), raising=False)
+    layers._onednn_linear_ok()
+    calls.clear()
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
+    with torch.inference_mode():
+        for rows in range(1, 300, 7):
+            x = torch.randn(rows, 40, generator=g)
+            got = layers.linear(x, w, b)
+            assert got.shape == (rows, 24) and got.is_contiguous()
+            torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        x3 = torch.randn(3, 7, 40, generator=g)   # 21 rows: padded to 21 (exact under 32)
+        torch.testing.assert_close(layers.linear(x3, w), F.linear(x3, w), rtol=1e-5, atol=1e-5)
+        x3 = torch.randn(5, 9, 40, generator=g)   # 45 rows -> 46
+        torch.testing.assert_close(layers.linear(x3, w), F.linear(x3, w), rtol=1e-5, atol=1e-5)
+    if layers._onednn_linear_ok():
+        assert calls and all(layers.onednn_rows(m) == m for m in calls)
+        assert 46 in calls and 45 not in calls
