@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
@@ -72,7 +72,19 @@ def test_stream_deltas_concatenate_to_the_final_decode(tokenizer: Any, data: Any
     stop = data.draw(st.one_of(st.just([]), st.lists(
         st.text(alphabet=full or "x", min_size=1, max_size=3), min_size=1, max_size=2)))
     text, detok = _stream(tokenizer, ids, sizes, skip_special_tokens=skip, stop=stop)
-    assert text == detok.full_text() == trim_stop(full, stop)
+    assert text == detok.full_text()
+    # a stop found inside a longer one that a later token completes ('c' in 'lc' + a partial
+    # character, then 'lc\ufffd') is cut where it was found, as the scheduler's stop check
+    # would have finished the request there; the whole-text oracle cuts at the longer one
+    assume(not _nested_stop(full, stop))
+    assert text == trim_stop(full, stop)
+
+
+def _nested_stop(text: str, stop: list[str]) -> bool:
+    """Whether an occurrence of one stop string lies strictly inside a longer one, ending
+    before it and starting after it (streaming then meets the inner one first)."""
+    spans = [(i, i + len(s)) for s in stop for i in range(len(text)) if text.startswith(s, i)]
+    return any(a0 < b0 and b1 < a1 for a0, a1 in spans for b0, b1 in spans)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
