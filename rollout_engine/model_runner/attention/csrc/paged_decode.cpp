@@ -76,6 +76,17 @@ inline v8f in_reg(v8f v) { return v; }
 inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
 inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
 
+#if defined(__AVX512F__)
+// 16 floats, one zmm register: where AVX-512 is there, the products that need no horizontal
+// sums (the prefix phase's Q . Kt, every P . V) run on these, twice the lanes per instruction
+// (on cores with full-width AVX-512 units, as AMD Zen 5 and Intel's, twice the FLOPs).
+typedef float v16f __attribute__((vector_size(64)));
+inline v16f load16(const float* p) { v16f v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
+inline v16f in_reg16(v16f v) { asm("" : "+v"(v)); return v; }
+inline v16f splat16(float x) { return v16f{} + x; }
+#endif
+
 // exp for x <= 0 (scores minus their running max), Cephes' expf polynomial: ~1 ulp, and
 // inputs below -87 give ~1e-38 instead of 0, which no output tolerance can see.
 inline v8f exp8(v8f x) {
@@ -261,6 +272,47 @@ inline void pv_tile(const float* P, const float* const* vp, int64_t voff, int64_
     for (int c = 0; c < PC; ++c) store8(acc + r * D + 8 * (c0 + c), a[r][c]);
 }
 
+#if defined(__AVX512F__)
+// pv_tile on 16-lane vectors: acc[r, c0 * 16 : (c0 + PC) * 16] += sum_j p[r, j] v_j[...].
+template <int NC16, int R, int PC>
+inline void pv_tile16(const float* P, const float* const* vp, int64_t voff, int64_t bk, int c0,
+                      float* acc) {
+  constexpr int64_t D = NC16 * 16;
+  v16f a[R][PC];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < PC; ++c) a[r][c] = load16(acc + r * D + 16 * (c0 + c));
+  for (int64_t j = 0; j < bk; ++j) {
+    const float* vj = vp[j] + voff + 16 * c0;
+    v16f vv[PC];
+    for (int c = 0; c < PC; ++c) vv[c] = load16(vj + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const v16f p = splat16(P[r * kBlock + j]);
+      for (int c = 0; c < PC; ++c) a[r][c] += p * vv[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < PC; ++c) store16(acc + r * D + 16 * (c0 + c), a[r][c]);
+}
+#endif
+
+// acc[r, :] += sum_j p[r, j] v_j for R rows (R <= 4) over bk keys, the whole head: in passes
+// of at most 16 accumulator registers (16-lane vectors where AVX-512 is there).
+template <int NC, int R>
+inline void pv_rows(const float* P, const float* const* vp, int64_t voff, int64_t bk,
+                    float* acc) {
+#if defined(__AVX512F__)
+  if constexpr (NC % 2 == 0) {
+    constexpr int NC16 = NC / 2, PC = NC16 < 16 / R ? NC16 : 16 / R;
+    static_assert(NC16 % PC == 0, "PV passes cover the head");
+    for (int c0 = 0; c0 < NC16; c0 += PC) pv_tile16<NC16, R, PC>(P, vp, voff, bk, c0, acc);
+    return;
+  }
+#endif
+  constexpr int PC = NC < kAccRegs / R ? NC : kAccRegs / R;
+  static_assert(NC % PC == 0, "PV passes cover the head");
+  for (int c0 = 0; c0 < NC; c0 += PC) pv_tile<NC, R, PC>(P, vp, voff, bk, c0, acc);
+}
+
 // Attend the query rows Q [nh, G, D] (already multiplied by the softmax scale; row (h, i)
 // reads KV head h) over the keys at slots[0:n), updating st (rows in the same order).
 // Tiles of R query rows of one KV head (R divides G) share every K and V vector they load.
@@ -272,8 +324,6 @@ void attend(const float* Q, int64_t nh, int64_t G, const int64_t* slots, int64_t
             State st, float* S) {
   constexpr int64_t D = NC * 8;
   constexpr int JT = kAccRegs / R;                      // keys per QK tile
-  constexpr int PC = NC < kAccRegs / R ? NC : kAccRegs / R;   // acc vectors per row in PV
-  static_assert(NC % PC == 0, "PV passes cover the head");
   const int64_t rows = nh * G, row_bytes = slot_stride * int64_t(sizeof(float));
   const float* kp[kBlock];
   const float* vp[kBlock];
@@ -290,10 +340,8 @@ void attend(const float* Q, int64_t nh, int64_t G, const int64_t* slots, int64_t
       for (int64_t j = bk; j < kBlock; ++j) S[r * kBlock + j] = kNegInf;
     rescale<NC>(rows, st, S);
     for (int64_t h = 0; h < nh; ++h) {
-      for (int64_t r0 = h * G; r0 < (h + 1) * G; r0 += R) {
-        for (int c0 = 0; c0 < NC; c0 += PC)
-          pv_tile<NC, R, PC>(S + r0 * kBlock, vp, h * D, bk, c0, st.acc + r0 * D);
-      }
+      for (int64_t r0 = h * G; r0 < (h + 1) * G; r0 += R)
+        pv_rows<NC, R>(S + r0 * kBlock, vp, h * D, bk, st.acc + r0 * D);
     }
   }
 }
@@ -332,6 +380,38 @@ inline void transpose_keys(const float* const* kp, int64_t koff, float* Kt) {
 // acc[r, :] += sum_j p[r, j] * v[j, :], kRows rows x 32 lanes of acc at a time.
 constexpr int64_t kRows = 4;
 
+#if defined(__AVX512F__)
+// attend_rows' S = Q . Kt for KV head h on 16-lane vectors: tiles of kRows16 rows x kBlock
+// keys (kRows16 * kBlock / 16 = 16 accumulator registers), each Kt vector loaded feeding
+// kRows16 products. Writes S (masked past bk) for rows h*nq .. h*nq+nq-1.
+constexpr int64_t kRows16 = 8;
+template <int NC>
+inline void qk_rows16(const float* Q, int64_t h, int64_t nq, int64_t bk, const float* Kt,
+                      float* S) {
+  constexpr int64_t D = NC * 8, KV16 = kBlock / 16;
+  static_assert(kBlock % 16 == 0, "a block of keys is whole 16-lane vectors");
+  for (int64_t r0 = h * nq; r0 < (h + 1) * nq; r0 += kRows16) {
+    const int64_t nr = std::min(kRows16, (h + 1) * nq - r0);
+    v16f a[kRows16][KV16];
+    for (int64_t r = 0; r < kRows16; ++r)
+      for (int64_t i = 0; i < KV16; ++i) a[r][i] = splat16(0.0f);
+    for (int64_t d = 0; d < D; ++d) {
+      v16f kt[KV16];
+      for (int64_t i = 0; i < KV16; ++i) kt[i] = in_reg16(load16(Kt + d * kBlock + 16 * i));
+      for (int64_t r = 0; r < kRows16; ++r) {   // rows past the end repeat row r0
+        const v16f qs = splat16(Q[(r0 + (r < nr ? r : 0)) * D + d]);
+        for (int64_t i = 0; i < KV16; ++i) a[r][i] += qs * kt[i];
+      }
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      float* sr = S + (r0 + r) * kBlock;
+      for (int64_t i = 0; i < KV16; ++i) store16(sr + 16 * i, a[r][i]);
+      for (int64_t j = bk; j < kBlock; ++j) sr[j] = kNegInf;
+    }
+  }
+}
+#endif
+
 template <int NC>
 void attend_rows(const float* Q, int64_t nh, int64_t nq, const int64_t* slots, int64_t n,
                  const float* kbuf, const float* vbuf, int64_t num_slots, int64_t slot_stride,
@@ -346,6 +426,9 @@ void attend_rows(const float* Q, int64_t nh, int64_t nq, const int64_t* slots, i
     for (int64_t h = 0; h < nh; ++h) {
       const int64_t koff = h * D;
       for (int64_t j = 0; j < kBlock; j += 8) transpose_keys<NC>(kp + j, koff, Kt + j);
+#if defined(__AVX512F__)
+      qk_rows16<NC>(Q, h, nq, bk, Kt, S);
+#else
       for (int64_t r0 = h * nq; r0 < (h + 1) * nq; r0 += kRows) {
         const int64_t nr = std::min(kRows, (h + 1) * nq - r0);
         v8f a[kRows][KV8];
@@ -365,17 +448,15 @@ void attend_rows(const float* Q, int64_t nh, int64_t nq, const int64_t* slots, i
           for (int64_t j = bk; j < kBlock; ++j) sr[j] = kNegInf;
         }
       }
+#endif
     }
     rescale<NC>(rows, st, S);
-    constexpr int PC = NC < 4 ? NC : 4;
     for (int64_t h = 0; h < nh; ++h) {
       int64_t r0 = h * nq;
-      for (; r0 + kRows <= (h + 1) * nq; r0 += kRows)
-        for (int c0 = 0; c0 < NC; c0 += PC)
-          pv_tile<NC, kRows, PC>(S + r0 * kBlock, vp, h * D, bk, c0, st.acc + r0 * D);
+      for (; r0 + 4 <= (h + 1) * nq; r0 += 4)
+        pv_rows<NC, 4>(S + r0 * kBlock, vp, h * D, bk, st.acc + r0 * D);
       for (; r0 < (h + 1) * nq; ++r0)
-        for (int c0 = 0; c0 < NC; c0 += PC)
-          pv_tile<NC, 1, PC>(S + r0 * kBlock, vp, h * D, bk, c0, st.acc + r0 * D);
+        pv_rows<NC, 1>(S + r0 * kBlock, vp, h * D, bk, st.acc + r0 * D);
     }
   }
 }
