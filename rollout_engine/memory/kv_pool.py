@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from rollout_engine.host_lists import list_tensor
+
 
 class KVPool:
     """Per-layer K/V buffers ``[num_slots + 1, num_kv_heads, head_dim]``.
@@ -148,9 +150,8 @@ class ReqToTokenPool:
     def table(self) -> torch.Tensor:
         """The table, every write so far applied."""
         if self._slots:
-            flat = (torch.tensor(self._rows, dtype=torch.int64) * self._table.shape[1]
-                    + torch.tensor(self._cols, dtype=torch.int64))
-            values = torch.tensor(self._slots, dtype=torch.int64)
+            flat = (list_tensor(self._rows) * self._table.shape[1] + list_tensor(self._cols))
+            values = list_tensor(self._slots)
             positions = torch.unique(flat)
             if positions.numel() < flat.numel():   # a position written twice: the last wins
                 last = torch.full_like(positions, -1).scatter_reduce_(

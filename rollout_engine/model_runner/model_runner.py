@@ -111,7 +111,3 @@ class ModelRunner:
         except RuntimeError as e:   # a collective failed: name the rank that is gone
             leader.raise_if_rank_died(e)   # raises TPRankDied
             raise
-
-    def to_device(self, values: list[int], dtype: Optional[torch.dtype] = torch.int64
-                  ) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)

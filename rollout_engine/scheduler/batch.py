@@ -8,6 +8,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from rollout_engine.host_lists import list_tensor
 from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
 from rollout_engine.penalties import Penalties, PenaltyCounts
 from rollout_engine.sampler import SamplingBatch, compute_logprobs, uniforms_for
@@ -67,7 +68,7 @@ class ScheduleBatch:
                 self.sample_rows.append(-1)
 
         def t(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
+            return list_tensor(values, torch.int64, device)
 
         return ForwardBatch(
             mode=self.mode, input_ids=t(ids), positions=t(positions), out_cache_loc=t(out_loc),
@@ -136,12 +137,11 @@ def build_sampling_batch(reqs: list[Req], vocab_size: int, eos_ids: frozenset[in
     params = [req.params for req in reqs]
     return SamplingBatch(
         # the request's own temperature: its logprobs use it
-        temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32,
-                                  device=device),
-        top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-        top_ks=torch.tensor([vocab_size if p.top_k == -1 else min(p.top_k, vocab_size)
-                             for p in params], dtype=torch.int64, device=device),
-        min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+        temperatures=list_tensor([p.temperature for p in params], torch.float32, device),
+        top_ps=list_tensor([p.top_p for p in params], torch.float32, device),
+        top_ks=list_tensor([vocab_size if p.top_k == -1 else min(p.top_k, vocab_size)
+                            for p in params], torch.int64, device),
+        min_ps=list_tensor([p.min_p for p in params], torch.float32, device),
         uniforms=uniforms_for([r.seed for r in reqs],
                               [len(r.output_ids) for r in reqs]).to(device),
         penalties=_penalties(reqs, eos_ids, device, counts, grammar_ended),
@@ -181,7 +181,7 @@ def _penalties(reqs: list[Req], eos_ids: frozenset[int], device: torch.device,
         return None
 
     def t(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
+        return list_tensor(values, dtype, device)
 
     empty = t([])
     pen = Penalties(rows=empty, ids=empty)
