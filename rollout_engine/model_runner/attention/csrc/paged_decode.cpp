@@ -76,16 +76,18 @@ inline v8f in_reg(v8f v) { return v; }
 inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
 inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
 
+// Helpers for any vector type V (v8f everywhere; v16f, one zmm register, where AVX-512 is
+// there: the products that need no horizontal sums, the prefix phase's Q . Kt and every P . V,
+// run on those, twice the lanes per instruction and, on cores with full-width AVX-512 units as
+// AMD Zen 5 and Intel's, twice the FLOPs).
 #if defined(__AVX512F__)
-// 16 floats, one zmm register: where AVX-512 is there, the products that need no horizontal
-// sums (the prefix phase's Q . Kt, every P . V) run on these, twice the lanes per instruction
-// (on cores with full-width AVX-512 units, as AMD Zen 5 and Intel's, twice the FLOPs).
 typedef float v16f __attribute__((vector_size(64)));
-inline v16f load16(const float* p) { v16f v; std::memcpy(&v, p, sizeof v); return v; }
-inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
-inline v16f in_reg16(v16f v) { asm("" : "+v"(v)); return v; }
-inline v16f splat16(float x) { return v16f{} + x; }
+inline v16f in_reg(v16f v) { asm("" : "+v"(v)); return v; }
 #endif
+template <typename V> constexpr int kWidth = int(sizeof(V) / sizeof(float));
+template <typename V> inline V loadv(const float* p) { V v; std::memcpy(&v, p, sizeof v); return v; }
+template <typename V> inline void storev(float* p, V v) { std::memcpy(p, &v, sizeof v); }
+template <typename V> inline V splatv(float x) { return V{} + x; }
 
 // exp for x <= 0 (scores minus their running max), Cephes' expf polynomial: ~1 ulp, and
 // inputs below -87 give ~1e-38 instead of 0, which no output tolerance can see.
@@ -250,67 +252,46 @@ inline void qk_tile(const float* Q, const float* const* kp, int64_t koff, float*
   }
 }
 
-// acc[r, c0 * 8 : (c0 + PC) * 8] += sum_j p[r, j] v_j[...] for R rows over bk keys: R * PC
-// accumulators stay in registers while the keys stream by.
-template <int NC, int R, int PC>
+// acc[r, c0 * W : (c0 + PC) * W] += sum_j p[r, j] v_j[...] for R rows over bk keys (W lanes
+// of V): R * PC accumulators stay in registers while the keys stream by.
+template <typename V, int NV, int R, int PC>
 inline void pv_tile(const float* P, const float* const* vp, int64_t voff, int64_t bk, int c0,
                     float* acc) {
-  constexpr int64_t D = NC * 8;
-  v8f a[R][PC];
+  constexpr int W = kWidth<V>;
+  constexpr int64_t D = NV * W;
+  V a[R][PC];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < PC; ++c) a[r][c] = load8(acc + r * D + 8 * (c0 + c));
+    for (int c = 0; c < PC; ++c) a[r][c] = loadv<V>(acc + r * D + W * (c0 + c));
   for (int64_t j = 0; j < bk; ++j) {
-    const float* vj = vp[j] + voff + 8 * c0;
-    v8f vv[PC];
-    for (int c = 0; c < PC; ++c) vv[c] = load8(vj + 8 * c);
+    const float* vj = vp[j] + voff + W * c0;
+    V vv[PC];
+    for (int c = 0; c < PC; ++c) vv[c] = loadv<V>(vj + W * c);
     for (int r = 0; r < R; ++r) {
-      const v8f p = splat(P[r * kBlock + j]);
+      const V p = splatv<V>(P[r * kBlock + j]);
       for (int c = 0; c < PC; ++c) a[r][c] += p * vv[c];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < PC; ++c) store8(acc + r * D + 8 * (c0 + c), a[r][c]);
+    for (int c = 0; c < PC; ++c) storev<V>(acc + r * D + W * (c0 + c), a[r][c]);
 }
-
-#if defined(__AVX512F__)
-// pv_tile on 16-lane vectors: acc[r, c0 * 16 : (c0 + PC) * 16] += sum_j p[r, j] v_j[...].
-template <int NC16, int R, int PC>
-inline void pv_tile16(const float* P, const float* const* vp, int64_t voff, int64_t bk, int c0,
-                      float* acc) {
-  constexpr int64_t D = NC16 * 16;
-  v16f a[R][PC];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < PC; ++c) a[r][c] = load16(acc + r * D + 16 * (c0 + c));
-  for (int64_t j = 0; j < bk; ++j) {
-    const float* vj = vp[j] + voff + 16 * c0;
-    v16f vv[PC];
-    for (int c = 0; c < PC; ++c) vv[c] = load16(vj + 16 * c);
-    for (int r = 0; r < R; ++r) {
-      const v16f p = splat16(P[r * kBlock + j]);
-      for (int c = 0; c < PC; ++c) a[r][c] += p * vv[c];
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < PC; ++c) store16(acc + r * D + 16 * (c0 + c), a[r][c]);
-}
-#endif
 
 // acc[r, :] += sum_j p[r, j] v_j for R rows (R <= 4) over bk keys, the whole head: in passes
-// of at most 16 accumulator registers (16-lane vectors where AVX-512 is there).
-template <int NC, int R>
+// of at most 16 accumulator registers of 16 lanes where AVX-512 is there, else of Regs
+// registers of 8 lanes (attend_rows keeps the 16 it always used on AVX2).
+template <int NC, int R, int Regs = kAccRegs>
 inline void pv_rows(const float* P, const float* const* vp, int64_t voff, int64_t bk,
                     float* acc) {
 #if defined(__AVX512F__)
   if constexpr (NC % 2 == 0) {
-    constexpr int NC16 = NC / 2, PC = NC16 < 16 / R ? NC16 : 16 / R;
-    static_assert(NC16 % PC == 0, "PV passes cover the head");
-    for (int c0 = 0; c0 < NC16; c0 += PC) pv_tile16<NC16, R, PC>(P, vp, voff, bk, c0, acc);
+    constexpr int NV = NC / 2, PC = NV < 16 / R ? NV : 16 / R;
+    static_assert(NV % PC == 0, "PV passes cover the head");
+    for (int c0 = 0; c0 < NV; c0 += PC) pv_tile<v16f, NV, R, PC>(P, vp, voff, bk, c0, acc);
     return;
   }
 #endif
-  constexpr int PC = NC < kAccRegs / R ? NC : kAccRegs / R;
+  constexpr int PC = NC < Regs / R ? NC : Regs / R;
   static_assert(NC % PC == 0, "PV passes cover the head");
-  for (int c0 = 0; c0 < NC; c0 += PC) pv_tile<NC, R, PC>(P, vp, voff, bk, c0, acc);
+  for (int c0 = 0; c0 < NC; c0 += PC) pv_tile<v8f, NC, R, PC>(P, vp, voff, bk, c0, acc);
 }
 
 // Attend the query rows Q [nh, G, D] (already multiplied by the softmax scale; row (h, i)
@@ -373,50 +354,46 @@ inline void transpose_keys(const float* const* kp, int64_t koff, float* Kt) {
   }
 }
 
-// attend for many query rows per KV head (a cascade chunk: every member's heads of one KV
-// head against the shared prefix), shaped as small matrix products so each loaded key or
-// value feeds kRows query rows: per block, K is transposed into Kt [D, kBlock] (scratch) and
-// S[r, :] = sum_d q[r, d] * Kt[d, :], kRows rows x kBlock keys of accumulators; then
-// acc[r, :] += sum_j p[r, j] * v[j, :], kRows rows x 32 lanes of acc at a time.
-constexpr int64_t kRows = 4;
-
-#if defined(__AVX512F__)
-// attend_rows' S = Q . Kt for KV head h on 16-lane vectors: tiles of kRows16 rows x kBlock
-// keys (kRows16 * kBlock / 16 = 16 accumulator registers), each Kt vector loaded feeding
-// kRows16 products. Writes S (masked past bk) for rows h*nq .. h*nq+nq-1.
-constexpr int64_t kRows16 = 8;
-template <int NC>
-inline void qk_rows16(const float* Q, int64_t h, int64_t nq, int64_t bk, const float* Kt,
-                      float* S) {
-  constexpr int64_t D = NC * 8, KV16 = kBlock / 16;
-  static_assert(kBlock % 16 == 0, "a block of keys is whole 16-lane vectors");
-  for (int64_t r0 = h * nq; r0 < (h + 1) * nq; r0 += kRows16) {
-    const int64_t nr = std::min(kRows16, (h + 1) * nq - r0);
-    v16f a[kRows16][KV16];
-    for (int64_t r = 0; r < kRows16; ++r)
-      for (int64_t i = 0; i < KV16; ++i) a[r][i] = splat16(0.0f);
+// S = Q . Kt for KV head h (rows h*nq .. h*nq+nq-1, masked past bk): tiles of 16 * W / kBlock
+// rows x kBlock keys (16 accumulator registers of W lanes), each Kt vector loaded feeding
+// every row of the tile.
+template <typename V, int NC>
+inline void qk_rows(const float* Q, int64_t h, int64_t nq, int64_t bk, const float* Kt,
+                    float* S) {
+  constexpr int W = kWidth<V>;
+  constexpr int64_t D = NC * 8, KV = kBlock / W, kRows = 16 / KV;
+  static_assert(kBlock % W == 0, "a block of keys is whole vectors");
+  for (int64_t r0 = h * nq; r0 < (h + 1) * nq; r0 += kRows) {
+    const int64_t nr = std::min(kRows, (h + 1) * nq - r0);
+    V a[kRows][KV];
+    for (int64_t r = 0; r < kRows; ++r)
+      for (int64_t i = 0; i < KV; ++i) a[r][i] = splatv<V>(0.0f);
     for (int64_t d = 0; d < D; ++d) {
-      v16f kt[KV16];
-      for (int64_t i = 0; i < KV16; ++i) kt[i] = in_reg16(load16(Kt + d * kBlock + 16 * i));
-      for (int64_t r = 0; r < kRows16; ++r) {   // rows past the end repeat row r0
-        const v16f qs = splat16(Q[(r0 + (r < nr ? r : 0)) * D + d]);
-        for (int64_t i = 0; i < KV16; ++i) a[r][i] += qs * kt[i];
+      V kt[KV];
+      for (int64_t i = 0; i < KV; ++i) kt[i] = in_reg(loadv<V>(Kt + d * kBlock + W * i));
+      for (int64_t r = 0; r < kRows; ++r) {   // rows past the end repeat row r0
+        const V qs = splatv<V>(Q[(r0 + (r < nr ? r : 0)) * D + d]);
+        for (int64_t i = 0; i < KV; ++i) a[r][i] += qs * kt[i];
       }
     }
     for (int64_t r = 0; r < nr; ++r) {
       float* sr = S + (r0 + r) * kBlock;
-      for (int64_t i = 0; i < KV16; ++i) store16(sr + 16 * i, a[r][i]);
+      for (int64_t i = 0; i < KV; ++i) storev<V>(sr + W * i, a[r][i]);
       for (int64_t j = bk; j < kBlock; ++j) sr[j] = kNegInf;
     }
   }
 }
-#endif
 
+// attend for many query rows per KV head (a cascade chunk: every member's heads of one KV
+// head against the shared prefix), shaped as small matrix products so each loaded key or
+// value feeds a tile of query rows: per block, K is transposed into Kt [D, kBlock] (scratch)
+// and S[r, :] = sum_d q[r, d] * Kt[d, :] (qk_rows); then acc[r, :] += sum_j p[r, j] * v[j, :],
+// 4 rows at a time (pv_rows).
 template <int NC>
 void attend_rows(const float* Q, int64_t nh, int64_t nq, const int64_t* slots, int64_t n,
                  const float* kbuf, const float* vbuf, int64_t num_slots, int64_t slot_stride,
                  State st, float* S, float* Kt) {
-  constexpr int64_t D = NC * 8, KV8 = kBlock / 8;
+  constexpr int64_t D = NC * 8;
   const int64_t rows = nh * nq, row_bytes = slot_stride * int64_t(sizeof(float));
   const float* kp[kBlock];
   const float* vp[kBlock];
@@ -427,36 +404,18 @@ void attend_rows(const float* Q, int64_t nh, int64_t nq, const int64_t* slots, i
       const int64_t koff = h * D;
       for (int64_t j = 0; j < kBlock; j += 8) transpose_keys<NC>(kp + j, koff, Kt + j);
 #if defined(__AVX512F__)
-      qk_rows16<NC>(Q, h, nq, bk, Kt, S);
+      qk_rows<v16f, NC>(Q, h, nq, bk, Kt, S);
 #else
-      for (int64_t r0 = h * nq; r0 < (h + 1) * nq; r0 += kRows) {
-        const int64_t nr = std::min(kRows, (h + 1) * nq - r0);
-        v8f a[kRows][KV8];
-        for (int64_t r = 0; r < kRows; ++r)
-          for (int64_t i = 0; i < KV8; ++i) a[r][i] = splat(0.0f);
-        for (int64_t d = 0; d < D; ++d) {
-          v8f kt[KV8];
-          for (int64_t i = 0; i < KV8; ++i) kt[i] = in_reg(load8(Kt + d * kBlock + 8 * i));
-          for (int64_t r = 0; r < kRows; ++r) {
-            const v8f qs = splat(Q[(r0 + (r < nr ? r : 0)) * D + d]);
-            for (int64_t i = 0; i < KV8; ++i) a[r][i] += qs * kt[i];
-          }
-        }
-        for (int64_t r = 0; r < nr; ++r) {
-          float* sr = S + (r0 + r) * kBlock;
-          for (int64_t i = 0; i < KV8; ++i) store8(sr + 8 * i, a[r][i]);
-          for (int64_t j = bk; j < kBlock; ++j) sr[j] = kNegInf;
-        }
-      }
+      qk_rows<v8f, NC>(Q, h, nq, bk, Kt, S);
 #endif
     }
     rescale<NC>(rows, st, S);
     for (int64_t h = 0; h < nh; ++h) {
       int64_t r0 = h * nq;
       for (; r0 + 4 <= (h + 1) * nq; r0 += 4)
-        pv_rows<NC, 4>(S + r0 * kBlock, vp, h * D, bk, st.acc + r0 * D);
+        pv_rows<NC, 4, 16>(S + r0 * kBlock, vp, h * D, bk, st.acc + r0 * D);
       for (; r0 < (h + 1) * nq; ++r0)
-        pv_rows<NC, 1>(S + r0 * kBlock, vp, h * D, bk, st.acc + r0 * D);
+        pv_rows<NC, 1, 4>(S + r0 * kBlock, vp, h * D, bk, st.acc + r0 * D);
     }
   }
 }
