@@ -58,7 +58,10 @@ def start_server(side: str, model_dir: str, threads: int, max_seqs: int
                "--port", str(port), "--dtype", "float32", "--device", "cpu",
                "--num-threads", str(threads), "--random-seed", "0",
                "--max-running-requests", str(max_seqs)]
-        env = None
+        # this checkout's engine (cwd is "/"), even if another checkout is the installed one
+        root = os.path.dirname(_HERE)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     else:
         py = vllm_peer.vllm_python()
         if py is None:
