@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout_engine.model_runner.attention.cpu_fused import FusedOps, load_fused_ops
+from rollout_engine.models.cpu_gemm import load_small_gemm, use_small_gemm
 
 
 def fused_ops_for(x: torch.Tensor) -> Optional[FusedOps]:
@@ -64,8 +65,9 @@ def onednn_rows(rows: int) -> int:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
            ) -> torch.Tensor:
-    """``F.linear``; float32 on CPU without autograd by oneDNN (see ``_onednn_linear_ok``), at
-    a bucketed row count (`onednn_rows`: the input padded with zero rows, the output a view of
+    """``F.linear``; float32 on CPU without autograd by the small-GEMM kernel at the row
+    counts where it is faster (a decode step's: ``cpu_gemm.use_small_gemm``), else by oneDNN
+    (see ``_onednn_linear_ok``), at a bucketed row count (`onednn_rows`: the input padded with zero rows, the output a view of
     its first rows).
 
     oneDNN builds a primitive per shape (~0.5-3 ms, then cached), so long extends of a new
@@ -79,6 +81,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
             and _onednn_linear_ok()):
         return F.linear(x, weight, bias)
     rows = x.numel() // max(1, x.shape[-1])
+    if use_small_gemm(rows, weight.shape[0]) and x.stride(-1) == 1 and weight.stride(-1) == 1:
+        op = load_small_gemm()
+        if op is not None:
+            out = op(x.reshape(rows, x.shape[-1]), weight, bias)
+            return out.view(*x.shape[:-1], out.shape[-1])
     padded = onednn_rows(rows)
     if padded == rows:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

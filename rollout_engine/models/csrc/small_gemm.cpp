@@ -1,0 +1,169 @@
+// out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]): a float32 linear layer for the few rows of a
+// decode step (up to a few hundred), reading the weight in place, in torch's [N, K] layout.
+//
+// oneDNN (torch's mkldnn linear) reorders a plain [N, K] weight into its blocked layout on every
+// call, which a decode step's few rows cannot amortize (55M shapes, 64 rows: 280-350 GFLOP/s
+// against ~430 with the weight prepacked). Prepacking the weight would need a second copy of it
+// (or a layout of our own) that every refit, disk load and sleep must keep in step. This kernel
+// needs neither: it computes the transposed product, out^T = w . x^T, vectorized over the rows
+// of x instead of over the weight's outputs:
+//
+//   xt [K, Mp]   x transposed (Mp = M rounded up to 16, zero rows past M), packed per call:
+//                M * K floats, small next to the weight;
+//   tile         NR weight rows (outputs n .. n+NR) x 16 * MV rows of x: per k, NR scalars of
+//                the weight broadcast (each weight row is read along k, so NR sequential
+//                streams) against MV vectors of xt, NR * MV accumulators in registers over all
+//                of K; the tile is then transposed through a small buffer into out's rows.
+//
+// Every output is one sequential sum over k (one accumulator, fused multiply-adds in k order),
+// so a row's result does not depend on the batch it is in or on the thread count.
+//
+// Threads (torch's intra-op pool, at::parallel_for) split the transpose by k and the product by
+// ranges of weight rows. Plain C entry points over raw pointers, called through ctypes (which
+// releases the GIL); the Python side (models/cpu_gemm.py) checks shapes and strides. Built only
+// where AVX-512 is there (32 vector registers of 16 lanes); elsewhere supported() says 0 and
+// the caller keeps oneDNN.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+namespace {
+
+typedef float v16f __attribute__((vector_size(64)));
+
+inline v16f loadv(const float* p) { v16f v; std::memcpy(&v, p, sizeof v); return v; }
+inline void storev(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
+inline v16f splat(float x) { return v16f{} + x; }
+// A vector loaded once for several FMAs stays in a register (else GCC folds the load into each).
+inline v16f in_reg(v16f v) { asm("" : "+v"(v)); return v; }
+
+constexpr int kLanes = 16;
+constexpr int kMaxMV = 4;    // vectors of x rows per tile (64 rows)
+
+// xt, blocked by 64 rows of x: xt[(b * K + k) * 64 + j] = x[(64 b + j) * ldx + k] for k in
+// [k0, k1), zero past row M (each block's columns over all of K are one contiguous run).
+void transpose_rows(const float* x, int64_t M, int64_t ldx, int64_t K, int64_t k0, int64_t k1,
+                    float* xt) {
+  constexpr int64_t T = 16, BW = kLanes * kMaxMV;
+  for (int64_t kb = k0; kb < k1; kb += T) {
+    const int64_t ke = std::min(k1, kb + T);
+    for (int64_t mb = 0; mb < M; mb += T) {
+      float tile[T][T];
+      const int64_t me = std::min(M, mb + T);
+      for (int64_t m = mb; m < mb + T; ++m) {
+        if (m < me) {
+          for (int64_t k = kb; k < ke; ++k) tile[k - kb][m - mb] = x[m * ldx + k];
+        } else {
+          for (int64_t k = kb; k < ke; ++k) tile[k - kb][m - mb] = 0.0f;
+        }
+      }
+      float* dst = xt + (mb / BW) * K * BW + mb % BW;
+      for (int64_t k = kb; k < ke; ++k) std::memcpy(dst + k * BW, tile[k - kb], sizeof tile[0]);
+    }
+  }
+}
+
+// out rows [m0, m0 + rows) x columns [n, n + NR): the product of weight rows w[n .. n+NR) and
+// xt's columns [m0, m0 + 16 * MV), over all K.
+template <int NR, int MV>
+void tile(const float* w, int64_t ldw, const float* xt, int64_t K, int64_t m0,
+          int64_t rows, int64_t n, const float* bias, float* out, int64_t ldo) {
+  v16f acc[NR][MV];
+  for (int i = 0; i < NR; ++i)
+    for (int v = 0; v < MV; ++v) acc[i][v] = splat(0.0f);
+  const float* wr[NR];
+  for (int i = 0; i < NR; ++i) wr[i] = w + (n + i) * ldw;
+  const float* xk = xt + m0 * K;   // block m0 / 64, contiguous over k
+  // the next tile's weight rows (contiguous when ldw == K), a line every other k, into L1
+  const char* pf = reinterpret_cast<const char*>(w + (n + NR) * ldw);
+  const bool prefetch = m0 == 0 && ldw == K;
+  for (int64_t k = 0; k < K; ++k, xk += kLanes * kMaxMV) {
+    if (prefetch && (k & 1) == 0) __builtin_prefetch(pf + (k >> 1) * 64, 0, 3);
+    v16f xv[MV];
+    for (int v = 0; v < MV; ++v) xv[v] = in_reg(loadv(xk + kLanes * v));
+    for (int i = 0; i < NR; ++i) {
+      const v16f s = splat(wr[i][k]);
+      for (int v = 0; v < MV; ++v) acc[i][v] += s * xv[v];
+    }
+  }
+  alignas(64) float buf[NR][kLanes * MV];
+  for (int i = 0; i < NR; ++i) {
+    const v16f b = splat(bias ? bias[n + i] : 0.0f);
+    for (int v = 0; v < MV; ++v) storev(&buf[i][kLanes * v], acc[i][v] + b);
+  }
+  for (int64_t m = 0; m < rows; ++m) {
+    float* o = out + (m0 + m) * ldo + n;
+    for (int i = 0; i < NR; ++i) o[i] = buf[i][m];
+  }
+}
+
+template <int NR>
+void tile_any(int mv, const float* w, int64_t ldw, const float* xt, int64_t K,
+              int64_t m0, int64_t rows, int64_t n, const float* bias, float* out, int64_t ldo) {
+  switch (mv) {
+    case 4: tile<NR, 4>(w, ldw, xt, K, m0, rows, n, bias, out, ldo); break;
+    case 3: tile<NR, 3>(w, ldw, xt, K, m0, rows, n, bias, out, ldo); break;
+    case 2: tile<NR, 2>(w, ldw, xt, K, m0, rows, n, bias, out, ldo); break;
+    default: tile<NR, 1>(w, ldw, xt, K, m0, rows, n, bias, out, ldo); break;
+  }
+}
+
+constexpr int kNR = 6;       // weight rows per tile: 6 x 4 = 24 accumulators of 32 registers
+
+// Weight rows [n0, n1): tiles of kNR rows (a narrower one at the end), each over every block
+// of 64 x rows (the weight rows stay in L1 while xt's blocks stream from L2).
+void rows_range(const float* w, int64_t ldw, const float* xt, int64_t M, int64_t Mp, int64_t K,
+                int64_t n0, int64_t n1, const float* bias, float* out, int64_t ldo) {
+  for (int64_t n = n0; n < n1; n += kNR) {
+    const int64_t nr = std::min<int64_t>(kNR, n1 - n);
+    for (int64_t m0 = 0; m0 < M; m0 += kLanes * kMaxMV) {
+      const int mv = int(std::min<int64_t>(kMaxMV, (Mp - m0) / kLanes));
+      const int64_t rows = std::min<int64_t>(kLanes * kMaxMV, M - m0);
+      switch (nr) {
+        case 6: tile_any<6>(mv, w, ldw, xt, K, m0, rows, n, bias, out, ldo); break;
+        case 5: tile_any<5>(mv, w, ldw, xt, K, m0, rows, n, bias, out, ldo); break;
+        case 4: tile_any<4>(mv, w, ldw, xt, K, m0, rows, n, bias, out, ldo); break;
+        case 3: tile_any<3>(mv, w, ldw, xt, K, m0, rows, n, bias, out, ldo); break;
+        case 2: tile_any<2>(mv, w, ldw, xt, K, m0, rows, n, bias, out, ldo); break;
+        default: tile_any<1>(mv, w, ldw, xt, K, m0, rows, n, bias, out, ldo); break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" int rollout_engine_small_gemm_supported() { return 1; }
+
+// x [M, K] (row stride ldx), w [N, K] (row stride ldw), bias [N] or null, out [M, N] (row
+// stride ldo); the caller checks M, N, K > 0 and the strides. Returns 0.
+extern "C" int rollout_engine_small_gemm_f32(const float* x, int64_t M, int64_t K, int64_t ldx,
+                                             const float* w, int64_t N, int64_t ldw,
+                                             const float* bias, float* out, int64_t ldo) {
+  const int64_t BW = kLanes * kMaxMV, Mp = (M + kLanes - 1) / kLanes * kLanes;
+  static thread_local std::vector<float> xt_buf;
+  if (int64_t(xt_buf.size()) < K * (Mp + BW)) xt_buf.resize(K * (Mp + BW));
+  float* xt = xt_buf.data();
+  at::parallel_for(0, K, 64, [&](int64_t k0, int64_t k1) {
+    transpose_rows(x, M, ldx, K, k0, k1, xt);
+  });
+  const int64_t tiles = (N + kNR - 1) / kNR;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    rows_range(w, ldw, xt, M, Mp, K, t0 * kNR, std::min(N, t1 * kNR), bias, out, ldo);
+  });
+  return 0;
+}
+#else
+extern "C" int rollout_engine_small_gemm_supported() { return 0; }
+extern "C" int rollout_engine_small_gemm_f32(const float*, int64_t, int64_t, int64_t,
+                                             const float*, int64_t, int64_t, const float*,
+                                             float*, int64_t) {
+  return 1;
+}
+#endif
+
+extern "C" int rollout_engine_small_gemm_abi() { return 1; }
