@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import sys
@@ -71,7 +72,9 @@ def labelled(label: str) -> Callable[[Callable], Callable]:
     return wrap
 
 
-LABELS = {"forward", "sample", "attention", "lm_head", "norms", "rope", "activation"}
+LABELS = {"forward", "sample", "attention", "lm_head", "norms", "rope", "activation",
+          "matmul qkv", "matmul o", "matmul gate_up", "matmul down",   # these: small GEMM
+          "other ops"}
 
 
 def _label_of(e: Any) -> str:
@@ -101,6 +104,10 @@ def _projection(op: Any, arch: Any) -> str:
         in_f, out_f = shapes[1][-2:]
     else:
         return "other ops"
+    return _projection_of(out_f, in_f, arch)
+
+
+def _projection_of(out_f: int, in_f: int, arch: Any) -> str:
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     if out_f == q + 2 * kv:
         return "matmul qkv"
@@ -243,9 +250,26 @@ def instrument(rec: StepRecorder) -> contextlib.ExitStack:
                                (llama, "silu_mul", "activation")):
         if attr in owner.__dict__:
             plan.append((owner, attr, labelled(label)))
+    try:   # the small-GEMM kernel (a ctypes call, invisible to the profiler): labelled by shape
+        from rollout_engine.models import cpu_gemm
+        plan.append((cpu_gemm.SmallGemm, "__call__", functools.partial(gemm_labelled, rec)))
+    except ImportError:
+        pass
     for owner, attr, wrap in plan:
         stack.enter_context(patched(owner, attr, wrap))
     return stack
+
+
+def gemm_labelled(rec: StepRecorder, fn: Callable) -> Callable:
+    import torch
+
+    def inner(op: Any, x: Any, weight: Any, *args: Any) -> Any:
+        out_f, in_f = weight.shape
+        label = ("lm_head" if out_f == rec.arch.vocab_size
+                 else _projection_of(out_f, in_f, rec.arch))
+        with torch.profiler.record_function(label):
+            return fn(op, x, weight, *args)
+    return inner
 
 
 def summarize(profiles: list[dict[str, float]]) -> dict[str, Any]:

@@ -3,10 +3,10 @@
 oneDNN reorders a plain ``[N, K]`` weight on every call, which 32-64 rows (a decode batch)
 cannot amortize; the kernel reads the weight in place and vectorizes over the rows instead
 (see the source). Measured on the 2-core AVX-512 EPYC, the 55M model's shapes, interleaved
-calls: 64 rows +4-27% over oneDNN (the LM head, 32000 x 512, 284 -> 400 GFLOP/s), 32-48 rows
-+2-40%, even at 96-128 rows except for the LM head (+7-10%), behind oneDNN at 256 rows
-(-4-15%) and below 16 rows. `use_small_gemm` encodes that; both compute each output as one
-sequential sum over k at these shapes (outputs compared bit for bit at K = 512).
+calls: 64 rows +9-37% over oneDNN (the LM head, 32000 x 512, 290 -> 395 GFLOP/s), 32-48 rows
++2-40%, 128 rows -2% to +13% (the LM head 353 -> 399), even with it or behind at 256 rows
+(-1% to -13%), behind below 16 rows. `use_small_gemm` encodes that; both compute each output
+as one sequential sum over k at these shapes (outputs equal bit for bit at K = 512).
 
 Built and loaded like the other CPU kernels (``cpu_kernels.build_library``: at first use,
 cached, one warning and None when it cannot be built); only where the compiler targets
@@ -28,7 +28,7 @@ from rollout_engine.model_runner.attention import cpu_kernels
 SOURCE = Path(__file__).resolve().parent / "csrc" / "small_gemm.cpp"
 SMALL_GEMM_ENV = "ROLLOUT_ENGINE_SMALL_GEMM"
 
-MIN_ROWS, MAX_ROWS = 32, 64            # every product
+MIN_ROWS, MAX_ROWS = 32, 128           # every product
 WIDE_MIN_ROWS, WIDE_MAX_ROWS = 16, 128  # products with at least WIDE_OUTPUTS outputs (LM head)
 WIDE_OUTPUTS = 8192
 

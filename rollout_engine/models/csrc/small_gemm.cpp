@@ -24,6 +24,7 @@
 // where AVX-512 is there (32 vector registers of 16 lanes); elsewhere supported() says 0 and
 // the caller keeps oneDNN.
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -37,7 +38,8 @@ typedef float v16f __attribute__((vector_size(64)));
 
 inline v16f loadv(const float* p) { v16f v; std::memcpy(&v, p, sizeof v); return v; }
 inline void storev(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
-inline v16f splat(float x) { return v16f{} + x; }
+// a broadcast (vbroadcastss); `v16f{} + x` would add 0 first (its -0.0 rule keeps the add)
+inline v16f splat(float x) { return v16f(_mm512_set1_ps(x)); }
 // A vector loaded once for several FMAs stays in a register (else GCC folds the load into each).
 inline v16f in_reg(v16f v) { asm("" : "+v"(v)); return v; }
 
@@ -78,18 +80,27 @@ void tile(const float* w, int64_t ldw, const float* xt, int64_t K, int64_t m0,
   const float* wr[NR];
   for (int i = 0; i < NR; ++i) wr[i] = w + (n + i) * ldw;
   const float* xk = xt + m0 * K;   // block m0 / 64, contiguous over k
-  // the next tile's weight rows (contiguous when ldw == K), a line every other k, into L1
-  const char* pf = reinterpret_cast<const char*>(w + (n + NR) * ldw);
-  const bool prefetch = m0 == 0 && ldw == K;
-  for (int64_t k = 0; k < K; ++k, xk += kLanes * kMaxMV) {
-    if (prefetch && (k & 1) == 0) __builtin_prefetch(pf + (k >> 1) * 64, 0, 3);
+  // the next tile's weight rows (contiguous when ldw == K), a line every other k, into L1;
+  // where there is nothing to fetch (later blocks of x rows: the rows are in L1 already) the
+  // prefetches walk this tile's own first row instead
+  const char* pf = reinterpret_cast<const char*>(
+      m0 == 0 && ldw == K ? w + (n + NR) * ldw : w + n * ldw);
+  const int64_t pf_lines = m0 == 0 && ldw == K ? (NR * K * 4 + 63) / 64 : (K * 4 + 63) / 64;
+  auto step = [&](int64_t k) {
     v16f xv[MV];
-    for (int v = 0; v < MV; ++v) xv[v] = in_reg(loadv(xk + kLanes * v));
+    for (int v = 0; v < MV; ++v) xv[v] = in_reg(loadv(xk + kLanes * kMaxMV * k + kLanes * v));
     for (int i = 0; i < NR; ++i) {
       const v16f s = splat(wr[i][k]);
       for (int v = 0; v < MV; ++v) acc[i][v] += s * xv[v];
     }
+  };
+  int64_t k = 0;
+  for (; k + 2 <= K; k += 2) {
+    __builtin_prefetch(pf + std::min((k >> 1), pf_lines - 1) * 64, 0, 3);
+    step(k);
+    step(k + 1);
   }
+  if (k < K) step(k);
   alignas(64) float buf[NR][kLanes * MV];
   for (int i = 0; i < NR; ++i) {
     const v16f b = splat(bias ? bias[n + i] : 0.0f);

@@ -116,10 +116,10 @@ def test_padded_rows_equal_f_linear_and_reach_onednn_bucketed(monkeypatch):
             torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
         x3 = torch.randn(3, 7, 40, generator=g)   # 21 rows: padded to 21 (exact under 32)
         torch.testing.assert_close(layers.linear(x3, w), F.linear(x3, w), rtol=1e-5, atol=1e-5)
-        x3 = torch.randn(5, 19, 40, generator=g)   # 95 rows -> 96
+        x3 = torch.randn(5, 29, 40, generator=g)   # 145 rows -> 152
         torch.testing.assert_close(layers.linear(x3, w), F.linear(x3, w), rtol=1e-5, atol=1e-5)
     if layers._onednn_linear_ok():
         assert calls and all(layers.onednn_rows(m) == m for m in calls)
-        assert 96 in calls and 95 not in calls
-        if load_small_gemm() is not None:   # 32-64 rows are the small-GEMM kernel's
-            assert not any(32 <= m <= 64 for m in calls)
+        assert 152 in calls and 145 not in calls
+        if load_small_gemm() is not None:   # 32-128 rows are the small-GEMM kernel's
+            assert not any(32 <= m <= 128 for m in calls)
