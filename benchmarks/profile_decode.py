@@ -231,7 +231,7 @@ class StepRecorder:
 def instrument(rec: StepRecorder) -> contextlib.ExitStack:
     from rollout_engine.model_runner.attention.torch_native import TorchNativeBackend
     from rollout_engine.model_runner.model_runner import ModelRunner
-    from rollout_engine.models import layers, llama
+    from rollout_engine.models import cpu_gemm, layers, llama
     from rollout_engine.scheduler import scheduler as sched_mod
 
     stack = contextlib.ExitStack()
@@ -250,11 +250,8 @@ def instrument(rec: StepRecorder) -> contextlib.ExitStack:
                                (llama, "silu_mul", "activation")):
         if attr in owner.__dict__:
             plan.append((owner, attr, labelled(label)))
-    try:   # the small-GEMM kernel (a ctypes call, invisible to the profiler): labelled by shape
-        from rollout_engine.models import cpu_gemm
-        plan.append((cpu_gemm.SmallGemm, "__call__", functools.partial(gemm_labelled, rec)))
-    except ImportError:
-        pass
+    # the small-GEMM kernel (a ctypes call, invisible to the profiler): labelled by shape
+    plan.append((cpu_gemm.SmallGemm, "__call__", functools.partial(gemm_labelled, rec)))
     for owner, attr, wrap in plan:
         stack.enter_context(patched(owner, attr, wrap))
     return stack

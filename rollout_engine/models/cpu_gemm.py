@@ -9,9 +9,9 @@ calls: 64 rows +9-37% over oneDNN (the LM head, 32000 x 512, 290 -> 395 GFLOP/s)
 as one sequential sum over k at these shapes (outputs equal bit for bit at K = 512).
 
 Built and loaded like the other CPU kernels (``cpu_kernels.build_library``: at first use,
-cached, one warning and None when it cannot be built); only where the compiler targets
-AVX-512 (``supported`` is 0 elsewhere: oneDNN stays). ``ROLLOUT_ENGINE_SMALL_GEMM=0`` turns it
-off.
+cached, one warning and None when it cannot be built). Where the compiler does not target
+AVX-512 it is built on 8-lane vectors, correct (and tested) but not faster, and ``fast`` is
+False: `linear` keeps oneDNN there. ``ROLLOUT_ENGINE_SMALL_GEMM=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -46,11 +46,12 @@ def use_small_gemm(rows: int, outputs: int) -> bool:
 class SmallGemm:
     """The compiled kernel; `__call__` checks what the C side cannot see."""
 
-    ABI = 1
+    ABI = 2
 
     def __init__(self, library_path: str) -> None:
         lib = cpu_kernels.open_library(library_path, "rollout_engine_small_gemm_abi", self.ABI)
-        self.supported = bool(lib.rollout_engine_small_gemm_supported())   # AVX-512 build
+        # an AVX-512 build: faster than oneDNN where use_small_gemm says; elsewhere correct only
+        self.fast = bool(lib.rollout_engine_small_gemm_fast())
         fn = lib.rollout_engine_small_gemm_f32
         fn.restype = ctypes.c_int
         fn.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64]
@@ -80,9 +81,8 @@ class SmallGemm:
 
 @functools.cache
 def load_small_gemm() -> Optional[SmallGemm]:
-    """The compiled kernel, or None: turned off, built without AVX-512, or not buildable (one
-    warning); the caller then keeps oneDNN."""
-    op = cpu_kernels.load_or_warn(
+    """The compiled kernel, or None: turned off or not buildable (one warning); ``linear``
+    uses it only where it is ``fast``."""
+    return cpu_kernels.load_or_warn(
         lambda: SmallGemm(cpu_kernels.build_library(SOURCE, "rollout_engine_small_gemm")),
         "CPU small GEMM kernel", "using oneDNN", SMALL_GEMM_ENV)
-    return op if op is not None and op.supported else None

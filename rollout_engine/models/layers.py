@@ -67,8 +67,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
            ) -> torch.Tensor:
     """``F.linear``; float32 on CPU without autograd by the small-GEMM kernel at the row
     counts where it is faster (a decode step's: ``cpu_gemm.use_small_gemm``), else by oneDNN
-    (see ``_onednn_linear_ok``), at a bucketed row count (`onednn_rows`: the input padded with zero rows, the output a view of
-    its first rows).
+    (see ``_onednn_linear_ok``), at a bucketed row count (`onednn_rows`: the input padded with
+    zero rows, the output a view of its first rows).
 
     oneDNN builds a primitive per shape (~0.5-3 ms, then cached), so long extends of a new
     length bucket pay that once per projection shape, against products of >= 1 GFLOP each,
@@ -83,7 +83,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     rows = x.numel() // max(1, x.shape[-1])
     if use_small_gemm(rows, weight.shape[0]) and x.stride(-1) == 1 and weight.stride(-1) == 1:
         op = load_small_gemm()
-        if op is not None:
+        if op is not None and op.fast:
             out = op(x.reshape(rows, x.shape[-1]), weight, bias)
             return out.view(*x.shape[:-1], out.shape[-1])
     padded = onednn_rows(rows)

@@ -8,9 +8,9 @@
 // needs neither: it computes the transposed product, out^T = w . x^T, vectorized over the rows
 // of x instead of over the weight's outputs:
 //
-//   xt [K, Mp]   x transposed (Mp = M rounded up to 16, zero rows past M), packed per call:
+//   xt [K, Mp]   x transposed (Mp = M rounded up to kLanes, zero rows past M), packed per call:
 //                M * K floats, small next to the weight;
-//   tile         NR weight rows (outputs n .. n+NR) x 16 * MV rows of x: per k, NR scalars of
+//   tile         NR weight rows (outputs n .. n+NR) x kLanes * MV rows of x: per k, NR scalars of
 //                the weight broadcast (each weight row is read along k, so NR sequential
 //                streams) against MV vectors of xt, NR * MV accumulators in registers over all
 //                of K; the tile is then transposed through a small buffer into out's rows.
@@ -20,33 +20,50 @@
 //
 // Threads (torch's intra-op pool, at::parallel_for) split the transpose by k and the product by
 // ranges of weight rows. Plain C entry points over raw pointers, called through ctypes (which
-// releases the GIL); the Python side (models/cpu_gemm.py) checks shapes and strides. Built only
-// where AVX-512 is there (32 vector registers of 16 lanes); elsewhere supported() says 0 and
-// the caller keeps oneDNN.
+// releases the GIL); the Python side (models/cpu_gemm.py) checks shapes and strides. Fast where
+// AVX-512 is there (32 vector registers of 16 lanes, the sizes below); elsewhere the same code
+// runs on 8-lane vectors, correct but not faster than oneDNN, and fast() says 0 so the caller
+// keeps oneDNN.
 #include <ATen/Parallel.h>
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
 namespace {
 
-typedef float v16f __attribute__((vector_size(64)));
+// One vector of kLanes floats: a zmm register where AVX-512 is there (the build this kernel is
+// used in: `fast`), else 8 lanes (AVX2's ymm, or the compiler's split elsewhere): the same code,
+// correct everywhere and tested everywhere, but not faster than oneDNN there.
+#if defined(__AVX512F__)
+typedef float vf __attribute__((vector_size(64)));
+constexpr int kLanes = 16, kFast = 1;
+// a broadcast (vbroadcastss); `vf{} + x` would add 0 first (its -0.0 rule keeps the add)
+inline vf splat(float x) { return vf(_mm512_set1_ps(x)); }
+inline vf in_reg(vf v) { asm("" : "+v"(v)); return v; }
+#else
+typedef float vf __attribute__((vector_size(32)));
+constexpr int kLanes = 8, kFast = 0;
+inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x}; }
+#if defined(__x86_64__)
+inline vf in_reg(vf v) { asm("" : "+x"(v)); return v; }
+#else
+inline vf in_reg(vf v) { return v; }
+#endif
+#endif
+// (in_reg: a vector loaded once for several FMAs stays in a register; else GCC folds the load
+// into each FMA)
+inline vf loadv(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-inline v16f loadv(const float* p) { v16f v; std::memcpy(&v, p, sizeof v); return v; }
-inline void storev(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
-// a broadcast (vbroadcastss); `v16f{} + x` would add 0 first (its -0.0 rule keeps the add)
-inline v16f splat(float x) { return v16f(_mm512_set1_ps(x)); }
-// A vector loaded once for several FMAs stays in a register (else GCC folds the load into each).
-inline v16f in_reg(v16f v) { asm("" : "+v"(v)); return v; }
+constexpr int kMaxMV = 4;    // vectors of x rows per tile (64 rows with AVX-512)
 
-constexpr int kLanes = 16;
-constexpr int kMaxMV = 4;    // vectors of x rows per tile (64 rows)
-
-// xt, blocked by 64 rows of x: xt[(b * K + k) * 64 + j] = x[(64 b + j) * ldx + k] for k in
+// xt, blocked by BW = kLanes * kMaxMV rows of x: xt[(b * K + k) * BW + j] = x[(BW b + j) * ldx
+// + k] for k in
 // [k0, k1), zero past row M (each block's columns over all of K are one contiguous run).
 void transpose_rows(const float* x, int64_t M, int64_t ldx, int64_t K, int64_t k0, int64_t k1,
                     float* xt) {
@@ -74,7 +91,7 @@ void transpose_rows(const float* x, int64_t M, int64_t ldx, int64_t K, int64_t k
 template <int NR, int MV>
 void tile(const float* w, int64_t ldw, const float* xt, int64_t K, int64_t m0,
           int64_t rows, int64_t n, const float* bias, float* out, int64_t ldo) {
-  v16f acc[NR][MV];
+  vf acc[NR][MV];
   for (int i = 0; i < NR; ++i)
     for (int v = 0; v < MV; ++v) acc[i][v] = splat(0.0f);
   const float* wr[NR];
@@ -87,10 +104,10 @@ void tile(const float* w, int64_t ldw, const float* xt, int64_t K, int64_t m0,
       m0 == 0 && ldw == K ? w + (n + NR) * ldw : w + n * ldw);
   const int64_t pf_lines = m0 == 0 && ldw == K ? (NR * K * 4 + 63) / 64 : (K * 4 + 63) / 64;
   auto step = [&](int64_t k) {
-    v16f xv[MV];
+    vf xv[MV];
     for (int v = 0; v < MV; ++v) xv[v] = in_reg(loadv(xk + kLanes * kMaxMV * k + kLanes * v));
     for (int i = 0; i < NR; ++i) {
-      const v16f s = splat(wr[i][k]);
+      const vf s = splat(wr[i][k]);
       for (int v = 0; v < MV; ++v) acc[i][v] += s * xv[v];
     }
   };
@@ -103,7 +120,7 @@ void tile(const float* w, int64_t ldw, const float* xt, int64_t K, int64_t m0,
   if (k < K) step(k);
   alignas(64) float buf[NR][kLanes * MV];
   for (int i = 0; i < NR; ++i) {
-    const v16f b = splat(bias ? bias[n + i] : 0.0f);
+    const vf b = splat(bias ? bias[n + i] : 0.0f);
     for (int v = 0; v < MV; ++v) storev(&buf[i][kLanes * v], acc[i][v] + b);
   }
   for (int64_t m = 0; m < rows; ++m) {
@@ -148,7 +165,8 @@ void rows_range(const float* w, int64_t ldw, const float* xt, int64_t M, int64_t
 
 }  // namespace
 
-extern "C" int rollout_engine_small_gemm_supported() { return 1; }
+// 1 where this build is the fast one (AVX-512): the caller uses it only then
+extern "C" int rollout_engine_small_gemm_fast() { return kFast; }
 
 // x [M, K] (row stride ldx), w [N, K] (row stride ldw), bias [N] or null, out [M, N] (row
 // stride ldo); the caller checks M, N, K > 0 and the strides. Returns 0.
@@ -168,13 +186,5 @@ extern "C" int rollout_engine_small_gemm_f32(const float* x, int64_t M, int64_t 
   });
   return 0;
 }
-#else
-extern "C" int rollout_engine_small_gemm_supported() { return 0; }
-extern "C" int rollout_engine_small_gemm_f32(const float*, int64_t, int64_t, int64_t,
-                                             const float*, int64_t, int64_t, const float*,
-                                             float*, int64_t) {
-  return 1;
-}
-#endif
 
-extern "C" int rollout_engine_small_gemm_abi() { return 1; }
+extern "C" int rollout_engine_small_gemm_abi() { return 2; }
