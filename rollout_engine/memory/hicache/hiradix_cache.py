@@ -256,8 +256,12 @@ class HiRadixCache(RadixCache):
         self.host.allocator.reset()
         if self.storage is not None:
             self.storage.forget_before(None)
+            # a flush returns with L3 settled: our blocks deleted (the flag), else every block
+            # queued before it stored (the writer thread may still be behind)
             if self.flush_storage_on_reset:
                 self.storage.delete_own()
+            else:
+                self.storage.flush()
 
     # ---- sizes, memory, integrity -------------------------------------------------------------
 
