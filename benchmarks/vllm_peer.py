@@ -75,6 +75,9 @@ def vllm_env(threads: int = 2) -> dict[str, str]:
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     # our checkout must not shadow vLLM's packages (we have a top-level ``kernels/``)
     env.pop("PYTHONPATH", None)
+    # vLLM idles its OpenMP threads its own way, whatever a benchmark set for itself
+    env.pop("OMP_WAIT_POLICY", None)
+    env.pop("GOMP_SPINCOUNT", None)
     return env
 
 

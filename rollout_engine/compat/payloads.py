@@ -63,12 +63,13 @@ _CAPS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
 
 def read_refit_payload(data: Any, model: nn.Module, tp_rank: int = 0,
-                       read_by_others: bool = False) -> Any:
+                       read_by_others: bool = False,
+                       opened: Optional[list[torch.UntypedStorage]] = None) -> Any:
     """One rank's `serialized_named_tensors` entry, read with the model's byte cap
     (`read_by_others`: the same string is every rank's, and another rank drops the sender's
-    references: `deserialize_named_tensors`)."""
+    references; `opened` receives the shm storages opened: `deserialize_named_tensors`)."""
     return deserialize_named_tensors(data, max_bytes=refit_payload_cap(model), tp_rank=tp_rank,
-                                     read_by_others=read_by_others)
+                                     read_by_others=read_by_others, opened=opened)
 
 
 def _is_sglang_bucket(obj: Any) -> bool:

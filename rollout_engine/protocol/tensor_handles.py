@@ -95,7 +95,8 @@ class ReadContext:
 
     def __init__(self, budget: PayloadBudget, tp_rank: int, depth: int,
                  read_nested: Callable[[Any, ReadContext], Any],
-                 restore_references: bool = False) -> None:
+                 restore_references: bool = False,
+                 opened_log: Optional[list[torch.UntypedStorage]] = None) -> None:
         self.budget = budget
         self.tp_rank = tp_rank
         self.depth = depth
@@ -107,6 +108,8 @@ class ReadContext:
         self.shm_storages: list[ShmStorage] = []   # every shm storage the payload names
         self.managers_checked: set[bytes] = set()
         self._opened: dict[int, torch.UntypedStorage] = {}
+        # every shm storage opened (each open dropped one sender reference), nested reads too
+        self.opened_log = opened_log
 
     def open_once(self, storage: ShmStorage | EmptyStorage) -> torch.UntypedStorage:
         """`storage.open()`, once per storage per read however many tensors view it: the
@@ -117,6 +120,8 @@ class ReadContext:
             opened = self._opened[id(storage)] = storage.open()
             if self.restore_references and isinstance(storage, ShmStorage):
                 opened._shared_incref()
+            if self.opened_log is not None and isinstance(storage, ShmStorage):
+                self.opened_log.append(opened)
         return opened
 
     def read_nested(self, data: Any) -> Any:
@@ -126,7 +131,8 @@ class ReadContext:
         if self.depth >= 1:
             raise UnsafePayloadError("tensor payload nests serialized payloads more than once")
         return self._read_nested(data, ReadContext(self.budget, self.tp_rank, self.depth + 1,
-                                                   self._read_nested))
+                                                   self._read_nested,
+                                                   opened_log=self.opened_log))
 
 
 class Lazy:

@@ -32,7 +32,7 @@ import pickle
 import pickletools
 from collections import OrderedDict
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.multiprocessing import reductions  # importing it registers torch's reducers
@@ -282,7 +282,13 @@ def _materialize(root: Any, ctx: ReadContext) -> Any:
                                      "which is not allowed")
         return out
 
-    return convert(root)
+    try:
+        return convert(root)
+    finally:
+        # convert is in its own closure (a reference cycle, with ctx and memo): break it, so
+        # the storages ctx opened are not held (mapped) until the next garbage collection
+        memo.clear()
+        convert = None  # type: ignore[assignment]  # noqa: F841
 
 
 def _reduce_storage_by_filename(storage: torch.UntypedStorage):
@@ -390,7 +396,8 @@ def _read(data: Any, ctx: ReadContext) -> Any:
 
 
 def deserialize_named_tensors(data: str | bytes, *, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-                              tp_rank: int = 0, read_by_others: bool = False) -> object:
+                              tp_rank: int = 0, read_by_others: bool = False,
+                              opened: Optional[list[torch.UntypedStorage]] = None) -> object:
     """Decode a tensor payload string (ours, or one SGLang's trainers build), rebuilding tensors
     from their handles.
 
@@ -409,8 +416,11 @@ def deserialize_named_tensors(data: str | bytes, *, max_bytes: int = DEFAULT_MAX
     unpickled, connects to the sender's resource-sharer socket; that only works for the
     sender's own children, is meaningless for a process reached over HTTP, and admitting it
     would let a payload make this process open connections. Our sender never emits it.
+
+    `opened`: a list that receives every shared-memory storage the read opened, once per open
+    (each open dropped one of the sender's references), nested payloads included.
     """
     if not isinstance(tp_rank, int) or tp_rank < 0:
         raise ValueError(f"tp_rank: must be a non-negative int, got {tp_rank!r}")
     return _read(data, ReadContext(PayloadBudget(max_bytes), tp_rank, 0, _read,
-                                   restore_references=read_by_others))
+                                   restore_references=read_by_others, opened_log=opened))

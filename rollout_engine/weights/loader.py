@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -148,11 +149,38 @@ def plan_targets(model: torch.nn.Module, specs: Iterable[tuple[str, tuple[int, .
     None for all of it) for each one to copy, in order. Skips ignored weights and a tied
     checkpoint's ``lm_head.weight``. Raises ValueError naming the first bad tensor (unknown,
     twice, wrong shape, uncastable dtype; with ``require_all``, missing)."""
+    specs = tuple((name, tuple(shape), dtype) for name, shape, dtype in specs)
+    plans = _PLANS.get(model)
+    if plans is None:
+        plans = _PLANS[model] = OrderedDict()
+    key = (specs, require_all)
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = _plan(model, specs, require_all)
+        while len(plans) > _PLANS_KEPT:
+            plans.popitem(last=False)
+    else:
+        plans.move_to_end(key)
+    # views made afresh: sleep and refits may have given a parameter new storage since
+    return [(name, param.data if param.dim() == 0 else param.data.narrow(0, row0, rows), shard)
+            for name, param, row0, rows, shard in plan]
+
+
+# Each model's checked plans of recent updates, by their (name, shape, dtype) lists: a trainer
+# sends the same list every refit, so it is checked once (~4 us a tensor), not every time.
+_PLANS: weakref.WeakKeyDictionary[torch.nn.Module, OrderedDict[Any, list[Any]]] = \
+    weakref.WeakKeyDictionary()
+_PLANS_KEPT = 512   # a large model refitted in small buckets sends hundreds of lists
+
+
+def _plan(model: torch.nn.Module, specs: tuple[tuple[str, tuple[int, ...], torch.dtype], ...],
+          require_all: bool) -> list[tuple[str, torch.nn.Parameter, int, int, Optional[Shard]]]:
+    """`plan_targets`' checks; (name, parameter, first row, rows, shard) of each target."""
     table = weight_table(model)
     ignored = getattr(model, "ignored_weight", lambda name: False)
     shards: dict[str, Shard] = (model.tp_shards()  # type: ignore[operator]
                                 if getattr(model, "tp", None) is not None else {})
-    targets: list[Target] = []
+    targets: list[tuple[str, torch.nn.Parameter, int, int, Optional[Shard]]] = []
     seen: set[str] = set()
     for name, shape, dtype in specs:
         if ignored(name):
@@ -175,8 +203,7 @@ def plan_targets(model: torch.nn.Module, specs: Iterable[tuple[str, tuple[int, .
         if not castable(dtype, param.dtype):
             raise ValueError(f"weight {name!r}: dtype {dtype} does not match the "
                              f"model's {param.dtype} (only floating-point weights are cast)")
-        targets.append((name, param.data if param.dim() == 0 else
-                        param.data.narrow(0, row0, rows), shard))
+        targets.append((name, param, row0, rows, shard))
     if require_all:
         missing = sorted(set(table) - seen)
         if missing:

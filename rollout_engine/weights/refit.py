@@ -8,6 +8,7 @@ nothing. The broadcast side (weight-update groups, posted receives) is ``update_
 from __future__ import annotations
 
 import itertools
+import os
 from collections import OrderedDict
 from typing import Any, Optional
 
@@ -16,6 +17,7 @@ from torch import nn
 
 from rollout_engine.compat.payloads import named_tensors_from_sglang, read_refit_payload
 from rollout_engine.protocol.bucket import FlattenedBucket
+from rollout_engine.protocol.tensor_handles import SHM_DIR, SHM_HEADER_BYTES
 from rollout_engine.weights.disk_reader import load_checkpoint
 from rollout_engine.weights.loader import LoadReport, load_weights
 from rollout_engine.weights.update_groups import (  # the broadcast side, reachable from here
@@ -68,16 +70,31 @@ class MappedStorages:
     A trainer that sends the same shared memory again (its persistent bucket buffers, or
     parameters already moved into shm) is then read through the existing mapping: torch's
     handle cache returns it, so a refit maps nothing and takes no page faults (as SGLang
-    caches imported CUDA IPC handles). Every handle is still vetted first by the restricted
+    caches imported CUDA IPC handles). Every new handle is vetted first by the restricted
     unpickler. Content is never stale: the mapping is the trainer's own memory, read during
     the update call. What is kept stays mapped (and its shm file alive) until pushed out by
     later payloads or `clear` (the scheduler clears it when the weights are released).
+
+    It also keeps what recent payloads read to (`remember`), so the very same payload string
+    sent again (a trainer whose weights live in shm sends identical handles every refit) is
+    not parsed and rebuilt again (`reread`: ~10 us a tensor): identical bytes name the same
+    shm files (torch never reuses a name), which are still mapped here, so reading them again
+    could only give the same tensors over the same memory. What a read checks of the files
+    themselves still runs (each is still at least as long as its mapping: a shrunk file would
+    fault on access). A payload is forgotten as soon as one of its storages is pushed out.
     """
+
+    PAYLOADS = 512   # a large model refitted in small buckets sends hundreds of payloads
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._lru: OrderedDict[int, torch.UntypedStorage] = OrderedDict()
         self.num_bytes = 0
+        # payload key -> (named tensors, the shm storages its read opened, their keys, each
+        # one's shm file and the bytes it must hold)
+        self._payloads: OrderedDict[Any, tuple[list[tuple[str, torch.Tensor]],
+                                               list[torch.UntypedStorage], frozenset[int],
+                                               list[tuple[str, int]]]] = OrderedDict()
 
     @classmethod
     def for_model(cls, model: nn.Module) -> MappedStorages:
@@ -98,19 +115,68 @@ class MappedStorages:
             else:
                 self._lru[key] = storage
                 self.num_bytes += storage.nbytes()
+        evicted = False
         while self.num_bytes > self.max_bytes and self._lru:
             key, storage = next(iter(self._lru.items()))
             if key in current:
                 break  # only this payload is left: keep it whole
             del self._lru[key]
             self.num_bytes -= storage.nbytes()
+            evicted = True
+        if evicted:
+            for k in [k for k, (_, _, keys, _) in self._payloads.items()
+                      if not keys <= self._lru.keys()]:
+                del self._payloads[k]
+
+    def remember(self, key: Any, named_tensors: list[tuple[str, torch.Tensor]],
+                 opened: list[torch.UntypedStorage]) -> None:
+        """After `keep(named_tensors)`: `key`'s payload read to `named_tensors`, opening
+        `opened` (one entry per open). Kept only when every storage opened is one of those
+        tensors' (so kept mapped here) and all are CPU shared memory."""
+        if any(t.device.type != "cpu" for _, t in named_tensors):
+            return
+        keys = frozenset(s._cdata for s in opened)
+        if not keys or not keys <= self._lru.keys() or \
+                keys != {t.untyped_storage()._cdata for _, t in named_tensors if t.numel()}:
+            return
+        files = []
+        for storage in dict.fromkeys(opened):
+            _manager, handle, _size = storage._share_filename_cpu_()   # its existing name
+            files.append((SHM_DIR + handle.decode(), SHM_HEADER_BYTES + storage.nbytes()))
+        self._payloads[key] = (named_tensors, opened, keys, files)
+        while len(self._payloads) > self.PAYLOADS:
+            self._payloads.popitem(last=False)
+
+    def reread(self, key: Any) -> Optional[list[tuple[str, torch.Tensor]]]:
+        """The tensors `key`'s payload read to last time, or None. The sender took one shm
+        reference per storage for this read, as each time; opening the storage would drop
+        it, so it is dropped here."""
+        hit = self._payloads.get(key)
+        if hit is None:
+            return None
+        named_tensors, opened, _, files = hit
+        for path, num_bytes in files:
+            try:
+                if os.stat(path).st_size < num_bytes:
+                    return None   # read it again: that read refuses it, naming the file
+            except OSError:
+                return None
+        self._payloads.move_to_end(key)
+        for storage in opened:
+            storage._shared_decref()
+        return named_tensors
 
     @property
     def num_storages(self) -> int:
         return len(self._lru)
 
+    @property
+    def num_payloads(self) -> int:
+        return len(self._payloads)
+
     def clear(self) -> None:
         self._lru.clear()
+        self._payloads.clear()
         self.num_bytes = 0
 
 
@@ -130,12 +196,19 @@ def refit_from_serialized(model: nn.Module, serialized: list[str], load_format: 
         raise ValueError("serialized_named_tensors: must be a non-empty list of strings "
                          "(one per tensor-parallel rank)")
     # one rank here: rank 0's payload is ours
-    payload = read_refit_payload(serialized[0], model,   # byte cap from the model's size
-                                 read_by_others=read_by_others)
-    named_tensors = named_tensors_from_payload(payload, load_format)
+    key = (serialized[0], load_format)
+    named_tensors = (mapped.reread(key) if mapped is not None and not read_by_others
+                     and isinstance(serialized[0], (str, bytes)) else None)
+    opened: list[torch.UntypedStorage] = []
+    if named_tensors is None:
+        payload = read_refit_payload(serialized[0], model,   # byte cap from the model's size
+                                     read_by_others=read_by_others, opened=opened)
+        named_tensors = named_tensors_from_payload(payload, load_format)
     report = load_weights(model, named_tensors)
     if mapped is not None:
         mapped.keep(named_tensors)
+        if opened and not read_by_others:
+            mapped.remember(key, named_tensors, opened)
     return report
 
 

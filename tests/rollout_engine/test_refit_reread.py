@@ -1,0 +1,140 @@
+"""A repeated refit payload is not read again: `MappedStorages` keeps what the same string read
+to while its storages stay mapped (the shm references the sender took are still dropped, the
+files still checked), and `plan_targets` checks a repeated (name, shape, dtype) list once but
+always writes through the parameters' current storage. A read leaves nothing in a reference
+cycle that would keep the sender's shared memory mapped until the next garbage collection."""
+
+from __future__ import annotations
+
+import gc
+import os
+import struct
+
+import pytest
+import torch
+from torch import nn
+
+from rollout_engine.protocol.bucket import FlattenedBucket, pack_buckets
+from rollout_engine.protocol.tensor_handles import ReadContext
+from rollout_engine.protocol.tensor_payload import (
+    deserialize_named_tensors,
+    serialize_named_tensors,
+)
+from rollout_engine.weights import loader, refit
+from rollout_engine.weights.refit import MappedStorages
+
+
+def _shm_refcount(t: torch.Tensor) -> int:
+    """The shm file's reference count (RefcountedMapAllocator's header: an int at byte 0)."""
+    _manager, handle, _size = t.untyped_storage()._share_filename_cpu_()
+    with open("/dev/shm" + handle.decode(), "rb") as f:
+        return struct.unpack("i", f.read(4))[0]
+
+
+def _read(mapped: MappedStorages, text: str) -> list[tuple[str, torch.Tensor]]:
+    """What refit_from_serialized does around load_weights: reread, else read and remember."""
+    key = (text, None)
+    named = mapped.reread(key)
+    if named is None:
+        opened: list[torch.UntypedStorage] = []
+        named = deserialize_named_tensors(text, opened=opened)
+        mapped.keep(named)
+        mapped.remember(key, named, opened)
+    else:
+        mapped.keep(named)
+    return named
+
+
+def test_a_repeated_payload_is_reread_with_current_values_and_balanced_references():
+    weights = [("a", torch.arange(6.0)), ("b", torch.ones(2, 3))]
+    mapped = MappedStorages(1 << 20)
+    text = serialize_named_tensors(weights)
+    first = _read(mapped, text)
+    assert mapped.num_payloads == 1
+    counts = [_shm_refcount(t) for _, t in weights]
+    for step in range(5):
+        weights[0][1].add_(1)                        # an optimizer step, in place
+        again = serialize_named_tensors(weights)     # the sender takes its references again
+        assert again == text
+        named = _read(mapped, again)
+        assert named is first                        # not parsed or rebuilt
+        assert torch.equal(named[0][1], torch.arange(6.0) + step + 1)
+        # each reread dropped the sender's reference, as opening the storage does
+        assert [_shm_refcount(t) for _, t in weights] == counts
+
+
+def test_a_payload_is_forgotten_once_its_storages_are_pushed_out():
+    old = [("a", torch.zeros(256))]                  # 1 KiB
+    mapped = MappedStorages(1536)
+    text = serialize_named_tensors(old)
+    _read(mapped, text)
+    assert mapped.num_payloads == 1
+    _read(mapped, serialize_named_tensors([("b", torch.zeros(256))]))   # 2 KiB kept: over
+    assert mapped.num_storages == 1 and mapped.num_payloads == 1
+    assert mapped.reread((text, None)) is None
+    mapped.clear()
+    assert mapped.num_payloads == 0 and mapped.num_storages == 0
+
+
+def test_a_shrunk_shm_file_sends_the_payload_back_to_the_full_read(monkeypatch):
+    weights = [("a", torch.zeros(1024))]
+    mapped = MappedStorages(1 << 20)
+    text = serialize_named_tensors(weights)
+    _read(mapped, text)
+    real_stat = os.stat
+
+    class Short:
+        st_size = 100
+
+    monkeypatch.setattr(refit.os, "stat", lambda p: Short() if "torch_" in str(p)
+                        else real_stat(p))
+    serialize_named_tensors(weights)   # the sender's reference for this read
+    assert mapped.reread((text, None)) is None
+    monkeypatch.undo()
+    deserialize_named_tensors(text)    # drops it (the full read the refit falls back to)
+
+
+def test_a_read_leaves_no_reference_cycle_holding_shared_memory():
+    bucket = next(iter(pack_buckets([("a", torch.arange(8.0)), ("b", torch.ones(3))], 1 << 20)))
+    payloads = [serialize_named_tensors(bucket), serialize_named_tensors({"x": torch.zeros(4)})]
+    gc.collect()
+    gc.disable()
+    try:
+        for text in payloads:
+            out = deserialize_named_tensors(text)
+            assert isinstance(out, (FlattenedBucket, dict))
+            del out
+        assert not [o for o in gc.get_objects() if isinstance(o, ReadContext)]
+    finally:
+        gc.enable()
+
+
+class _Fused(nn.Module):
+    """weight_map as the engine's models give it: two checkpoint tensors in one parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4, 3), requires_grad=False)
+        self.qk = nn.Parameter(torch.zeros(6, 3), requires_grad=False)
+
+    def weight_map(self) -> dict[str, tuple[nn.Parameter, int, int]]:
+        return {"w": (self.w, 0, 4), "q": (self.qk, 0, 2), "k": (self.qk, 2, 4)}
+
+
+def test_a_repeated_plan_is_checked_once_and_writes_the_current_storage(monkeypatch):
+    model = _Fused()
+    plans = []
+    real = loader._plan
+    monkeypatch.setattr(loader, "_plan", lambda *a: plans.append(1) or real(*a))
+    update = [("w", torch.ones(4, 3)), ("k", torch.full((4, 3), 2.0))]
+    loader.load_weights(model, update)
+    model.w.data = torch.zeros(4, 3)        # what sleep and wake do: new storage, same Parameter
+    model.qk.data = torch.zeros(6, 3)
+    loader.load_weights(model, update)
+    assert len(plans) == 1
+    assert torch.equal(model.w, torch.ones(4, 3))
+    assert torch.equal(model.qk[2:], torch.full((4, 3), 2.0))
+    assert torch.equal(model.qk[:2], torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="shape"):
+        loader.load_weights(model, [("w", torch.ones(3, 3))])
+    assert len(plans) == 2
