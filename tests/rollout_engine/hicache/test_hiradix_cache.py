@@ -244,3 +244,36 @@ def test_weights_fingerprint_sees_one_changed_element():
     with torch.no_grad():
         model[0].weight[17, 5] += 1.0        # not one of the strided samples
     assert weights_fingerprint(model) != first
+
+
+def test_reset_returns_with_every_queued_l3_write_stored(tmp_path, monkeypatch):
+    """flush_cache without hicache_storage_flush keeps our L3 blocks: when reset returns, every
+    block queued before it is on disk, however far behind the writer thread is. The writer is
+    held here until somebody waits for it (flush), so a reset that did not wait finds none."""
+    import threading
+
+    from rollout_engine.memory.hicache.storage import StorageWriter
+
+    gate = threading.Event()
+    real_set, real_flush = FileStorage.set, StorageWriter.flush
+
+    def held_set(self, key, data):
+        gate.wait()
+        return real_set(self, key, data)
+
+    def releasing_flush(self):
+        gate.set()
+        real_flush(self)
+
+    monkeypatch.setattr(FileStorage, "set", held_set)
+    monkeypatch.setattr(StorageWriter, "flush", releasing_flush)
+    try:
+        pool, allocator, cache = _make("write_through", storage_dir=tmp_path)
+        tokens = list(range(10, 26))
+        cache.insert(tokens, _compute(pool, allocator, tokens), NS)
+        queued = cache.storage.blocks_submitted
+        assert queued > 0 and not list(tmp_path.rglob("*.kv"))   # all still queued
+        cache.reset()
+        assert len(list(tmp_path.rglob("*.kv"))) == queued
+    finally:
+        gate.set()   # never leave the writer thread blocked
