@@ -18,7 +18,7 @@
 //                prefetched by one stream a fixed lead ahead, a few keys per QK tile and
 //                across members (KeyStream: a block's worth at a time, as a row's first
 //                blocks were before, left the loads waiting; 8-layer probe at batch 256,
-//                own 64-128: 1.15-1.94 -> 1.03-1.61 ms a layer).
+//                own 64 / 128: 1.15-1.21 -> 0.96-1.02 / 1.87-1.94 -> 1.50-1.56 ms a layer).
 //   lone task:   a row in no chunk: phase 2 over its whole sequence.
 //
 // Phase 2 (attend) handles the G = Hq / Hkv query heads of a KV head together, in tiles of R
@@ -145,7 +145,7 @@ inline void prefetch_row(const float* p, int64_t bytes) {
 // arithmetic rather than a block of 32 keys (512 prefetches) at a time, and across members
 // (a member's own keys are a few blocks, so a per-row prefetch would start each row cold).
 struct KeyStream {
-  static constexpr int64_t kLead = 32;   // keys
+  static constexpr int64_t kLead = 48;   // keys (16 / 32 / 64 measured slower or no better)
   const int64_t *table, *rows, *seq_lens, *own_start, *members;
   int64_t C, num_members, num_slots, slot_stride, row_bytes;
   const float *kbuf, *vbuf;
