@@ -132,9 +132,7 @@ class MappedStorages:
                  opened: list[torch.UntypedStorage]) -> None:
         """After `keep(named_tensors)`: `key`'s payload read to `named_tensors`, opening
         `opened` (one entry per open). Kept only when every storage opened is one of those
-        tensors' (so kept mapped here) and all are CPU shared memory."""
-        if any(t.device.type != "cpu" for _, t in named_tensors):
-            return
+        tensors' (so kept mapped here), which makes all of them CPU shared memory."""
         keys = frozenset(s._cdata for s in opened)
         if not keys or not keys <= self._lru.keys() or \
                 keys != {t.untyped_storage()._cdata for _, t in named_tensors if t.numel()}:

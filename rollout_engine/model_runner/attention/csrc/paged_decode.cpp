@@ -140,6 +140,13 @@ inline void prefetch_row(const float* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
 }
 
+// Prefetches one key's K and V rows (all KV heads) at `slot`.
+inline void prefetch_key(const float* kbuf, const float* vbuf, int64_t slot,
+                         int64_t slot_stride, int64_t row_bytes) {
+  prefetch_row(kbuf + slot * slot_stride, row_bytes);
+  prefetch_row(vbuf + slot * slot_stride, row_bytes);
+}
+
 // The own keys of a chunk's members, in the order one thread attends to them, prefetched
 // (K and V rows, into L2) a fixed lead ahead of use, a few keys per QK tile: spread over the
 // arithmetic rather than a block of 32 keys (512 prefetches) at a time, and across members
@@ -161,8 +168,7 @@ struct KeyStream {
       }
       const int64_t slot = std::min(std::max<int64_t>(
           table[rows[b] * C + own_start[b] + j], 0), num_slots - 1);
-      prefetch_row(kbuf + slot * slot_stride, row_bytes);
-      prefetch_row(vbuf + slot * slot_stride, row_bytes);
+      prefetch_key(kbuf, vbuf, slot, slot_stride, row_bytes);
       ++j;
       --keys;
     }
@@ -192,10 +198,8 @@ inline int64_t key_block(const int64_t* slots, int64_t n, int64_t j0, const floa
   }
   if (!prefetch) return bk;
   for (int64_t j = j0 == 0 ? 0 : j0 + kAhead * kBlock;
-       j < std::min(n, j0 + (kAhead + 1) * kBlock); ++j) {
-    prefetch_row(kbuf + slots[j] * slot_stride, row_bytes);
-    prefetch_row(vbuf + slots[j] * slot_stride, row_bytes);
-  }
+       j < std::min(n, j0 + (kAhead + 1) * kBlock); ++j)
+    prefetch_key(kbuf, vbuf, slots[j], slot_stride, row_bytes);
   return bk;
 }
 
@@ -480,14 +484,11 @@ void attend_own(const Args& a, int64_t b, const float* Q, State st, float* S, fl
   const int64_t* slots = a.table + a.rows[b] * a.C + start;
   const int64_t stride = a.Hkv * D;
   if (G % 4 == 0)
-    attend<NC, 4>(Q, a.Hkv, G, slots, n, a.k, a.v, a.num_slots, stride, st, S,
-                     stream);
+    attend<NC, 4>(Q, a.Hkv, G, slots, n, a.k, a.v, a.num_slots, stride, st, S, stream);
   else if (G % 2 == 0)
-    attend<NC, 2>(Q, a.Hkv, G, slots, n, a.k, a.v, a.num_slots, stride, st, S,
-                     stream);
+    attend<NC, 2>(Q, a.Hkv, G, slots, n, a.k, a.v, a.num_slots, stride, st, S, stream);
   else
-    attend<NC, 1>(Q, a.Hkv, G, slots, n, a.k, a.v, a.num_slots, stride, st, S,
-                     stream);
+    attend<NC, 1>(Q, a.Hkv, G, slots, n, a.k, a.v, a.num_slots, stride, st, S, stream);
   for (int64_t r = 0; r < a.Hq; ++r) {
     const v8f inv = splat(st.l[r] > 0.0f ? 1.0f / st.l[r] : 0.0f);
     for (int c = 0; c < NC; ++c) store8(out + r * D + 8 * c, load8(st.acc + r * D + 8 * c) * inv);
