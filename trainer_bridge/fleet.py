@@ -292,13 +292,21 @@ class RolloutFleet:
     def _after_failed_refit(self, error: BaseException, seconds: float,
                             version: str) -> FleetReport:
         """Find who holds what, quarantine the engines off the served version, raise."""
-        timed = self.timed
+        timed, group_name = self.timed, getattr(self.syncer.transport, "group_name", None) \
+            if self.syncer is not None else None
         self._drop_syncer()   # the group is out of step after a failed broadcast
         deadline = time.monotonic() + self.timeout_s
         for t in timed:       # the survivors' last calls answer (or time out) first
             t.wait_answered(deadline - time.monotonic())
         found = [_with_version(r) for r in
                  self._fan_out("get_weight_version", lambda e: e.get_weight_version())]
+        if group_name is not None:
+            # an engine refuses to destroy a group while a receive cut off by the failure is
+            # still in flight, so the teardown above can miss it; the next refit's group
+            # would then be refused as already existing
+            self._fan_out("destroy_weights_update_group",
+                          lambda e: e.destroy_weights_update_group(group_name),
+                          [r.index for r in found if r.ok])
         reached = any(r.version == version for r in found)
         serving = version if reached else self.version
         results = []

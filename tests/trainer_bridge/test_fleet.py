@@ -210,3 +210,51 @@ def test_an_engine_killed_mid_refit_is_reported_and_none_serves_mixed(
         fleet.close()
     finally:
         victim.shutdown()
+
+
+class LosesAnswer:
+    """An engine whose first update answer is lost on the way back (the update itself lands)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine, self.calls = engine, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def update_weights_from_distributed(self, *args: Any, **kwargs: Any) -> Any:
+        answer = self.engine.update_weights_from_distributed(*args, **kwargs)
+        self.calls += 1
+        if self.calls == 1:
+            raise ConnectionError("the link to the engine dropped")
+        return answer
+
+
+def test_a_group_whose_first_destroy_is_refused_as_busy_is_destroyed_before_the_next_refit(
+        peer_on_w1, w2, monkeypatch):
+    """After a failed broadcast an engine may still be receiving a cut-off update when the
+    fleet tears the group down, and refuses that destroy (as busy); the fleet destroys the
+    group once the engine answers, so the next refit's group is not refused as existing."""
+    from rollout_engine.scheduler.control import BusyError
+    from rollout_engine.weights.update_groups import WeightUpdateGroups
+
+    destroy, refused = WeightUpdateGroups.destroy, []
+
+    def busy_once(self: WeightUpdateGroups, group_name: str) -> None:
+        if not refused:
+            refused.append(group_name)
+            raise BusyError("a weight update is being received")
+        destroy(self, group_name)
+    monkeypatch.setattr(WeightUpdateGroups, "destroy", busy_once)
+
+    fleet = RolloutFleet([LosesAnswer(peer_on_w1)], timeout_s=TIMEOUT_S)
+    try:
+        with pytest.raises(FleetRefitError, match="the link to the engine dropped") as caught:
+            fleet.refit(w2.model, version="step-2")
+        assert refused == ["weight_update_group"]
+        assert caught.value.report.versions == {0: "step-2"}   # it landed; only the answer was lost
+
+        again = fleet.refit(w2.model, version="step-3")
+        assert again.versions == {0: "step-3"}
+        assert_same_rollouts(rollouts(peer_on_w1), w2.expected)
+    finally:
+        fleet.close()
