@@ -135,13 +135,20 @@ class ReqToTokenPool:
 
     Writes are gathered and land in one ``index_put_`` when ``table`` is next read: a decode
     step writes one slot for each of hundreds of requests, and a tensor op apiece (~8 us) was
-    ~2 ms of every step at batch 256."""
+    ~2 ms of every step at batch 256.
+
+    ``generation`` counts the changes to slots already written (a row given to a new request,
+    a prefix rewritten with the cache's slots); appending past a row's end, as every decode
+    step does, leaves it as it is, so whatever was derived from the rows' existing slots (the
+    decode kernel's shared-prefix plan) stays valid while it is unchanged."""
 
     def __init__(self, max_num_reqs: int, max_context_len: int, device: torch.device) -> None:
         self._table = torch.zeros((max_num_reqs, max_context_len), dtype=torch.int64,
                                   device=device)
         self._free = list(range(max_num_reqs - 1, -1, -1))
         self.size = max_num_reqs
+        self.generation = 0
+        self._ends = [0] * max_num_reqs   # per row: the end of what has been written
         self._rows: list[int] = []       # pending writes, flattened: table[row, col] = slot
         self._cols: list[int] = []
         self._slots: list[int] = []
@@ -166,7 +173,12 @@ class ReqToTokenPool:
         return len(self._free)
 
     def allocate(self) -> Optional[int]:
-        return self._free.pop() if self._free else None
+        if not self._free:
+            return None
+        row = self._free.pop()
+        self._ends[row] = 0
+        self.generation += 1
+        return row
 
     def free(self, row: int) -> None:
         if row in self._free:
@@ -181,6 +193,9 @@ class ReqToTokenPool:
         if not (0 <= row < self.size and 0 <= start and end <= self._table.shape[1]):
             raise IndexError(f"req_to_token write [{row}, {start}:{end}] outside the table "
                              f"{tuple(self._table.shape)}")
+        if start < self._ends[row]:
+            self.generation += 1
+        self._ends[row] = max(self._ends[row], end)
         self._rows.extend([row] * len(slots))
         self._cols.extend(range(start, end))
         self._slots.extend(slots)
