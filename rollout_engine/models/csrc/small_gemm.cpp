@@ -65,6 +65,53 @@ constexpr int kMaxMV = 4;    // vectors of x rows per tile (64 rows with AVX-512
 // xt, blocked by BW = kLanes * kMaxMV rows of x: xt[(b * K + k) * BW + j] = x[(BW b + j) * ldx
 // + k] for k in
 // [k0, k1), zero past row M (each block's columns over all of K are one contiguous run).
+#if defined(__AVX512F__)
+// 16 x 16 blocks in registers: at width w = 8, 4, 2, 1, each pair of rows (i, i + w) trades
+// the off-diagonal w x w blocks (bit w of the row index swapped with bit w of the column's);
+// after the four rounds row c holds column c. Against the element loop below (which the
+// compiler does not vectorize across rows), a one-output product, i.e. the call and the
+// transpose, of 64 x 1408 / 128 x 1408 rows took 18.7 / 30.0 us instead of 24.2 / 43.5.
+struct Swaps {
+  __m512i lo[4], hi[4];   // per round: lanes of the pair's first row, of its second
+  Swaps() {
+    for (int r = 0, w = 8; r < 4; ++r, w /= 2) {
+      alignas(64) int32_t l[16], h[16];
+      for (int j = 0; j < 16; ++j) {
+        l[j] = (j & w) ? 16 + j - w : j;   // 16 + i: lane i of the second row
+        h[j] = (j & w) ? 16 + j : j + w;
+      }
+      lo[r] = _mm512_load_si512(l);
+      hi[r] = _mm512_load_si512(h);
+    }
+  }
+};
+
+void transpose_rows(const float* x, int64_t M, int64_t ldx, int64_t K, int64_t k0, int64_t k1,
+                    float* xt) {
+  constexpr int64_t T = 16, BW = kLanes * kMaxMV;
+  static const Swaps swaps;
+  for (int64_t kb = k0; kb < k1; kb += T) {
+    const int64_t cols = std::min(k1, kb + T) - kb;
+    const __mmask16 cm = __mmask16((1u << cols) - 1);
+    for (int64_t mb = 0; mb < M; mb += T) {
+      const int64_t rows = std::min(M, mb + T) - mb;
+      __m512 r[T];
+      for (int64_t i = 0; i < T; ++i)
+        r[i] = i < rows ? _mm512_maskz_loadu_ps(cm, x + (mb + i) * ldx + kb) : _mm512_setzero_ps();
+      for (int round = 0, w = 8; round < 4; ++round, w /= 2) {
+        for (int i = 0; i < T; ++i) {
+          if (i & w) continue;
+          const __m512 a = r[i], b = r[i + w];
+          r[i] = _mm512_permutex2var_ps(a, swaps.lo[round], b);
+          r[i + w] = _mm512_permutex2var_ps(a, swaps.hi[round], b);
+        }
+      }
+      float* dst = xt + (mb / BW) * K * BW + mb % BW + kb * BW;
+      for (int64_t c = 0; c < cols; ++c) _mm512_storeu_ps(dst + c * BW, r[c]);
+    }
+  }
+}
+#else
 void transpose_rows(const float* x, int64_t M, int64_t ldx, int64_t K, int64_t k0, int64_t k1,
                     float* xt) {
   constexpr int64_t T = 16, BW = kLanes * kMaxMV;
@@ -85,6 +132,7 @@ void transpose_rows(const float* x, int64_t M, int64_t ldx, int64_t K, int64_t k
     }
   }
 }
+#endif
 
 // out rows [m0, m0 + rows) x columns [n, n + NR): the product of weight rows w[n .. n+NR) and
 // xt's columns [m0, m0 + 16 * MV), over all K.
