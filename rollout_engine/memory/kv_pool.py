@@ -102,13 +102,12 @@ class PageAllocator:
         """Slots of ``num_pages`` fresh pages, or None (nothing taken) when short."""
         if num_pages > len(self._free):
             return None
+        cut = len(self._free) - num_pages
+        pages = self._free[cut:][::-1]          # the order pop() would give them in
+        del self._free[cut:]
+        self._free_set.difference_update(pages)
         ps = self.page_size
-        slots: list[int] = []
-        for _ in range(num_pages):
-            page = self._free.pop()
-            self._free_set.discard(page)
-            slots.extend(range(page * ps, page * ps + ps))
-        return slots
+        return pages if ps == 1 else [s for p in pages for s in range(p * ps, p * ps + ps)]
 
     def free(self, slots: torch.Tensor | list[int]) -> None:
         """Return whole pages given by their slots (every slot of each page, page-aligned)."""
@@ -184,6 +183,25 @@ class ReqToTokenPool:
         if row in self._free:
             raise ValueError(f"req_to_token row {row} freed twice")
         self._free.append(row)
+
+    def write_many(self, rows: list[int], starts: list[int], widths: list[int],
+                   slots: list[int]) -> None:
+        """``write(rows[i], starts[i], the next widths[i] of slots)`` for each i, in one pass
+        (a decode step's new pages, one run per request)."""
+        if len(slots) != sum(widths):
+            raise ValueError(f"write_many: {len(slots)} slots for runs of {sum(widths)}")
+        table_width, ends = self._table.shape[1], self._ends
+        for row, start, width in zip(rows, starts, widths):
+            end = start + width
+            if not (0 <= row < self.size and 0 <= start and end <= table_width):
+                raise IndexError(f"req_to_token write [{row}, {start}:{end}] outside the table "
+                                 f"{tuple(self._table.shape)}")
+            if start < ends[row]:
+                self.generation += 1
+            ends[row] = max(ends[row], end)
+            self._rows.extend([row] * width)
+            self._cols.extend(range(start, end))
+        self._slots.extend(slots)
 
     def write(self, row: int, start: int, slots: list[int]) -> None:
         """``table[row, start:start + len(slots)] = slots`` (applied at the next read)."""

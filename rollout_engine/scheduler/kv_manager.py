@@ -83,6 +83,29 @@ class KVManager:
         req.slots.extend(slots)
         return True
 
+    def reserve_next(self, reqs: list[Req]) -> bool:
+        """``reserve(req, req.kv_len + 1)`` for every request (a decode step), in one pass when
+        the free pages cover them all without evicting: the same pages, in the same order, as
+        one call each would take. Otherwise False, nothing taken (reserve one by one then)."""
+        needs = [(r, self.pages_needed(r, r.kv_len + 1)) for r in reqs]
+        needs = [(r, n) for r, n in needs if n]
+        if not needs:
+            return True
+        slots = self.allocator.allocate(sum(n for _, n in needs))
+        if slots is None:
+            return False
+        ps, taken = self.page_size, 0
+        rows, starts, widths = [], [], []
+        for req, n in needs:
+            assert req.req_pool_idx is not None
+            rows.append(req.req_pool_idx)
+            starts.append(len(req.slots))
+            widths.append(n * ps)
+            req.slots.extend(slots[taken:taken + n * ps])
+            taken += n * ps
+        self.req_to_token.write_many(rows, starts, widths, slots)
+        return True
+
     def cache_prefix(self, req: Req) -> None:
         """Publish the computed part of ``req`` to the tree and take the tree's slots back,
         so later requests (GRPO siblings, the next chunk) can share it while ``req`` runs."""

@@ -192,7 +192,7 @@ class Scheduler:
         lens: list[int] = []
         ratio = self.new_token_ratio
         # the chunked request decodes too once its prompt is in: keep its future free as well
-        reserved = ratio.reservation(self.active_reqs())
+        active = self.active_reqs()
         if self.chunked is not None:
             req, self.chunked = self.chunked, None
             ext = min(req.seq_len - req.kv_len, budget)
@@ -206,6 +206,7 @@ class Scheduler:
                 return ScheduleBatch(ForwardMode.EXTEND, reqs, lens)
         if not self.waiting:
             return ScheduleBatch(ForwardMode.EXTEND, reqs, lens) if reqs else None
+        reserved = ratio.reservation(active)   # O(batch): only when there is a queue to admit
         cands = policy.order_waiting(list(self.waiting), self.kv, self.namespace_of,
                                      self.config.schedule_policy,
                                      self.config.schedule_lpm_fallback_queue_len)
@@ -281,7 +282,8 @@ class Scheduler:
             return None
         self.running.sort(key=lambda r: r.arrival)
         retracted = False
-        i = 0
+        # the common step: the free pages cover every request's next position at once
+        i = len(self.running) if self.kv.reserve_next(self.running) else 0
         while i < len(self.running):
             req = self.running[i]
             if self.kv.reserve(req, req.kv_len + 1):
