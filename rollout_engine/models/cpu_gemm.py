@@ -61,20 +61,22 @@ class SmallGemm:
                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x [M, K]`` (rows may be strided) times ``weight [N, K]`` (rows may be strided)
         transposed, plus ``bias [N]``: a new contiguous ``[M, N]``."""
-        tensors = (x, weight) if bias is None else (x, weight, bias)
-        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+        f32 = torch.float32
+        if not (x.dtype is f32 and weight.dtype is f32 and x.is_cpu and weight.is_cpu
+                and (bias is None or (bias.dtype is f32 and bias.is_cpu))):
             raise ValueError("small_gemm: tensors must be float32 on CPU")
         m, k = x.shape if x.dim() == 2 else (0, -1)
         n = weight.shape[0] if weight.dim() == 2 else 0
-        ok = (m > 0 and n > 0 and k > 0 and weight.shape[1] == k and x.stride(1) == 1
-              and weight.stride(1) == 1 and x.stride(0) >= k and weight.stride(0) >= k
+        xs, ws = x.stride(), weight.stride()
+        ok = (m > 0 and n > 0 and k > 0 and weight.shape[1] == k and xs[-1] == 1
+              and ws[-1] == 1 and xs[0] >= k and ws[0] >= k
               and (bias is None or (bias.shape == (n,) and bias.is_contiguous())))
         if not ok:
             raise ValueError(f"small_gemm: x {tuple(x.shape)} {x.stride()}, weight "
                              f"{tuple(weight.shape)} {weight.stride()}, bias "
                              f"{None if bias is None else tuple(bias.shape)}")
         out = torch.empty(m, n, dtype=torch.float32)
-        self._fn(x.data_ptr(), m, k, x.stride(0), weight.data_ptr(), n, weight.stride(0),
+        self._fn(x.data_ptr(), m, k, xs[0], weight.data_ptr(), n, ws[0],
                  None if bias is None else bias.data_ptr(), out.data_ptr(), n)
         return out
 

@@ -18,7 +18,7 @@ from rollout_engine.models.cpu_gemm import load_small_gemm, use_small_gemm
 def fused_ops_for(x: torch.Tensor) -> Optional[FusedOps]:
     """The compiled CPU ops (``cpu_fused``) when they apply to ``x`` (float32 on CPU), else
     None: the PyTorch ops below are then used (and stay the reference for the fused ones)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32:
+    if not x.is_cpu or x.dtype is not torch.float32:
         return None
     return load_fused_ops()
 
@@ -74,16 +74,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     length bucket pay that once per projection shape, against products of >= 1 GFLOP each,
     where on the 2-core AVX-512 EPYC oneDNN runs 380-440 GFLOP/s and MKL 150-190 (1,024-2,377
     rows, the 55M model's shapes): every row count goes to oneDNN."""
-    if not (x.device.type == "cpu" and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and x.dim() >= 1
-            and (bias is None or bias.dtype == torch.float32)
+    f32 = torch.float32
+    if not (x.is_cpu and x.dtype is f32 and weight.dtype is f32 and x.dim() >= 1
+            and (bias is None or bias.dtype is f32)
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and _onednn_linear_ok()):
         return F.linear(x, weight, bias)
+    flat = x.dim() == 2
     rows = x.numel() // max(1, x.shape[-1])
-    if use_small_gemm(rows, weight.shape[0]) and x.stride(-1) == 1 and weight.stride(-1) == 1:
+    if use_small_gemm(rows, weight.shape[0]) and x.stride()[-1] == 1 and weight.stride()[-1] == 1:
         op = load_small_gemm()
         if op is not None and op.fast:
+            if flat:   # a decode step's products: no reshape round trip
+                return op(x, weight, bias)
             out = op(x.reshape(rows, x.shape[-1]), weight, bias)
             return out.view(*x.shape[:-1], out.shape[-1])
     padded = onednn_rows(rows)

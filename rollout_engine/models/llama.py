@@ -112,7 +112,7 @@ class Attention(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: Any) -> torch.Tensor:
         t = h.shape[0]
-        q, k, v = self.qkv_proj(h).split(self.qkv_proj.shard_sizes, dim=-1)
+        q, k, v = self.qkv_proj(h).split_with_sizes(self.qkv_proj.shard_sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)

@@ -48,7 +48,7 @@ class FusedOps:
     @staticmethod
     def _check(*tensors: torch.Tensor) -> None:
         for t in tensors:
-            if t.dtype != torch.float32 or t.device.type != "cpu":
+            if t.dtype is not torch.float32 or not t.is_cpu:
                 raise ValueError("fused ops: tensors must be float32 on CPU")
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

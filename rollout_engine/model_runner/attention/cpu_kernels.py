@@ -73,7 +73,7 @@ class PagedDecodeOp:
         """Row b of q ``[B, Hq, D]`` over its slots; see ``DecodePlan`` for the index tensors.
         q's rows may be strided (a view into the fused qkv output: heads and dims contiguous)."""
         for t in (q, k, v):
-            if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 3:
+            if t.dtype is not torch.float32 or not t.is_cpu or t.dim() != 3:
                 raise ValueError("paged_decode: q, k, v must be 3-D float32 on CPU")
         if not (k.is_contiguous() and v.is_contiguous() and _rows_strided(q)):
             raise ValueError("paged_decode: k and v must be contiguous, q's heads and dims too")
@@ -83,7 +83,7 @@ class PagedDecodeOp:
         batch = q.shape[0]
         index = (table, rows, seq_lens, own_start, members, chunk_offsets, chunk_lens)
         for t in index:
-            if t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous():
+            if t.dtype is not torch.int64 or not t.is_cpu or not t.is_contiguous():
                 raise ValueError("paged_decode: index tensors must be contiguous int64 on CPU")
         if table.dim() != 2 or any(t.shape != (batch,) for t in (rows, seq_lens, own_start)) \
                 or chunk_offsets.shape != (chunk_lens.numel() + 1,):
