@@ -97,7 +97,8 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
 PIECE_BYTES = 4 << 20           # copy_all splits plain copies into pieces of at most this
 MIN_PIECE_BYTES = 1 << 20       # ... and of at least this (unless a copy is smaller)
 PARALLEL_MIN_BYTES = 4 << 20    # ... and uses its helper threads from this many bytes on
-STREAM_MIN_BYTES = 4 << 20      # ... and streaming stores from this many bytes on
+STREAM_MIN_BYTES = 4 << 20      # ... and streaming stores from this many bytes on, in
+NATIVE_PIECE_BYTES = 1 << 20    # pieces of this size shared by the kernel's own threads
 
 
 class _Helpers:
@@ -140,7 +141,10 @@ _HELPERS = _Helpers()
 
 def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], num_threads: int = 2) -> None:
     """`copy_into` for every (dst, src) pair, the plain byte copies split into pieces shared
-    by `num_threads` threads (the caller's and persistent helpers) when there are enough bytes.
+    by `num_threads` threads when there are enough bytes: from `STREAM_MIN_BYTES` on, the
+    caller's and the streaming-copy library's own helpers (`StreamCopy.copy_ranges`, a few
+    microseconds a call), below it (or without the library) the caller's and persistent Python
+    helpers (`_share_out`, ~0.1-0.2 ms a call).
 
     Why not torch's own parallel copy: a copy is bound by memory bandwidth, and torch's
     OpenMP threads spin at a barrier at the end of every copy_, so on a busy 2-core machine
@@ -166,6 +170,11 @@ def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], num_threads: in
     # the next piece when done with one, so a thread the OS deschedules (a busy 2-core
     # machine: the trainer's own threads, the frontend) holds back only the piece it is on
     threads = max(1, num_threads)
+    if stream is not None:   # the library's own threads share the pieces
+        stream.copy_ranges([d.data_ptr() for d, _ in whole], [s.data_ptr() for _, s in whole],
+                           [d.numel() * d.element_size() for d, _ in whole],
+                           NATIVE_PIECE_BYTES, threads)
+        return
     piece = min(PIECE_BYTES, max(MIN_PIECE_BYTES, total // (8 * threads)))
     plain = [(d.data_ptr() + i, s.data_ptr() + i, min(piece, n - i))
              for d, s in whole for n in (d.numel() * d.element_size(),)

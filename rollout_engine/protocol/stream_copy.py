@@ -13,15 +13,18 @@ import functools
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
 SOURCE = Path(__file__).resolve().parent / "csrc" / "stream_copy.cpp"
 STREAM_COPY_ENV = "ROLLOUT_ENGINE_STREAM_COPY"
 
 
 class StreamCopy:
     """The compiled copy: ``copy(dst_address, src_address, nbytes)`` over raw addresses (the
-    caller owns both ranges; ctypes releases the GIL while it runs)."""
+    caller owns both ranges; ctypes releases the GIL while it runs), and `copy_ranges`, many
+    ranges shared with the library's own helper threads."""
 
-    ABI = 1
+    ABI = 2
 
     def __init__(self, library_path: str) -> None:
         from rollout_engine.model_runner.attention import cpu_kernels
@@ -32,6 +35,24 @@ class StreamCopy:
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         self.copy = fn
+        ranges = lib.rollout_engine_copy_ranges
+        ranges.restype = ctypes.c_int
+        ranges.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
+        self._ranges = ranges
+
+    def copy_ranges(self, dsts: list[int], srcs: list[int], nbytes: list[int],
+                    piece_bytes: int, threads: int, stream: bool = True) -> None:
+        """``dsts[i] <- srcs[i]`` for ``nbytes[i]`` bytes each (raw addresses the caller owns;
+        no two overlap), in pieces of at most ``piece_bytes`` taken by this thread and up to
+        ``threads - 1`` helper threads of the library's; streaming stores if ``stream``. A
+        helper busy with another caller's copy is not waited for."""
+        if not len(dsts) == len(srcs) == len(nbytes):
+            raise ValueError("copy_ranges: dsts, srcs and nbytes must have one entry per range")
+        if any(n < 0 for n in nbytes) or piece_bytes <= 0 or threads < 1:
+            raise ValueError("copy_ranges: negative size, or no piece size / thread")
+        arrays = [np.asarray(v, dtype=np.int64) for v in (dsts, srcs, nbytes)]
+        self._ranges(*(a.ctypes.data for a in arrays), len(dsts), piece_bytes, threads,
+                     int(stream))
 
 
 @functools.cache

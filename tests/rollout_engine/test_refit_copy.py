@@ -157,3 +157,57 @@ def test_without_the_kernel_copies_stay_exact(monkeypatch, caplog):
         assert torch.equal(dst, src)
     finally:
         stream_copy.load_stream_copy.cache_clear()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("piece", [100, 4096, 1 << 20])
+def test_copy_ranges_is_exact_and_writes_nothing_else(threads, piece, stream):
+    """The library's many-range copy (copy_all's path for large copies): ranges of every size
+    around the piece size at odd offsets, shared by its own threads; every byte outside the
+    ranges keeps its value."""
+    op = stream_copy.load_stream_copy()
+    assert op is not None
+    rng = np.random.default_rng(threads * 1000 + piece)
+    src = rng.integers(0, 256, 3 << 20, dtype=np.uint8)
+    dst = np.full(3 << 20, 0xAB, dtype=np.uint8)
+    want = dst.copy()
+    dsts, srcs, sizes, at = [], [], [], 7
+    for n in (0, 1, 99, 100, 101, 4095, 4097, 65536, 1 << 20, (1 << 20) + 3, 300_001):
+        s_off = int(rng.integers(0, 64))
+        dsts.append(dst.ctypes.data + at)
+        srcs.append(src.ctypes.data + s_off)
+        sizes.append(n)
+        want[at:at + n] = src[s_off:s_off + n]
+        at += n + 13
+    op.copy_ranges(dsts, srcs, sizes, piece, threads, stream)
+    assert np.array_equal(dst, want)
+    with pytest.raises(ValueError, match="one entry per range"):
+        op.copy_ranges(dsts, srcs[:-1], sizes, piece, threads)
+
+
+def test_large_copies_from_several_threads_share_the_librarys_helpers(monkeypatch):
+    """Four callers at once through the library's helpers (one of them served, the others
+    copying alone while it is busy), many times over: every copy exact."""
+    monkeypatch.setattr(bucket, "STREAM_MIN_BYTES", 0)
+    monkeypatch.setattr(bucket, "NATIVE_PIECE_BYTES", 4096)
+    assert stream_copy.load_stream_copy() is not None
+    g = torch.Generator().manual_seed(2)
+    jobs = [[(torch.zeros(20_000 + 13 * i), torch.randn(20_000 + 13 * i, generator=g))
+             for i in range(6)] for _ in range(4)]
+    bad: list[int] = []
+
+    def worker(k: int) -> None:
+        for _ in range(40):
+            for dst, _ in jobs[k]:
+                dst.zero_()
+            bucket.copy_all(jobs[k], num_threads=2)
+            if not all(torch.equal(d, s) for d, s in jobs[k]):
+                bad.append(k)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not bad and not any(t.is_alive() for t in threads)
