@@ -64,14 +64,19 @@ def test_copy_all_raises_a_helpers_failure(monkeypatch):
         bucket.copy_all([(dst, readonly)], num_threads=2)
 
 
-def test_copies_from_several_threads_share_the_helpers_exactly(monkeypatch):
+@pytest.mark.parametrize("helpers", ["python", "library"])
+def test_copies_from_several_threads_share_the_helpers_exactly(monkeypatch, helpers):
     """The helper threads persist across calls and serve every caller in turn: copies made
     from four threads at once, many times, are all exact (and a helper's failure above left
-    them serving)."""
-    import threading
-
-    monkeypatch.setattr(bucket, "MIN_PIECE_BYTES", 1 << 10)
-    monkeypatch.setattr(bucket, "PARALLEL_MIN_BYTES", 0)
+    them serving). "python": bucket's helpers (copies under STREAM_MIN_BYTES); "library": the
+    streaming-copy library's own (one caller served at a time, the others copying alone)."""
+    if helpers == "python":
+        monkeypatch.setattr(bucket, "MIN_PIECE_BYTES", 1 << 10)
+        monkeypatch.setattr(bucket, "PARALLEL_MIN_BYTES", 0)
+    else:
+        monkeypatch.setattr(bucket, "STREAM_MIN_BYTES", 0)
+        monkeypatch.setattr(bucket, "NATIVE_PIECE_BYTES", 4096)
+        assert stream_copy.load_stream_copy() is not None
     g = torch.Generator().manual_seed(1)
     jobs = [[(torch.zeros(4096 + 13 * i), torch.randn(4096 + 13 * i, generator=g))
              for i in range(8)] for _ in range(4)]
@@ -184,30 +189,3 @@ def test_copy_ranges_is_exact_and_writes_nothing_else(threads, piece, stream):
     assert np.array_equal(dst, want)
     with pytest.raises(ValueError, match="one entry per range"):
         op.copy_ranges(dsts, srcs[:-1], sizes, piece, threads)
-
-
-def test_large_copies_from_several_threads_share_the_librarys_helpers(monkeypatch):
-    """Four callers at once through the library's helpers (one of them served, the others
-    copying alone while it is busy), many times over: every copy exact."""
-    monkeypatch.setattr(bucket, "STREAM_MIN_BYTES", 0)
-    monkeypatch.setattr(bucket, "NATIVE_PIECE_BYTES", 4096)
-    assert stream_copy.load_stream_copy() is not None
-    g = torch.Generator().manual_seed(2)
-    jobs = [[(torch.zeros(20_000 + 13 * i), torch.randn(20_000 + 13 * i, generator=g))
-             for i in range(6)] for _ in range(4)]
-    bad: list[int] = []
-
-    def worker(k: int) -> None:
-        for _ in range(40):
-            for dst, _ in jobs[k]:
-                dst.zero_()
-            bucket.copy_all(jobs[k], num_threads=2)
-            if not all(torch.equal(d, s) for d, s in jobs[k]):
-                bad.append(k)
-
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not bad and not any(t.is_alive() for t in threads)
