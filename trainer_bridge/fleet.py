@@ -292,8 +292,8 @@ class RolloutFleet:
     def _after_failed_refit(self, error: BaseException, seconds: float,
                             version: str) -> FleetReport:
         """Find who holds what, quarantine the engines off the served version, raise."""
-        timed, group_name = self.timed, getattr(self.syncer.transport, "group_name", None) \
-            if self.syncer is not None else None
+        timed = self.timed
+        group_name = getattr(self.syncer and self.syncer.transport, "group_name", None)
         self._drop_syncer()   # the group is out of step after a failed broadcast
         deadline = time.monotonic() + self.timeout_s
         for t in timed:       # the survivors' last calls answer (or time out) first

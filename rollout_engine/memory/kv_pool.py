@@ -190,30 +190,25 @@ class ReqToTokenPool:
         (a decode step's new pages, one run per request)."""
         if len(slots) != sum(widths):
             raise ValueError(f"write_many: {len(slots)} slots for runs of {sum(widths)}")
-        table_width, ends = self._table.shape[1], self._ends
         for row, start, width in zip(rows, starts, widths):
-            end = start + width
-            if not (0 <= row < self.size and 0 <= start and end <= table_width):
-                raise IndexError(f"req_to_token write [{row}, {start}:{end}] outside the table "
-                                 f"{tuple(self._table.shape)}")
-            if start < ends[row]:
-                self.generation += 1
-            ends[row] = max(ends[row], end)
-            self._rows.extend([row] * width)
-            self._cols.extend(range(start, end))
+            self._claim(row, start, start + width)
         self._slots.extend(slots)
 
     def write(self, row: int, start: int, slots: list[int]) -> None:
         """``table[row, start:start + len(slots)] = slots`` (applied at the next read)."""
         if not slots:
             return
-        end = start + len(slots)
+        self._claim(row, start, start + len(slots))
+        self._slots.extend(slots)
+
+    def _claim(self, row: int, start: int, end: int) -> None:
+        """Queue positions ``[start, end)`` of ``row`` for the next write (their slots follow
+        in ``_slots``); a write below the row's end changes slots already there."""
         if not (0 <= row < self.size and 0 <= start and end <= self._table.shape[1]):
             raise IndexError(f"req_to_token write [{row}, {start}:{end}] outside the table "
                              f"{tuple(self._table.shape)}")
         if start < self._ends[row]:
             self.generation += 1
         self._ends[row] = max(self._ends[row], end)
-        self._rows.extend([row] * len(slots))
+        self._rows.extend([row] * (end - start))
         self._cols.extend(range(start, end))
-        self._slots.extend(slots)

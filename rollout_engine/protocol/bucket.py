@@ -166,21 +166,20 @@ def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], num_threads: in
         for d, s in whole:
             np.copyto(_bytes(d), _bytes(s))
         return
-    # pieces small enough to balance the threads, big enough to stay cheap; each thread takes
-    # the next piece when done with one, so a thread the OS deschedules (a busy 2-core
-    # machine: the trainer's own threads, the frontend) holds back only the piece it is on
     threads = max(1, num_threads)
     if stream is not None:   # the library's own threads share the pieces
         stream.copy_ranges([d.data_ptr() for d, _ in whole], [s.data_ptr() for _, s in whole],
                            [d.numel() * d.element_size() for d, _ in whole],
                            NATIVE_PIECE_BYTES, threads)
         return
+    # pieces small enough to balance the threads, big enough to stay cheap; each thread takes
+    # the next piece when done with one, so a thread the OS deschedules (a busy 2-core
+    # machine: the trainer's own threads, the frontend) holds back only the piece it is on
     piece = min(PIECE_BYTES, max(MIN_PIECE_BYTES, total // (8 * threads)))
     plain = [(d.data_ptr() + i, s.data_ptr() + i, min(piece, n - i))
              for d, s in whole for n in (d.numel() * d.element_size(),)
              for i in range(0, n, piece)]
-    copy = stream.copy if stream is not None else _memcpy
-    _share_out(plain, copy, threads)
+    _share_out(plain, _memcpy, threads)
 
 
 def _share_out(pieces: list[tuple[int, int, int]], copy: Callable[[int, int, int], None],
