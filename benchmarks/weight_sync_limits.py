@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 
 from benchmarks import vllm_peer
-from rollout_engine.protocol.bucket import copy_all
+from rollout_engine.protocol.byte_copy import copy_all
 from rollout_engine.protocol.weight_broadcast import join_update_group
 from rollout_engine.weights.loader import safetensors_files
 from trainer_bridge.transports.distributed import free_port

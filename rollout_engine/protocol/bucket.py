@@ -13,12 +13,7 @@ Sending a bucket costs one handle instead of one per tensor (SGLang's "flattened
 
 from __future__ import annotations
 
-import ctypes
-import itertools
 import math
-import os
-import queue
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -26,7 +21,7 @@ from types import MappingProxyType
 import numpy as np
 import torch
 
-from rollout_engine.protocol.stream_copy import load_stream_copy
+from rollout_engine.protocol.byte_copy import copy_all
 
 __all__ = [
     "ALIGN_BYTES",
@@ -34,8 +29,6 @@ __all__ = [
     "BucketPlan",
     "FlattenedBucket",
     "TensorMeta",
-    "copy_all",
-    "copy_into",
     "dtype_to_str",
     "pack_buckets",
     "plan_buckets",
@@ -82,158 +75,6 @@ def str_to_dtype(name: str) -> torch.dtype:
     if dtype is None:
         raise ValueError(f"unsupported dtype name {name!r}; supported: {sorted(_DTYPE_BY_NAME)}")
     return dtype
-
-
-def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``; between contiguous CPU tensors of one dtype, numpy's memcpy, which
-    runs on the calling thread only and releases the GIL (`copy_all` spreads such copies over
-    threads)."""
-    if _plain_copy(dst, src):
-        np.copyto(_bytes(dst), _bytes(src))
-    else:
-        dst.copy_(src)
-
-
-PIECE_BYTES = 4 << 20           # copy_all splits plain copies into pieces of at most this
-MIN_PIECE_BYTES = 1 << 20       # ... and of at least this (unless a copy is smaller)
-PARALLEL_MIN_BYTES = 4 << 20    # ... and uses its helper threads from this many bytes on
-STREAM_MIN_BYTES = 4 << 20      # ... and streaming stores from this many bytes on, in
-NATIVE_PIECE_BYTES = 1 << 20    # pieces of this size shared by the kernel's own threads
-
-
-class _Helpers:
-    """Persistent helper threads for `copy_all`, started on first use and after a fork: a
-    thread started per call costs about as much as copying a megabyte, which a refit sent in
-    small buckets would pay on every call."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._queues: list[queue.SimpleQueue] = []
-        self._pid = -1
-
-    def run(self, index: int, task: Callable[[], None]) -> threading.Event:
-        """Run `task` on helper `index` (tasks of one helper run in the order given); the
-        event is set once it has returned."""
-        with self._lock:
-            if self._pid != os.getpid():   # a forked child has the queues but no threads
-                self._queues, self._pid = [], os.getpid()
-            while len(self._queues) <= index:
-                q: queue.SimpleQueue = queue.SimpleQueue()
-                threading.Thread(target=self._serve, args=(q,), daemon=True,
-                                 name=f"copy-helper-{len(self._queues)}").start()
-                self._queues.append(q)
-        done = threading.Event()
-        self._queues[index].put((task, done))
-        return done
-
-    @staticmethod
-    def _serve(q: queue.SimpleQueue) -> None:
-        while True:
-            task, done = q.get()
-            try:
-                task()
-            finally:
-                done.set()
-
-
-_HELPERS = _Helpers()
-
-
-def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], num_threads: int = 2) -> None:
-    """`copy_into` for every (dst, src) pair, the plain byte copies split into pieces shared
-    by `num_threads` threads when there are enough bytes: from `STREAM_MIN_BYTES` on, the
-    caller's and the streaming-copy library's own helpers (`StreamCopy.copy_ranges`, a few
-    microseconds a call), below it (or without the library) the caller's and persistent Python
-    helpers (`_share_out`, ~0.1-0.2 ms a call).
-
-    Why not torch's own parallel copy: a copy is bound by memory bandwidth, and torch's
-    OpenMP threads spin at a barrier at the end of every copy_, so on a busy 2-core machine
-    a descheduled thread stalls the copy while its partner burns the other core (measured
-    2-10x slower under load on a 2-core EPYC). Plain threads copying their own pieces never
-    wait for each other until the end. From `STREAM_MIN_BYTES` on, the pieces are copied with
-    streaming stores (`stream_copy`: a destination that large is not read before it leaves
-    the caches anyway, and skipping its read for ownership saves a third of the traffic).
-    """
-    whole: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for dst, src in pairs:
-        if not _plain_copy(dst, src):
-            dst.copy_(src)   # a cast, another device, a strided view: torch copies it
-            continue
-        whole.append((dst, src))
-    total = sum(d.numel() * d.element_size() for d, _ in whole)
-    stream = load_stream_copy() if total >= STREAM_MIN_BYTES else None
-    if stream is None and (num_threads <= 1 or total < PARALLEL_MIN_BYTES):
-        for d, s in whole:
-            np.copyto(_bytes(d), _bytes(s))
-        return
-    threads = max(1, num_threads)
-    if stream is not None:   # the library's own threads share the pieces
-        stream.copy_ranges([d.data_ptr() for d, _ in whole], [s.data_ptr() for _, s in whole],
-                           [d.numel() * d.element_size() for d, _ in whole],
-                           NATIVE_PIECE_BYTES, threads)
-        return
-    # pieces small enough to balance the threads, big enough to stay cheap; each thread takes
-    # the next piece when done with one, so a thread the OS deschedules (a busy 2-core
-    # machine: the trainer's own threads, the frontend) holds back only the piece it is on
-    piece = min(PIECE_BYTES, max(MIN_PIECE_BYTES, total // (8 * threads)))
-    plain = [(d.data_ptr() + i, s.data_ptr() + i, min(piece, n - i))
-             for d, s in whole for n in (d.numel() * d.element_size(),)
-             for i in range(0, n, piece)]
-    _share_out(plain, _memcpy, threads)
-
-
-def _share_out(pieces: list[tuple[int, int, int]], copy: Callable[[int, int, int], None],
-               threads: int) -> None:
-    """Copy every (dst, src, nbytes) piece, this thread and up to `threads - 1` helpers each
-    taking the next piece when done with one. A helper that has not started when this thread
-    finds no piece left is not waited for (it will find none either), so a helper stuck
-    behind the OS scheduler delays the copy by at most the piece it is on."""
-    order = itertools.count()   # next() of a count is atomic under the GIL
-    state = threading.Condition()
-    active = [0]
-    closed = [False]
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        with state:
-            if closed[0]:
-                return
-            active[0] += 1
-        try:
-            for i in iter(order.__next__, None):
-                if i >= len(pieces) or errors:
-                    break
-                copy(*pieces[i])
-        except BaseException as e:  # noqa: BLE001 - re-raised by the caller
-            errors.append(e)
-        finally:
-            with state:
-                active[0] -= 1
-                state.notify_all()
-
-    for i in range(min(threads, len(pieces)) - 1):
-        _HELPERS.run(i, run)
-    run()
-    with state:
-        closed[0] = True      # helpers not yet started return at once
-        state.wait_for(lambda: active[0] == 0)
-    if errors:
-        raise errors[0]
-
-
-def _memcpy(dst: int, src: int, nbytes: int) -> None:
-    """libc's memmove between two raw ranges (a ctypes CFUNCTYPE: it releases the GIL)."""
-    ctypes.memmove(dst, src, nbytes)
-
-
-def _plain_copy(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    return (dst.dtype == src.dtype and dst.device.type == "cpu" and src.device.type == "cpu"
-            and dst.is_contiguous() and src.is_contiguous() and dst.shape == src.shape
-            and not src.requires_grad and not dst.requires_grad and dst.numel() > 0)
-
-
-def _bytes(t: torch.Tensor) -> np.ndarray:
-    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 def _is_int(value: object) -> bool:

@@ -1,4 +1,4 @@
-"""Large byte copies with streaming stores (``csrc/stream_copy.cpp``), for `bucket.copy_all`.
+"""Large byte copies with streaming stores (``csrc/stream_copy.cpp``), for `byte_copy.copy_all`.
 
 Compiled at first use like the attention kernels (``cpu_kernels.build_library``, cached under
 ``$ROLLOUT_ENGINE_CACHE/torch_extensions``). If it cannot be built, or

@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from rollout_engine.parallel.context import Shard
-from rollout_engine.protocol.bucket import copy_into
+from rollout_engine.protocol.byte_copy import copy_into
 from rollout_engine.weights.loader import (
     LoadReport,
     agreed,

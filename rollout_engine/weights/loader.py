@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 
 from rollout_engine.parallel.context import Shard
-from rollout_engine.protocol.bucket import copy_all
+from rollout_engine.protocol.byte_copy import copy_all
 
 
 def read_hf_config(model_path: str) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from rollout_engine.protocol.bucket import copy_all
+from rollout_engine.protocol.byte_copy import copy_all
 from rollout_engine.weights.loader import LoadReport, weight_table
 
 MIN_COVERAGE = 0.5

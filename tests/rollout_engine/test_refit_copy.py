@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout_engine.protocol import bucket, stream_copy
+from rollout_engine.protocol import byte_copy, stream_copy
 
 
 def _pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -31,27 +31,27 @@ def _pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
 @pytest.mark.parametrize("num_threads", [1, 2, 3])
 @pytest.mark.parametrize("piece,parallel_min", [(16 << 20, 32 << 20), (1000, 0), (7, 64)])
 def test_copy_all_is_exact(monkeypatch, num_threads, piece, parallel_min, stream):
-    monkeypatch.setattr(bucket, "PIECE_BYTES", piece)
-    monkeypatch.setattr(bucket, "MIN_PIECE_BYTES", 1)
-    monkeypatch.setattr(bucket, "PARALLEL_MIN_BYTES", parallel_min)
-    monkeypatch.setattr(bucket, "STREAM_MIN_BYTES", 0 if stream else 1 << 62)
+    monkeypatch.setattr(byte_copy, "PIECE_BYTES", piece)
+    monkeypatch.setattr(byte_copy, "MIN_PIECE_BYTES", 1)
+    monkeypatch.setattr(byte_copy, "PARALLEL_MIN_BYTES", parallel_min)
+    monkeypatch.setattr(byte_copy, "STREAM_MIN_BYTES", 0 if stream else 1 << 62)
     if stream:   # every dev and CI machine has gcc: the kernel must build
         assert stream_copy.load_stream_copy() is not None
     pairs = _pairs()
-    bucket.copy_all(pairs, num_threads=num_threads)
+    byte_copy.copy_all(pairs, num_threads=num_threads)
     for dst, src in pairs:
         assert torch.equal(dst, src.to(dst.dtype)), (dst.dtype, tuple(dst.shape))
 
 
 def test_copy_all_raises_a_helpers_failure(monkeypatch):
-    monkeypatch.setattr(bucket, "PIECE_BYTES", 8)
-    monkeypatch.setattr(bucket, "MIN_PIECE_BYTES", 1)
-    monkeypatch.setattr(bucket, "PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(bucket, "STREAM_MIN_BYTES", 1 << 62)
+    monkeypatch.setattr(byte_copy, "PIECE_BYTES", 8)
+    monkeypatch.setattr(byte_copy, "MIN_PIECE_BYTES", 1)
+    monkeypatch.setattr(byte_copy, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(byte_copy, "STREAM_MIN_BYTES", 1 << 62)
     dst = torch.zeros(64)
     readonly = torch.zeros(64)
     calls = {"n": 0}
-    real = bucket._memcpy
+    real = byte_copy._memcpy
 
     def failing(d, s, n):
         calls["n"] += 1
@@ -59,23 +59,23 @@ def test_copy_all_raises_a_helpers_failure(monkeypatch):
             raise MemoryError("boom")
         real(d, s, n)
 
-    monkeypatch.setattr(bucket, "_memcpy", failing)
+    monkeypatch.setattr(byte_copy, "_memcpy", failing)
     with pytest.raises(MemoryError, match="boom"):
-        bucket.copy_all([(dst, readonly)], num_threads=2)
+        byte_copy.copy_all([(dst, readonly)], num_threads=2)
 
 
 @pytest.mark.parametrize("helpers", ["python", "library"])
 def test_copies_from_several_threads_share_the_helpers_exactly(monkeypatch, helpers):
     """The helper threads persist across calls and serve every caller in turn: copies made
     from four threads at once, many times, are all exact (and a helper's failure above left
-    them serving). "python": bucket's helpers (copies under STREAM_MIN_BYTES); "library": the
+    them serving). "python": byte_copy's helpers (copies under STREAM_MIN_BYTES); "library": the
     streaming-copy library's own (one caller served at a time, the others copying alone)."""
     if helpers == "python":
-        monkeypatch.setattr(bucket, "MIN_PIECE_BYTES", 1 << 10)
-        monkeypatch.setattr(bucket, "PARALLEL_MIN_BYTES", 0)
+        monkeypatch.setattr(byte_copy, "MIN_PIECE_BYTES", 1 << 10)
+        monkeypatch.setattr(byte_copy, "PARALLEL_MIN_BYTES", 0)
     else:
-        monkeypatch.setattr(bucket, "STREAM_MIN_BYTES", 0)
-        monkeypatch.setattr(bucket, "NATIVE_PIECE_BYTES", 4096)
+        monkeypatch.setattr(byte_copy, "STREAM_MIN_BYTES", 0)
+        monkeypatch.setattr(byte_copy, "NATIVE_PIECE_BYTES", 4096)
         assert stream_copy.load_stream_copy() is not None
     g = torch.Generator().manual_seed(1)
     jobs = [[(torch.zeros(4096 + 13 * i), torch.randn(4096 + 13 * i, generator=g))
@@ -86,7 +86,7 @@ def test_copies_from_several_threads_share_the_helpers_exactly(monkeypatch, help
         for _ in range(25):
             for dst, _ in jobs[k]:
                 dst.zero_()
-            bucket.copy_all(jobs[k], num_threads=3)
+            byte_copy.copy_all(jobs[k], num_threads=3)
             if not all(torch.equal(d, s) for d, s in jobs[k]):
                 bad.append(k)
 
@@ -120,20 +120,20 @@ def test_stream_copy_is_exact_at_every_alignment():
 def test_a_stalled_helper_does_not_hold_the_copy_back(monkeypatch):
     """A helper busy elsewhere (here: blocked on an event) takes no piece: the calling thread
     copies them all and returns, exact, while the helper is still stuck."""
-    monkeypatch.setattr(bucket, "PIECE_BYTES", 1 << 12)
-    monkeypatch.setattr(bucket, "MIN_PIECE_BYTES", 1 << 12)
-    monkeypatch.setattr(bucket, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(byte_copy, "PIECE_BYTES", 1 << 12)
+    monkeypatch.setattr(byte_copy, "MIN_PIECE_BYTES", 1 << 12)
+    monkeypatch.setattr(byte_copy, "PARALLEL_MIN_BYTES", 0)
     release = threading.Event()
-    stuck = bucket._HELPERS.run(0, lambda: release.wait(60))
+    stuck = byte_copy._HELPERS.run(0, lambda: release.wait(60))
     try:
         dst, src = torch.zeros(1 << 16), torch.randn(1 << 16)
-        bucket.copy_all([(dst, src)], num_threads=2)
+        byte_copy.copy_all([(dst, src)], num_threads=2)
         assert torch.equal(dst, src) and not stuck.is_set()
     finally:
         release.set()
     assert stuck.wait(60)
     dst.zero_()   # the helper serves again, and the copy it missed did not run late
-    bucket.copy_all([(dst, src)], num_threads=2)
+    byte_copy.copy_all([(dst, src)], num_threads=2)
     assert torch.equal(dst, src)
 
 
@@ -154,11 +154,11 @@ def test_without_the_kernel_copies_stay_exact(monkeypatch, caplog):
         with caplog.at_level(logging.WARNING):
             assert stream_copy.load_stream_copy() is None
         assert "streaming copy unavailable" in caplog.text and "no compiler" in caplog.text
-        monkeypatch.setattr(bucket, "STREAM_MIN_BYTES", 0)
-        monkeypatch.setattr(bucket, "PARALLEL_MIN_BYTES", 0)
-        monkeypatch.setattr(bucket, "MIN_PIECE_BYTES", 1 << 10)
+        monkeypatch.setattr(byte_copy, "STREAM_MIN_BYTES", 0)
+        monkeypatch.setattr(byte_copy, "PARALLEL_MIN_BYTES", 0)
+        monkeypatch.setattr(byte_copy, "MIN_PIECE_BYTES", 1 << 10)
         dst, src = torch.zeros(1 << 14), torch.randn(1 << 14)
-        bucket.copy_all([(dst, src)], num_threads=2)
+        byte_copy.copy_all([(dst, src)], num_threads=2)
         assert torch.equal(dst, src)
     finally:
         stream_copy.load_stream_copy.cache_clear()

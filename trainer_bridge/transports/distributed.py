@@ -48,7 +48,8 @@ from typing import Any, Optional
 
 import torch
 
-from rollout_engine.protocol.bucket import copy_all, dtype_to_str
+from rollout_engine.protocol.bucket import dtype_to_str
+from rollout_engine.protocol.byte_copy import copy_all
 from rollout_engine.protocol.weight_broadcast import (
     GroupIncompleteError,
     UpdateGroup,
