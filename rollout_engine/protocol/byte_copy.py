@@ -18,7 +18,7 @@ import torch
 
 from rollout_engine.protocol.stream_copy import load_stream_copy
 
-__all__ = ["copy_all", "copy_into"]
+__all__ = ["CopyPlan", "copy_all", "copy_into"]
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -91,32 +91,48 @@ def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], num_threads: in
     streaming stores (`stream_copy`: a destination that large is not read before it leaves
     the caches anyway, and skipping its read for ownership saves a third of the traffic).
     """
-    whole: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for dst, src in pairs:
-        if not _plain_copy(dst, src):
-            dst.copy_(src)   # a cast, another device, a strided view: torch copies it
-            continue
-        whole.append((dst, src))
-    total = sum(d.numel() * d.element_size() for d, _ in whole)
-    stream = load_stream_copy() if total >= STREAM_MIN_BYTES else None
-    if stream is None and (num_threads <= 1 or total < PARALLEL_MIN_BYTES):
-        for d, s in whole:
-            np.copyto(_bytes(d), _bytes(s))
-        return
-    threads = max(1, num_threads)
-    if stream is not None:   # the library's own threads share the pieces
-        stream.copy_ranges([d.data_ptr() for d, _ in whole], [s.data_ptr() for _, s in whole],
-                           [d.numel() * d.element_size() for d, _ in whole],
-                           NATIVE_PIECE_BYTES, threads)
-        return
-    # pieces small enough to balance the threads, big enough to stay cheap; each thread takes
-    # the next piece when done with one, so a thread the OS deschedules (a busy 2-core
-    # machine: the trainer's own threads, the frontend) holds back only the piece it is on
-    piece = min(PIECE_BYTES, max(MIN_PIECE_BYTES, total // (8 * threads)))
-    plain = [(d.data_ptr() + i, s.data_ptr() + i, min(piece, n - i))
-             for d, s in whole for n in (d.numel() * d.element_size(),)
-             for i in range(0, n, piece)]
-    _share_out(plain, _memcpy, threads)
+    CopyPlan(pairs, num_threads).run()
+
+
+class CopyPlan:
+    """`copy_all` of fixed (dst, src) pairs, worked out once: which pairs are plain byte
+    copies, which path copies them and, for the streaming-copy library, its range arrays.
+    `run` copies them (again), as `copy_all` would now. The plan keeps the tensors alive; it
+    is only valid while none of them has been given other storage (the caller's to know:
+    `weights.loader.LoadPlan` checks its parameters' storage before each reuse)."""
+
+    def __init__(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                 num_threads: int = 2) -> None:
+        self.torch_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.whole: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for dst, src in pairs:   # a cast, another device, a strided view: torch copies it
+            (self.whole if _plain_copy(dst, src) else self.torch_pairs).append((dst, src))
+        self.total = sum(d.numel() * d.element_size() for d, _ in self.whole)
+        self.threads = max(1, num_threads)
+        self.stream = load_stream_copy() if self.total >= STREAM_MIN_BYTES else None
+        self.ranges = None if self.stream is None else self.stream.ranges(
+            [d.data_ptr() for d, _ in self.whole], [s.data_ptr() for _, s in self.whole],
+            [d.numel() * d.element_size() for d, _ in self.whole])
+
+    def run(self) -> None:
+        for dst, src in self.torch_pairs:
+            dst.copy_(src)
+        if self.stream is not None:   # the library's own threads share the pieces
+            self.stream.copy_prepared(self.ranges, NATIVE_PIECE_BYTES, self.threads)
+            return
+        if self.threads <= 1 or self.total < PARALLEL_MIN_BYTES:
+            for d, s in self.whole:
+                np.copyto(_bytes(d), _bytes(s))
+            return
+        # pieces small enough to balance the threads, big enough to stay cheap; each thread
+        # takes the next piece when done with one, so a thread the OS deschedules (a busy
+        # 2-core machine: the trainer's own threads, the frontend) holds back only the piece
+        # it is on
+        piece = min(PIECE_BYTES, max(MIN_PIECE_BYTES, self.total // (8 * self.threads)))
+        plain = [(d.data_ptr() + i, s.data_ptr() + i, min(piece, n - i))
+                 for d, s in self.whole for n in (d.numel() * d.element_size(),)
+                 for i in range(0, n, piece)]
+        _share_out(plain, _memcpy, self.threads)
 
 
 def _share_out(pieces: list[tuple[int, int, int]], copy: Callable[[int, int, int], None],

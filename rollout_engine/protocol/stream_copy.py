@@ -46,12 +46,23 @@ class StreamCopy:
         no two overlap), in pieces of at most ``piece_bytes`` taken by this thread and up to
         ``threads - 1`` helper threads of the library's; streaming stores if ``stream``. A
         helper busy with another caller's copy is not waited for."""
+        self.copy_prepared(self.ranges(dsts, srcs, nbytes), piece_bytes, threads, stream)
+
+    @staticmethod
+    def ranges(dsts: list[int], srcs: list[int], nbytes: list[int]) -> tuple[np.ndarray, ...]:
+        """`copy_ranges`' ranges as the library reads them (checked), for `copy_prepared`."""
         if not len(dsts) == len(srcs) == len(nbytes):
             raise ValueError("copy_ranges: dsts, srcs and nbytes must have one entry per range")
-        if any(n < 0 for n in nbytes) or piece_bytes <= 0 or threads < 1:
-            raise ValueError("copy_ranges: negative size, or no piece size / thread")
-        arrays = [np.asarray(v, dtype=np.int64) for v in (dsts, srcs, nbytes)]
-        self._ranges(*(a.ctypes.data for a in arrays), len(dsts), piece_bytes, threads,
+        if any(n < 0 for n in nbytes):
+            raise ValueError("copy_ranges: negative size")
+        return tuple(np.asarray(v, dtype=np.int64) for v in (dsts, srcs, nbytes))
+
+    def copy_prepared(self, ranges: tuple[np.ndarray, ...], piece_bytes: int, threads: int,
+                      stream: bool = True) -> None:
+        """`copy_ranges` of ranges made by `ranges` (the same ones may be copied again)."""
+        if piece_bytes <= 0 or threads < 1:
+            raise ValueError("copy_ranges: no piece size / thread")
+        self._ranges(*(a.ctypes.data for a in ranges), len(ranges[0]), piece_bytes, threads,
                      int(stream))
 
 

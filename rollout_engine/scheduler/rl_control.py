@@ -134,10 +134,12 @@ class RLControl(BroadcastRefits):
             s.kv.tree.reset()           # the tree's slots point into the pool being released
             s.allocator.reset()
             self.flush_pending = False
+        if "weights" in tags and self.mapped is not None:
+            # a sleeping engine pins none of the trainer's shm, nor (through the refit plans
+            # kept with it) any parameter storage the release frees
+            self.mapped.clear()
         freed = s.memory_saver.release(tags)
         if "weights" in tags:
-            if self.mapped is not None:
-                self.mapped.clear()   # a sleeping engine pins none of the trainer's shm
             s.update_groups.release_buffers()   # nor a broadcast receive buffer
             if self.shadow is not None:
                 self.shadow.release()           # nor spare parameter storage

@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 
 from rollout_engine.parallel.context import Shard
-from rollout_engine.protocol.byte_copy import copy_all
+from rollout_engine.protocol.byte_copy import CopyPlan
 
 
 def read_hf_config(model_path: str) -> dict[str, Any]:
@@ -88,21 +88,50 @@ def load_weights(
     require_all: every parameter must be covered (the first load).
     Raises ValueError naming the first bad tensor; nothing has been written then.
     """
-    with agreed(model):
-        checked = list(named_tensors)
-        for name, tensor in checked:
-            if not isinstance(tensor, torch.Tensor):
-                raise ValueError(f"weight {name!r}: expected a tensor, got "
-                                 f"{type(tensor).__name__}")
-        targets = plan_targets(model, [(n, tuple(t.shape), t.dtype) for n, t in checked],
-                               require_all=require_all)
-    by_name = dict(checked)   # names are unique once plan_targets accepted them
-    with torch.no_grad():   # casts if dtypes differ
-        copy_all((dst, _source(by_name[name].detach(), shard)) for name, dst, shard in targets)
-    num_bytes = sum(dst.numel() * dst.element_size() for _, dst, _ in targets)
-    num_cast = sum(by_name[name].dtype != dst.dtype for name, dst, _ in targets)
-    return LoadReport(num_tensors=len(targets), num_bytes=num_bytes,
-                      names=frozenset(n for n, _, _ in targets), num_cast=num_cast)
+    plan = LoadPlan(model, named_tensors, require_all=require_all)
+    plan.apply()
+    return plan.report
+
+
+class LoadPlan:
+    """`load_weights` split in two: the constructor checks (all of it, raising ValueError
+    before anything is written) and works out every copy; `apply` writes. A plan may be
+    applied again for the very same source tensors (a trainer resending the same shared
+    memory: `refit.MappedStorages`) while `valid`: no parameter it writes has been given
+    other storage since (sleep and wake, a broadcast's shadow swap), which its copies would
+    otherwise still point into (they keep that old storage alive, so it is never reused)."""
+
+    def __init__(self, model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                 *, require_all: bool = False) -> None:
+        with agreed(model):
+            checked = list(named_tensors)
+            for name, tensor in checked:
+                if not isinstance(tensor, torch.Tensor):
+                    raise ValueError(f"weight {name!r}: expected a tensor, got "
+                                     f"{type(tensor).__name__}")
+            plan = _checked_plan(model, [(n, tuple(t.shape), t.dtype) for n, t in checked],
+                                 require_all)
+        by_name = dict(checked)   # names are unique once plan_targets accepted them
+        targets = [(name, param, _view(param, row0, rows), shard)
+                   for name, param, row0, rows, shard in plan]
+        self.model = model
+        self.copies = CopyPlan((dst, _source(by_name[name].detach(), shard))
+                               for name, _, dst, shard in targets)
+        self.storages = {id(p): (p, p.data_ptr()) for _, p, _, _ in targets}
+        self.report = LoadReport(
+            num_tensors=len(targets),
+            num_bytes=sum(dst.numel() * dst.element_size() for _, _, dst, _ in targets),
+            names=frozenset(n for n, _, _, _ in targets),
+            num_cast=sum(by_name[name].dtype != dst.dtype for name, _, dst, _ in targets))
+
+    @property
+    def valid(self) -> bool:
+        """Every parameter written still has the storage it had when this was planned."""
+        return all(p.data_ptr() == ptr for p, ptr in self.storages.values())
+
+    def apply(self) -> None:
+        with torch.no_grad():   # casts if dtypes differ
+            self.copies.run()
 
 
 def _source(tensor: torch.Tensor, shard: Optional[Shard]) -> torch.Tensor:
@@ -149,6 +178,20 @@ def plan_targets(model: torch.nn.Module, specs: Iterable[tuple[str, tuple[int, .
     None for all of it) for each one to copy, in order. Skips ignored weights and a tied
     checkpoint's ``lm_head.weight``. Raises ValueError naming the first bad tensor (unknown,
     twice, wrong shape, uncastable dtype; with ``require_all``, missing)."""
+    # views made afresh: sleep and refits may have given a parameter new storage since
+    return [(name, _view(param, row0, rows), shard)
+            for name, param, row0, rows, shard in _checked_plan(model, specs, require_all)]
+
+
+def _view(param: torch.nn.Parameter, row0: int, rows: int) -> torch.Tensor:
+    return param.data if param.dim() == 0 else param.data.narrow(0, row0, rows)
+
+
+def _checked_plan(model: torch.nn.Module,
+                  specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
+                  require_all: bool) -> list[tuple[str, torch.nn.Parameter, int, int,
+                                                   Optional[Shard]]]:
+    """`_plan` of these specs, checked once per distinct list (`_PLANS`)."""
     specs = tuple((name, tuple(shape), dtype) for name, shape, dtype in specs)
     plans = _PLANS.get(model)
     if plans is None:
@@ -161,9 +204,7 @@ def plan_targets(model: torch.nn.Module, specs: Iterable[tuple[str, tuple[int, .
             plans.popitem(last=False)
     else:
         plans.move_to_end(key)
-    # views made afresh: sleep and refits may have given a parameter new storage since
-    return [(name, param.data if param.dim() == 0 else param.data.narrow(0, row0, rows), shard)
-            for name, param, row0, rows, shard in plan]
+    return plan
 
 
 # Each model's checked plans of recent updates, by their (name, shape, dtype) lists: a trainer

@@ -19,7 +19,7 @@ from rollout_engine.compat.payloads import named_tensors_from_sglang, read_refit
 from rollout_engine.protocol.bucket import FlattenedBucket
 from rollout_engine.protocol.tensor_handles import SHM_DIR, SHM_HEADER_BYTES
 from rollout_engine.weights.disk_reader import load_checkpoint
-from rollout_engine.weights.loader import LoadReport, load_weights
+from rollout_engine.weights.loader import LoadPlan, LoadReport
 from rollout_engine.weights.update_groups import (  # the broadcast side, reachable from here
     STAGING_ALIGN,
     Receipt,
@@ -95,6 +95,7 @@ class MappedStorages:
         self._payloads: OrderedDict[Any, tuple[list[tuple[str, torch.Tensor]],
                                                list[torch.UntypedStorage], frozenset[int],
                                                list[tuple[str, int]]]] = OrderedDict()
+        self._plans: dict[Any, LoadPlan] = {}   # payload key -> the plan that applied it
 
     @classmethod
     def for_model(cls, model: nn.Module) -> MappedStorages:
@@ -126,13 +127,14 @@ class MappedStorages:
         if evicted:
             for k in [k for k, (_, _, keys, _) in self._payloads.items()
                       if not keys <= self._lru.keys()]:
-                del self._payloads[k]
+                self._forget(k)
 
     def remember(self, key: Any, named_tensors: list[tuple[str, torch.Tensor]],
-                 opened: list[torch.UntypedStorage]) -> None:
+                 opened: list[torch.UntypedStorage], plan: Optional[LoadPlan] = None) -> None:
         """After `keep(named_tensors)`: `key`'s payload read to `named_tensors`, opening
-        `opened` (one entry per open). Kept only when every storage opened is one of those
-        tensors' (so kept mapped here), which makes all of them CPU shared memory."""
+        `opened` (one entry per open), and applied by `plan` (None: not to be reused). Kept
+        only when every storage opened is one of those tensors' (so kept mapped here), which
+        makes all of them CPU shared memory."""
         keys = frozenset(s._cdata for s in opened)
         if not keys or not keys <= self._lru.keys() or \
                 keys != {t.untyped_storage()._cdata for _, t in named_tensors if t.numel()}:
@@ -142,17 +144,19 @@ class MappedStorages:
             _manager, handle, _size = storage._share_filename_cpu_()   # its existing name
             files.append((SHM_DIR + handle.decode(), SHM_HEADER_BYTES + storage.nbytes()))
         self._payloads[key] = (named_tensors, opened, keys, files)
+        self.set_plan(key, plan)
         while len(self._payloads) > self.PAYLOADS:
-            self._payloads.popitem(last=False)
+            self._forget(next(iter(self._payloads)))
 
     def reread(self, key: Any) -> Optional[list[tuple[str, torch.Tensor]]]:
-        """The tensors `key`'s payload read to last time, or None. The sender took one shm
-        reference per storage for this read, as each time; opening the storage would drop
-        it, so it is dropped here."""
+        """The tensors `key`'s payload read to last time, or None; its storages are marked
+        most recent (as `keep` would mark them). The sender took one shm reference per
+        storage for this read, as each time; opening the storage would drop it, so it is
+        dropped here."""
         hit = self._payloads.get(key)
         if hit is None:
             return None
-        named_tensors, opened, _, files = hit
+        named_tensors, opened, keys, files = hit
         for path, num_bytes in files:
             try:
                 if os.stat(path).st_size < num_bytes:
@@ -160,9 +164,25 @@ class MappedStorages:
             except OSError:
                 return None
         self._payloads.move_to_end(key)
+        for k in keys:
+            self._lru.move_to_end(k)
         for storage in opened:
             storage._shared_decref()
         return named_tensors
+
+    def plan_of(self, key: Any) -> Optional[LoadPlan]:
+        """The plan that applied `key`'s payload (see `refit_from_serialized`), or None."""
+        return self._plans.get(key)
+
+    def set_plan(self, key: Any, plan: Optional[LoadPlan]) -> None:
+        if plan is None or key not in self._payloads:
+            self._plans.pop(key, None)
+        else:
+            self._plans[key] = plan
+
+    def _forget(self, key: Any) -> None:
+        del self._payloads[key]
+        self._plans.pop(key, None)
 
     @property
     def num_storages(self) -> int:
@@ -173,8 +193,11 @@ class MappedStorages:
         return len(self._payloads)
 
     def clear(self) -> None:
+        """Drop every storage, payload and plan (the plans keep the parameters' storage of
+        their time alive: a sleep that frees the weights clears this first)."""
         self._lru.clear()
         self._payloads.clear()
+        self._plans.clear()
         self.num_bytes = 0
 
 
@@ -189,7 +212,11 @@ def refit_from_serialized(model: nn.Module, serialized: list[str], load_format: 
                           read_by_others: bool = False) -> LoadReport:
     """Load one `update_weights_from_tensor` payload; `mapped` keeps its shm mapped after;
     `read_by_others`: another process reads the same payload and drops the sender's shm
-    references (a data-parallel replica other than the first)."""
+    references (a data-parallel replica other than the first).
+
+    The same payload string read again (`MappedStorages.reread`) is applied by the plan its
+    first read made while that plan is valid (no tensor-parallel agreement to repeat, no
+    parameter given other storage since): its checks passed for exactly these tensors."""
     if not isinstance(serialized, list) or not serialized:
         raise ValueError("serialized_named_tensors: must be a non-empty list of strings "
                          "(one per tensor-parallel rank)")
@@ -197,17 +224,27 @@ def refit_from_serialized(model: nn.Module, serialized: list[str], load_format: 
     key = (serialized[0], load_format)
     named_tensors = (mapped.reread(key) if mapped is not None and not read_by_others
                      and isinstance(serialized[0], (str, bytes)) else None)
+    if named_tensors is not None:
+        plan = mapped.plan_of(key)  # type: ignore[union-attr]
+        if plan is not None and plan.model is model and plan.valid:
+            plan.apply()
+            return plan.report
     opened: list[torch.UntypedStorage] = []
+    reread = named_tensors is not None
     if named_tensors is None:
         payload = read_refit_payload(serialized[0], model,   # byte cap from the model's size
                                      read_by_others=read_by_others, opened=opened)
         named_tensors = named_tensors_from_payload(payload, load_format)
-    report = load_weights(model, named_tensors)
+    plan = LoadPlan(model, named_tensors)
+    plan.apply()
     if mapped is not None:
         mapped.keep(named_tensors)
+        reusable = plan if getattr(model, "tp", None) is None else None
         if opened and not read_by_others:
-            mapped.remember(key, named_tensors, opened)
-    return report
+            mapped.remember(key, named_tensors, opened, reusable)
+        elif reread:
+            mapped.set_plan(key, reusable)
+    return plan.report
 
 
 __all__ = ["LOAD_FORMATS", "MappedStorages", "Receipt", "STAGING_ALIGN", "StagingBuffer",

@@ -138,3 +138,39 @@ def test_a_repeated_plan_is_checked_once_and_writes_the_current_storage(monkeypa
     with pytest.raises(ValueError, match="shape"):
         loader.load_weights(model, [("w", torch.ones(3, 3))])
     assert len(plans) == 2
+
+
+def test_a_resent_payload_is_applied_by_its_first_plan_until_a_parameter_gets_new_storage(
+        monkeypatch):
+    """refit_from_serialized: the same string again is applied by the plan its first read made
+    (nothing checked or worked out again), with the shm's current values; once a parameter has
+    new storage (a broadcast's shadow swap, as here by hand) a fresh plan writes that storage."""
+    model = _Fused()
+    plans = []
+
+    class Counted(loader.LoadPlan):
+        def __init__(self, *args, **kwargs):
+            plans.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(refit, "LoadPlan", Counted)
+    mapped = MappedStorages(1 << 20)
+    weights = [("w", torch.ones(4, 3)), ("k", torch.full((4, 3), 2.0))]
+    text = serialize_named_tensors(weights)
+    report = refit.refit_from_serialized(model, [text], None, mapped)
+    assert report.names == {"w", "k"} and len(plans) == 1
+    for step in (2.0, 3.0):
+        weights[0][1].fill_(step)                    # the trainer's step, in place in its shm
+        again = serialize_named_tensors(weights)
+        assert again == text
+        assert refit.refit_from_serialized(model, [again], None, mapped) == report
+        assert len(plans) == 1
+        assert torch.equal(model.w, torch.full((4, 3), step))
+    model.w.data = torch.zeros(4, 3)                 # new storage, same Parameter
+    weights[0][1].fill_(4.0)
+    refit.refit_from_serialized(model, [serialize_named_tensors(weights)], None, mapped)
+    assert len(plans) == 2
+    assert torch.equal(model.w, torch.full((4, 3), 4.0))
+    assert torch.equal(model.qk[2:], torch.full((4, 3), 2.0))
+    mapped.clear()                                   # what a sleep does first
+    assert mapped.plan_of((text, None)) is None
