@@ -12,6 +12,9 @@ import struct
 
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from torch import nn
 
 from rollout_engine.protocol.bucket import FlattenedBucket, pack_buckets
@@ -174,3 +177,74 @@ def test_a_resent_payload_is_applied_by_its_first_plan_until_a_parameter_gets_ne
     assert torch.equal(model.qk[2:], torch.full((4, 3), 2.0))
     mapped.clear()                                   # what a sleep does first
     assert mapped.plan_of((text, None)) is None
+
+
+class _Three(nn.Module):
+    """Three parameters, one of them two checkpoint tensors (q, k) as the engine fuses qkv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4, 3), requires_grad=False)
+        self.qk = nn.Parameter(torch.zeros(6, 3), requires_grad=False)
+        self.b = nn.Parameter(torch.zeros(5), requires_grad=False)
+
+    def weight_map(self) -> dict[str, tuple[nn.Parameter, int, int]]:
+        return {"w": (self.w, 0, 4), "q": (self.qk, 0, 2), "k": (self.qk, 2, 4),
+                "b": (self.b, 0, 5)}
+
+    def view(self, name: str) -> torch.Tensor:
+        param, row0, rows = self.weight_map()[name]
+        return param.data.narrow(0, row0, rows)
+
+
+_SHAPES = {"w": (4, 3), "q": (2, 3), "k": (4, 3), "b": (5,)}
+_SOURCES = {"A": ("w", "k"), "B": ("q", "b"), "C": ("w", "q", "k", "b")}
+
+
+class RefitPlans(RuleBasedStateMachine):
+    """Resent payloads, trainer steps in place, parameters given new storage (a shadow swap, a
+    wake without backup), evictions from a small mapping: after every refit each weight holds
+    exactly what the last payload naming it held when it was sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _Three()
+        # room for about one source's storages: sending another pushes older payloads out
+        self.mapped = MappedStorages(4 * 4 * 30)
+        self.trainer = {src: [(n, torch.randn(_SHAPES[n])) for n in names]
+                        for src, names in _SOURCES.items()}
+        self.expected = {n: torch.zeros(s) for n, s in _SHAPES.items()}
+
+    @rule(src=st.sampled_from(sorted(_SOURCES)))
+    def send(self, src: str) -> None:
+        items = self.trainer[src]
+        refit.refit_from_serialized(self.model, [serialize_named_tensors(items)], None,
+                                    self.mapped)
+        for name, tensor in items:
+            self.expected[name] = tensor.clone()
+
+    @rule(src=st.sampled_from(sorted(_SOURCES)), which=st.integers(0, 3), by=st.floats(-2, 2))
+    def trainer_step(self, src: str, which: int, by: float) -> None:
+        items = self.trainer[src]
+        items[which % len(items)][1].add_(by)   # in place, in the trainer's shm
+
+    @rule(param=st.sampled_from(["w", "qk", "b"]))
+    def new_storage_same_values(self, param: str) -> None:
+        p = getattr(self.model, param)
+        p.data = p.data.clone()
+
+    @rule()
+    def wake_without_backup(self) -> None:
+        self.mapped.clear()   # what rl_control does before the weights are released
+        for p in self.model.parameters():
+            p.data = torch.zeros_like(p.data)
+        self.expected = {n: torch.zeros(s) for n, s in _SHAPES.items()}
+
+    @invariant()
+    def weights_are_the_last_sent(self) -> None:
+        for name, value in self.expected.items():
+            assert torch.equal(self.model.view(name), value), name
+
+
+RefitPlans.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+test_refit_plans_state_machine = RefitPlans.TestCase
