@@ -77,9 +77,9 @@ _HELPERS = _Helpers()
 
 
 def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], num_threads: int = 2) -> None:
-    """`copy_into` for every (dst, src) pair, the plain byte copies split into pieces shared
-    by `num_threads` threads when there are enough bytes: from `STREAM_MIN_BYTES` on, the
-    caller's and the streaming-copy library's own helpers (`StreamCopy.copy_ranges`, a few
+    """`copy_into` for every (dst, src) pair (a `CopyPlan` made and run once), the plain
+    byte copies split into pieces shared by `num_threads` threads when there are enough bytes: from `STREAM_MIN_BYTES` on, the
+    caller's and the streaming-copy library's own helpers (`StreamCopy.copy_prepared`, a few
     microseconds a call), below it (or without the library) the caller's and persistent Python
     helpers (`_share_out`, ~0.1-0.2 ms a call).
 

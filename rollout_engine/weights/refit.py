@@ -130,11 +130,10 @@ class MappedStorages:
                 self._forget(k)
 
     def remember(self, key: Any, named_tensors: list[tuple[str, torch.Tensor]],
-                 opened: list[torch.UntypedStorage], plan: Optional[LoadPlan] = None) -> None:
+                 opened: list[torch.UntypedStorage]) -> None:
         """After `keep(named_tensors)`: `key`'s payload read to `named_tensors`, opening
-        `opened` (one entry per open), and applied by `plan` (None: not to be reused). Kept
-        only when every storage opened is one of those tensors' (so kept mapped here), which
-        makes all of them CPU shared memory."""
+        `opened` (one entry per open). Kept only when every storage opened is one of those
+        tensors' (so kept mapped here), which makes all of them CPU shared memory."""
         keys = frozenset(s._cdata for s in opened)
         if not keys or not keys <= self._lru.keys() or \
                 keys != {t.untyped_storage()._cdata for _, t in named_tensors if t.numel()}:
@@ -144,7 +143,7 @@ class MappedStorages:
             _manager, handle, _size = storage._share_filename_cpu_()   # its existing name
             files.append((SHM_DIR + handle.decode(), SHM_HEADER_BYTES + storage.nbytes()))
         self._payloads[key] = (named_tensors, opened, keys, files)
-        self.set_plan(key, plan)
+        self._plans.pop(key, None)   # a plan of an earlier read of this key read other tensors
         while len(self._payloads) > self.PAYLOADS:
             self._forget(next(iter(self._payloads)))
 
@@ -175,6 +174,8 @@ class MappedStorages:
         return self._plans.get(key)
 
     def set_plan(self, key: Any, plan: Optional[LoadPlan]) -> None:
+        """`key`'s payload is applied by `plan` from now on (None: by none); nothing is kept
+        for a key whose payload is not."""
         if plan is None or key not in self._payloads:
             self._plans.pop(key, None)
         else:
@@ -230,7 +231,6 @@ def refit_from_serialized(model: nn.Module, serialized: list[str], load_format: 
             plan.apply()
             return plan.report
     opened: list[torch.UntypedStorage] = []
-    reread = named_tensors is not None
     if named_tensors is None:
         payload = read_refit_payload(serialized[0], model,   # byte cap from the model's size
                                      read_by_others=read_by_others, opened=opened)
@@ -239,11 +239,12 @@ def refit_from_serialized(model: nn.Module, serialized: list[str], load_format: 
     plan.apply()
     if mapped is not None:
         mapped.keep(named_tensors)
-        reusable = plan if getattr(model, "tp", None) is None else None
-        if opened and not read_by_others:
-            mapped.remember(key, named_tensors, opened, reusable)
-        elif reread:
-            mapped.set_plan(key, reusable)
+        if not read_by_others:
+            if opened:
+                mapped.remember(key, named_tensors, opened)
+            # kept only with its payload (set_plan drops it otherwise); never with tensor
+            # parallelism, whose every write follows an agreement of all ranks
+            mapped.set_plan(key, plan if getattr(model, "tp", None) is None else None)
     return plan.report
 
 
