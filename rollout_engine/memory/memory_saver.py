@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from rollout_engine.memory.kv_pool import KVPool
+from rollout_engine.models import weight_packs
 
 TAGS = ("weights", "kv_cache", "cuda_graph")
 
@@ -131,6 +132,7 @@ class MemorySaver(ABC):
         return stale
 
     def _release_weights(self) -> int:
+        weight_packs.release()   # the packed copies go with the weights they were made of
         freed = 0
         params = dict(self.model.named_parameters())
         if self.weights_cpu_backup:
@@ -150,7 +152,9 @@ class MemorySaver(ABC):
                 for name, saved in self._backup.items():
                     params[name].data.copy_(saved)
             self._backup = None
+            weight_packs.weights_changed()
             return False
+        weight_packs.weights_changed()
         return True
 
     @abstractmethod

@@ -35,9 +35,18 @@ WIDE_OUTPUTS = 8192
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 
 
-def use_small_gemm(rows: int, outputs: int) -> bool:
+PACKED_MAX_ROWS = 64                   # against oneDNN on a packed weight (`weight_packs`)
+
+
+def use_small_gemm(rows: int, outputs: int, packed: bool = False) -> bool:
     """Whether a product of ``rows`` rows and ``outputs`` outputs runs faster here than in
-    oneDNN (see the module docstring for the measurements)."""
+    oneDNN (see the module docstring for the measurements). Against oneDNN on a weight it
+    packed once (``packed``) only 32-64 rows: there the kernel was level or ahead (the LM head
+    at 64 rows 4.96 against 5.46 ms; engine batch 64 -4% tok/s with the packed products), at
+    16 rows and 128-256 behind (the LM head 2.2 / 10.1 / 20.1 against 1.9 / 10.2 / 18.8 ms;
+    engine batch 128 +4%)."""
+    if packed:
+        return MIN_ROWS <= rows <= PACKED_MAX_ROWS
     if MIN_ROWS <= rows <= MAX_ROWS:
         return True
     return outputs >= WIDE_OUTPUTS and WIDE_MIN_ROWS <= rows <= WIDE_MAX_ROWS

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout_engine.model_runner.attention.cpu_fused import FusedOps, load_fused_ops
+from rollout_engine.models import weight_packs
 from rollout_engine.models.cpu_gemm import load_small_gemm, use_small_gemm
 
 
@@ -67,8 +68,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
            ) -> torch.Tensor:
     """``F.linear``; float32 on CPU without autograd by the small-GEMM kernel at the row
     counts where it is faster (a decode step's: ``cpu_gemm.use_small_gemm``), else by oneDNN
-    (see ``_onednn_linear_ok``), at a bucketed row count (`onednn_rows`: the input padded with
-    zero rows, the output a view of its first rows).
+    (see ``_onednn_linear_ok``) on the weight's packed copy (``weight_packs``: made once,
+    redone after the weight is written), at a bucketed row count (`onednn_rows`: the input
+    padded with zero rows, the output a view of its first rows).
 
     oneDNN builds a primitive per shape (~0.5-3 ms, then cached), so long extends of a new
     length bucket pay that once per projection shape, against products of >= 1 GFLOP each,
@@ -82,21 +84,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         return F.linear(x, weight, bias)
     flat = x.dim() == 2
     rows = x.numel() // max(1, x.shape[-1])
-    if use_small_gemm(rows, weight.shape[0]) and x.stride()[-1] == 1 and weight.stride()[-1] == 1:
+    packing = weight_packs.packing_ok()
+    if use_small_gemm(rows, weight.shape[0], packing) and x.stride()[-1] == 1 \
+            and weight.stride()[-1] == 1:
         op = load_small_gemm()
         if op is not None and op.fast:
             if flat:   # a decode step's products: no reshape round trip
                 return op(x, weight, bias)
             out = op(x.reshape(rows, x.shape[-1]), weight, bias)
             return out.view(*x.shape[:-1], out.shape[-1])
+    w = (weight_packs.packed(weight) if packing else None)
+    w = weight if w is None else w
     padded = onednn_rows(rows)
     if padded == rows:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        if flat or x.dim() < 2:
+            return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), w, bias,
+                                                 "none", [], "")
+        return out.view(*x.shape[:-1], out.shape[-1])
     flat = x.reshape(rows, x.shape[-1])
     staged = flat.new_empty((padded, flat.shape[1]))
     staged[:rows].copy_(flat)
     staged[rows:].zero_()
-    out = torch.ops.mkldnn._linear_pointwise(staged, weight, bias, "none", [], "")[:rows]
+    out = torch.ops.mkldnn._linear_pointwise(staged, w, bias, "none", [], "")[:rows]
     return out.view(*x.shape[:-1], out.shape[-1])
 
 

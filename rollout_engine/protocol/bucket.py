@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import MappingProxyType
 
-import numpy as np
 import torch
 
 from rollout_engine.protocol.byte_copy import copy_all

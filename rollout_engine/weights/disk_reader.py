@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from rollout_engine.models import weight_packs
 from rollout_engine.parallel.context import Shard
 from rollout_engine.protocol.byte_copy import copy_into
 from rollout_engine.weights.loader import (
@@ -150,6 +151,7 @@ def load_checkpoint(model: torch.nn.Module, model_path: str) -> LoadReport:
                                frozenset(n for n, _, _ in targets)) from None
     finally:
         files.close()
+        weight_packs.weights_changed()
     num_bytes = sum(dst.numel() * dst.element_size() for _, dst, _ in targets)
     num_cast = sum(by_name[n].dtype != dst.dtype for n, dst, _ in targets)
     return LoadReport(num_tensors=len(targets), num_bytes=num_bytes,

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from rollout_engine.models import weight_packs
 from rollout_engine.protocol.byte_copy import copy_all
 from rollout_engine.weights.loader import LoadReport, weight_table
 
@@ -108,6 +109,7 @@ class ShadowWeights:
                 old = param.data
                 param.data = spare
                 self.spares[key] = old
+        weight_packs.weights_changed()
         self.busy.difference_update(plan.params)
         return LoadReport(num_tensors=len(plan.names), num_bytes=plan.num_bytes,
                           names=frozenset(plan.names))

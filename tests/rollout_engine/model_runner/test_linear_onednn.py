@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollout_engine.models import layers
+from rollout_engine.models import layers, weight_packs
 from rollout_engine.models.cpu_gemm import load_small_gemm
 
 
@@ -45,6 +45,7 @@ def test_autograd_falls_back_to_f_linear():
 
 def test_the_switch_turns_onednn_off(monkeypatch):
     calls = []
+    weight_packs.packing_ok()   # its probe calls oneDNN itself: before counting
     monkeypatch.setenv(layers.ONEDNN_ENV, "0")
     layers._onednn_linear_ok.cache_clear()
     real = torch.ops.mkldnn._linear_pointwise
@@ -121,5 +122,7 @@ def test_padded_rows_equal_f_linear_and_reach_onednn_bucketed(monkeypatch):
     if layers._onednn_linear_ok():
         assert calls and all(layers.onednn_rows(m) == m for m in calls)
         assert 152 in calls and 145 not in calls
-        if load_small_gemm() is not None:   # 32-128 rows are the small-GEMM kernel's
-            assert not any(32 <= m <= 128 for m in calls)
+        if load_small_gemm() is not None:   # 32-64 rows (32-128 unpacked): the small GEMM's
+            top = 64 if weight_packs.packing_ok() else 128
+            assert not any(32 <= m <= top for m in calls)
+            assert any(top < m <= 128 for m in calls) == weight_packs.packing_ok()
