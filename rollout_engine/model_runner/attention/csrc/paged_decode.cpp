@@ -114,6 +114,38 @@ inline v8f exp8(v8f x) {
   return p * scale;
 }
 
+#if defined(__AVX512F__)
+typedef int32_t v16i __attribute__((vector_size(64)));
+// exp8 on 16 lanes (the same polynomial and clamp): half the instructions per score.
+inline v16f exp16(v16f x) {
+  const v16f lo = splatv<v16f>(-87.0f);
+  x = x < lo ? lo : x;
+  const v16f magic = splatv<v16f>(12582912.0f);
+  v16f n = (x * 1.44269504088896341f + magic) - magic;
+  v16f r = x - n * 0.693359375f - n * -2.12194440e-4f;
+  v16f p = splatv<v16f>(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+  v16f scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+inline v8f fold16(v16f x) {
+  return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+inline v8f foldmax16(v16f x) {
+  const v8f a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7);
+  const v8f b = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  return a > b ? a : b;
+}
+#endif
+
 // out[j] = op-reduction of the lanes of a[j] (op: + or max): 8 reductions in one vector.
 template <typename Op>
 inline v8f reduce8(const v8f* a, Op op) {
@@ -214,9 +246,18 @@ inline void rescale(int64_t rows, State st, float* S) {
     v8f part[8];
     for (int64_t i = 0; i < 8; ++i) {      // rows past the end repeat the last one
       const float* sr = S + (r0 + std::min(i, nr - 1)) * kBlock;
+#if defined(__AVX512F__)
+      v16f mv = loadv<v16f>(sr);
+      for (int64_t c = 16; c < kBlock; c += 16) {
+        const v16f x = loadv<v16f>(sr + c);
+        mv = mv > x ? mv : x;
+      }
+      part[i] = foldmax16(mv);
+#else
       v8f mv = load8(sr);
       for (int64_t c = 8; c < kBlock; c += 8) mv = max8(mv, load8(sr + c));
       part[i] = mv;
+#endif
     }
     float m_old[8], l_old[8], m_new[8], alpha[8], sums[8];
     for (int64_t i = 0; i < 8; ++i) {
@@ -229,6 +270,16 @@ inline void rescale(int64_t rows, State st, float* S) {
     store8(m_new, mn);
     for (int64_t i = 0; i < nr; ++i) {
       float* sr = S + (r0 + i) * kBlock;
+#if defined(__AVX512F__)
+      const v16f mx = splatv<v16f>(m_new[i]);
+      v16f sum = splatv<v16f>(0.0f);
+      for (int64_t c = 0; c < kBlock; c += 16) {
+        const v16f p = exp16(loadv<v16f>(sr + c) - mx);
+        storev<v16f>(sr + c, p);
+        sum += p;  // masked tail keys add ~1e-38 each: below any tolerance
+      }
+      part[i] = fold16(sum);
+#else
       const v8f mx = splat(m_new[i]);
       v8f sum = splat(0.0f);
       for (int64_t c = 0; c < kBlock; c += 8) {
@@ -237,6 +288,7 @@ inline void rescale(int64_t rows, State st, float* S) {
         sum += p;  // masked tail keys add ~1e-38 each: below any tolerance
       }
       part[i] = sum;
+#endif
     }
     for (int64_t i = nr; i < 8; ++i) part[i] = splat(0.0f);
     store8(sums, load8(l_old) * load8(alpha) + reduce8(part));
