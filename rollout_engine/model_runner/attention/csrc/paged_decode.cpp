@@ -94,47 +94,32 @@ template <typename V> inline void storev(float* p, V v) { std::memcpy(p, &v, siz
 template <typename V> inline V splatv(float x) { return V{} + x; }
 
 // exp for x <= 0 (scores minus their running max), Cephes' expf polynomial: ~1 ulp, and
-// inputs below -87 give ~1e-38 instead of 0, which no output tolerance can see.
-inline v8f exp8(v8f x) {
-  const v8f lo = splat(-87.0f);
+// inputs below -87 give ~1e-38 instead of 0, which no output tolerance can see. V: v8f, or
+// v16f where AVX-512 is there (half the instructions per score); VI: its int32 lanes.
+template <typename V, typename VI>
+inline V expv(V x) {
+  const V lo = splatv<V>(-87.0f);
   x = x < lo ? lo : x;
-  const v8f magic = splat(12582912.0f);                  // 1.5 * 2^23: round to nearest
-  v8f n = (x * 1.44269504088896341f + magic) - magic;    // n = round(x / ln 2)
-  v8f r = x - n * 0.693359375f - n * -2.12194440e-4f;    // r = x - n ln 2, |r| <= ln 2 / 2
-  v8f p = splat(1.9875691500e-4f);
+  const V magic = splatv<V>(12582912.0f);                // 1.5 * 2^23: round to nearest
+  V n = (x * 1.44269504088896341f + magic) - magic;      // n = round(x / ln 2)
+  V r = x - n * 0.693359375f - n * -2.12194440e-4f;      // r = x - n ln 2, |r| <= ln 2 / 2
+  V p = splatv<V>(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * (r * r) + r + 1.0f;
-  v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;  // 2^n
-  v8f scale;
+  VI bits = (__builtin_convertvector(n, VI) + 127) << 23;  // 2^n
+  V scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
+inline v8f exp8(v8f x) { return expv<v8f, v8i>(x); }
 
 #if defined(__AVX512F__)
 typedef int32_t v16i __attribute__((vector_size(64)));
-// exp8 on 16 lanes (the same polynomial and clamp): half the instructions per score.
-inline v16f exp16(v16f x) {
-  const v16f lo = splatv<v16f>(-87.0f);
-  x = x < lo ? lo : x;
-  const v16f magic = splatv<v16f>(12582912.0f);
-  v16f n = (x * 1.44269504088896341f + magic) - magic;
-  v16f r = x - n * 0.693359375f - n * -2.12194440e-4f;
-  v16f p = splatv<v16f>(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
-  v16f scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
+inline v16f exp16(v16f x) { return expv<v16f, v16i>(x); }
 inline v8f fold16(v16f x) {
   return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
          __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
