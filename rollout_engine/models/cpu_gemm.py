@@ -5,8 +5,9 @@ cannot amortize; the kernel reads the weight in place and vectorizes over the ro
 (see the source). Measured on the 2-core AVX-512 EPYC, the 55M model's shapes, interleaved
 calls: 64 rows +9-37% over oneDNN (the LM head, 32000 x 512, 290 -> 395 GFLOP/s), 32-48 rows
 +2-40%, 128 rows -2% to +13% (the LM head 353 -> 399), even with it or behind at 256 rows
-(-1% to -13%), behind below 16 rows. `use_small_gemm` encodes that; both compute each output
-as one sequential sum over k at these shapes (outputs equal bit for bit at K = 512).
+(-1% to -13%), behind below 16 rows. Against oneDNN on a packed weight (``weight_packs``,
+which spares it the reorder) only 32-64 rows stay here. `use_small_gemm` encodes both; each
+computes an output as one sequential sum over k at these shapes (equal bit for bit at K = 512).
 
 Built and loaded like the other CPU kernels (``cpu_kernels.build_library``: at first use,
 cached, one warning and None when it cannot be built). Where the compiler does not target

@@ -30,7 +30,7 @@ ONEDNN_ENV = "ROLLOUT_ENGINE_ONEDNN"
 @functools.cache
 def _onednn_linear_ok() -> bool:
     """Whether float32 CPU linears go through oneDNN (``torch.ops.mkldnn._linear_pointwise``
-    on the plain weight: nothing prepacked, so refits and sleep need no hook). On the 2-core
+    on the weight's packed copy, `weight_packs`, or the plain weight). On the 2-core
     development machine it runs the decode shapes at 210-230 GFLOP/s where ``F.linear`` (MKL)
     reaches 155-195. Off by ``ROLLOUT_ENGINE_ONEDNN=0``, or
     when this torch has no oneDNN, or when it disagrees with ``F.linear`` on a probe."""
