@@ -132,7 +132,7 @@ class MemorySaver(ABC):
         return stale
 
     def _release_weights(self) -> int:
-        weight_packs.release()   # the packed copies go with the weights they were made of
+        weight_packs.weights_changed()   # the packed copies go with the weights they were made of
         freed = 0
         params = dict(self.model.named_parameters())
         if self.weights_cpu_backup:
@@ -147,15 +147,14 @@ class MemorySaver(ABC):
         params = dict(self.model.named_parameters())
         for name, (shape, dtype, device) in self._shapes.items():
             params[name].data = torch.zeros(shape, dtype=dtype, device=device)
-        if self._backup is not None:
+        stale = self._backup is None
+        if not stale:
             with torch.no_grad():
                 for name, saved in self._backup.items():
                     params[name].data.copy_(saved)
             self._backup = None
-            weight_packs.weights_changed()
-            return False
         weight_packs.weights_changed()
-        return True
+        return stale
 
     @abstractmethod
     def _backup_copy(self, t: torch.Tensor) -> torch.Tensor:

@@ -93,15 +93,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
                 return op(x, weight, bias)
             out = op(x.reshape(rows, x.shape[-1]), weight, bias)
             return out.view(*x.shape[:-1], out.shape[-1])
-    w = (weight_packs.packed(weight) if packing else None)
-    w = weight if w is None else w
+    packed = weight_packs.packed(weight)
+    w = weight if packed is None else packed
     padded = onednn_rows(rows)
     if padded == rows:
-        if flat or x.dim() < 2:
-            return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), w, bias,
-                                                 "none", [], "")
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
     flat = x.reshape(rows, x.shape[-1])
     staged = flat.new_empty((padded, flat.shape[1]))
     staged[:rows].copy_(flat)

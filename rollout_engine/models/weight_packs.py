@@ -13,9 +13,9 @@ path that writes parameters calls `weights_changed` after writing (`LoadPlan.app
 checkpoint reader, the shadow commit, the memory saver), which makes every copy made before
 it unusable: the next product re-packs (~70 ms for the 55M model's 156 MB of matrices, once
 per refit, on the first forward after it). Each copy is also keyed by the weight's storage
-address, shape, strides and autograd version, so a swap or an in-place torch op that misses
-the call is still caught. The copies cost as much memory as the weights they pack;
-``release`` (the memory saver's weight release) drops them all.
+address, shape and autograd version, so a swap or an in-place torch op that misses the call
+is still caught. The copies cost as much memory as the weights they pack; the call drops them
+all (the memory saver makes it before releasing the weights).
 
 ``ROLLOUT_ENGINE_PREPACK=0`` turns packing off (products use the plain weight, as before).
 """
@@ -32,22 +32,15 @@ import torch
 PREPACK_ENV = "ROLLOUT_ENGINE_PREPACK"
 PACK_ROWS = 128   # the row count oneDNN is told to pack for (64-2048 measured within noise)
 
-_epoch = 0        # bumped by every weights_changed(): copies of an older epoch are stale
 # id(weight) -> (weakref to the weight, key it was packed under, packed copy)
 _packs: dict[int, tuple[weakref.ref, tuple, torch.Tensor]] = {}
 
 
 def weights_changed() -> None:
-    """Parameters were written (or given new storage): no packed copy made before is used
-    again. Call it after every write to model weights."""
-    global _epoch
-    _epoch += 1
+    """Parameters were written (or given new storage, or are about to be released): every
+    packed copy is dropped, so none made before is used again. Call it after every write to
+    model weights."""
     _packs.clear()
-
-
-def release() -> None:
-    """Drop every packed copy (the weights are being released)."""
-    weights_changed()
 
 
 def num_bytes() -> int:
@@ -79,7 +72,7 @@ def _forget(key: int) -> None:
 def _key(weight: torch.Tensor) -> tuple:
     # an inference tensor has no version counter (and changes only inside inference mode)
     version = None if weight.is_inference() else weight._version
-    return (_epoch, weight.data_ptr(), tuple(weight.shape), version)
+    return (weight.data_ptr(), tuple(weight.shape), version)
 
 
 def _current(weight: torch.Tensor) -> Optional[torch.Tensor]:
@@ -95,8 +88,8 @@ def has_current(weight: torch.Tensor) -> bool:
 
 
 def packed(weight: torch.Tensor) -> Optional[torch.Tensor]:
-    """The packed copy of a contiguous float32 CPU ``weight [N, K]`` for this epoch (made now
-    if missing or stale), or None when packing is off or does not apply."""
+    """The packed copy of a contiguous float32 CPU ``weight [N, K]`` (made now if missing or
+    stale), or None when packing is off or does not apply."""
     if not (weight.dim() == 2 and weight.is_contiguous() and packing_ok()):
         return None
     copy = _current(weight)

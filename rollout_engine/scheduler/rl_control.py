@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from rollout_engine.memory.memory_saver import TAGS
-from rollout_engine.models import weight_packs
 from rollout_engine.protocol.messages import AbortReq, WeightSlice
 from rollout_engine.scheduler.control import BusyError
 from rollout_engine.scheduler.request import ReqState
@@ -171,10 +170,7 @@ class RLControl(BroadcastRefits):
                torch_empty_cache: bool = False, keep_pause: bool = False) -> dict[str, Any]:
         s = self.s
         t0 = time.perf_counter()
-        try:
-            report: LoadReport = load()
-        finally:   # every writer calls it too; a load path added later must not serve stale packs
-            weight_packs.weights_changed()
+        report: LoadReport = load()
         if s.device.type == "cuda":
             torch.cuda.synchronize(s.device)   # the trainer may reuse its buffers once we answer
         self.num_refits += 1
