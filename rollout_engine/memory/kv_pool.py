@@ -91,6 +91,17 @@ class PageAllocator:
         self._free = list(range(self.num_pages - 1, -1, -1))  # pop() yields page 0 first
         self._free_set = set(self._free)
 
+    def rewind(self) -> bool:
+        """When every page is free, hand them out from page 0 again (True) instead of in the
+        order they came back: a flushed pool's pages return request by request, so without
+        this the next prompts' keys land scattered across the pool instead of consecutive
+        (offline batch 256 +2.4% tok/s, alternating in one engine). False (nothing changed)
+        while any page is taken."""
+        if len(self._free) != self.num_pages:
+            return False
+        self.reset()
+        return True
+
     def available_size(self) -> int:
         """Free slots."""
         return len(self._free) * self.page_size

@@ -92,7 +92,7 @@ class ControlHandlers:
         if self.s.has_work:
             raise BusyError(f"cannot flush the cache while {len(self.s.by_rid)} request(s) are "
                             "in flight; retry when idle")
-        self.s.kv.tree.reset()
+        self.s.kv.flush()
         return {"flushed": True}
 
     def rpc_check_integrity(self) -> dict[str, Any]:

@@ -30,6 +30,12 @@ class KVManager:
         self.page_size = allocator.page_size
         self.caching = not isinstance(tree, NoPrefixCache)
 
+    def flush(self) -> None:
+        """Empty the prefix cache; with no request holding KV, the allocator starts again
+        from page 0 (``PageAllocator.rewind``)."""
+        self.tree.reset()
+        self.allocator.rewind()
+
     # -- capacity ----------------------------------------------------------------------------
     def available_tokens(self) -> int:
         """Slots that can be had now: free, or held by unlocked tree nodes (evictable)."""

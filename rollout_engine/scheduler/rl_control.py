@@ -114,7 +114,7 @@ class RLControl(BroadcastRefits):
     def on_idle(self) -> None:
         """Run a deferred flush once no request holds KV (called by the scheduler's step)."""
         if self.flush_pending and not self.s.active_reqs():
-            self.s.kv.tree.reset()
+            self.s.kv.flush()
             self.flush_pending = False
 
     # -- sleep / wake --------------------------------------------------------------------------
@@ -186,7 +186,7 @@ class RLControl(BroadcastRefits):
             if s.active_reqs():
                 self.flush_pending = deferred = True
             else:
-                s.kv.tree.reset()
+                s.kv.flush()
                 self.flush_pending = False
         if torch_empty_cache and s.device.type == "cuda":
             torch.cuda.empty_cache()
