@@ -2,10 +2,20 @@
 
 Every slot is exactly one of: free in the allocator, held by the prefix cache, or owned by one
 request (its pages past ``cached_len``). All transitions live here so the invariant has one home.
+
+A decoding request takes its slots ``DECODE_RUN`` tokens at a time (``reserve_next``) while the
+pool has room to spare: with the allocator handing out pages in order, a row's own keys then lie
+in runs of consecutive slots instead of one slot every batch-size slots, and the decode kernel
+reads them ~10% faster (the 8 layers' calls of one GRPO step at batch 256, sequence 193, captured
+from both layouts and timed alternately after evicting the last-level cache: 9.08 -> 8.21 ms;
+6% at sequence 145, 10% at 249). That is ~1% of a decode step, below what paired rollouts on
+the 2-core host resolve (four A/Bs: +4.6 / +5.9 / -5.2 / -0.3%). ``ROLLOUT_ENGINE_DECODE_RUN=1``
+takes one slot at a time.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,6 +30,23 @@ from rollout_engine.memory.prefix_cache import (
 )
 from rollout_engine.scheduler.request import Req
 
+DECODE_RUN_ENV = "ROLLOUT_ENGINE_DECODE_RUN"
+DECODE_RUN = 16   # tokens of slots a decoding request takes at once (see the module docstring)
+
+
+def decode_run_tokens() -> int:
+    """``DECODE_RUN``, or ``ROLLOUT_ENGINE_DECODE_RUN`` when set (an integer >= 1)."""
+    raw = os.environ.get(DECODE_RUN_ENV)
+    if raw is None:
+        return DECODE_RUN
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{DECODE_RUN_ENV}={raw!r}: expected an integer >= 1")
+    return value
+
 
 class KVManager:
     def __init__(self, allocator: PageAllocator, req_to_token: ReqToTokenPool,
@@ -29,6 +56,8 @@ class KVManager:
         self.tree = tree
         self.page_size = allocator.page_size
         self.caching = not isinstance(tree, NoPrefixCache)
+        # pages a decoding request takes at once (1: only what the step needs)
+        self.run_pages = max(1, decode_run_tokens() // self.page_size)
 
     def flush(self) -> None:
         """Empty the prefix cache; with no request holding KV, the allocator starts again
@@ -91,12 +120,14 @@ class KVManager:
 
     def reserve_next(self, reqs: list[Req]) -> bool:
         """``reserve(req, req.kv_len + 1)`` for every request (a decode step), in one pass when
-        the free pages cover them all without evicting: the same pages, in the same order, as
-        one call each would take. Otherwise False, nothing taken (reserve one by one then)."""
+        the free pages cover them all without evicting; a request short of a page takes a run
+        of ``run_pages`` (``decode_runs``) while the pool has room to spare. Otherwise False,
+        nothing taken (reserve one by one then: exactly what each step needs)."""
         needs = [(r, self.pages_needed(r, r.kv_len + 1)) for r in reqs]
         needs = [(r, n) for r, n in needs if n]
         if not needs:
             return True
+        needs = self.decode_runs(needs)
         slots = self.allocator.allocate(sum(n for _, n in needs))
         if slots is None:
             return False
@@ -111,6 +142,23 @@ class KVManager:
             taken += n * ps
         self.req_to_token.write_many(rows, starts, widths, slots)
         return True
+
+    def decode_runs(self, needs: list[tuple[Req, int]]) -> list[tuple[Req, int]]:
+        """``needs`` (request, pages its next position needs) with each request's pages raised
+        to ``run_pages``, at most what it can still fill (its last output token's KV is never
+        computed); unchanged unless twice those pages are free, so runs never push a step
+        into evicting or retracting."""
+        if self.run_pages <= 1:
+            return needs
+        ps = self.page_size
+        runs = []
+        for req, n in needs:
+            with_kv = len(req.input_ids) + req.params.max_new_tokens - 1   # positions
+            usable = -(-(with_kv - len(req.slots)) // ps)
+            runs.append((req, max(n, min(self.run_pages, usable))))
+        total = sum(n for _, n in runs)
+        free = self.allocator.available_size() // ps
+        return runs if 2 * total <= free else needs
 
     def cache_prefix(self, req: Req) -> None:
         """Publish the computed part of ``req`` to the tree and take the tree's slots back,

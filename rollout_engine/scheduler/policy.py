@@ -54,9 +54,10 @@ class NewTokenRatio:
         self.value = min(1.0, max(ratio, self.value))
 
     def expected_new_tokens(self, req: Req) -> int:
-        """KV tokens to keep free for ``req``'s future decode steps."""
+        """KV tokens to keep free for ``req``'s future decode steps (less the slots it already
+        holds for them)."""
         left = max(req.params.max_new_tokens - len(req.output_ids), 0)
-        return int(min(left, _NEW_TOKEN_CLIP) * self.value)
+        return max(int(min(left, _NEW_TOKEN_CLIP) * self.value) - req.slots_ahead, 0)
 
     def reservation(self, active: list[Req]) -> int:
         return sum(self.expected_new_tokens(r) for r in active)

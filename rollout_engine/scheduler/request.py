@@ -29,7 +29,8 @@ class Req:
 
         | cached_len: slots held by the tree (locked) | own pages ... | unallocated
         0                                       cached_len          len(slots)
-        kv_len <= len(slots): positions whose K/V are computed.
+        kv_len <= len(slots): positions whose K/V are computed; a decoding request may hold
+        slots past its sequence (``slots_ahead``: the rest of a decode run).
     """
 
     def __init__(self, msg: GenerateReq, arrival: int) -> None:
@@ -82,6 +83,11 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.all_ids)
+
+    @property
+    def slots_ahead(self) -> int:
+        """Slots held past the sequence (the rest of a decode run, ``KVManager.decode_runs``)."""
+        return max(len(self.slots) - len(self.all_ids), 0)
 
     @property
     def finished(self) -> bool:
