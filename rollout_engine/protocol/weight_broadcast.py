@@ -31,7 +31,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, BackendConfig
+
+from rollout_engine.env_knobs import env_int
 
 __all__ = [
     "GroupIncompleteError",
@@ -126,12 +127,7 @@ with 2; one flat broadcast of the same bytes 0.05-0.065 s)."""
 
 def gloo_threads() -> int:
     """``ROLLOUT_ENGINE_GLOO_THREADS`` if set, else `GLOO_THREADS`."""
-    raw = os.environ.get("ROLLOUT_ENGINE_GLOO_THREADS", "").strip()
-    if not raw:
-        return GLOO_THREADS
-    if not raw.isdigit() or not 1 <= int(raw) <= 64:
-        raise ValueError(f"ROLLOUT_ENGINE_GLOO_THREADS: must be an integer in [1, 64], got {raw!r}")
-    return int(raw)
+    return env_int("ROLLOUT_ENGINE_GLOO_THREADS", GLOO_THREADS, 1, 64)
 
 
 def _make_backend(name: str, store: Any, rank: int, world_size: int, group_name: str,

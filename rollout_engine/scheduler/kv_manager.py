@@ -15,12 +15,12 @@ A/Bs: +4.6 / +5.9 / -5.2 / -0.3%). ``ROLLOUT_ENGINE_DECODE_RUN=1`` takes one slo
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from rollout_engine.env_knobs import env_int
 from rollout_engine.memory.kv_pool import PageAllocator, ReqToTokenPool
 from rollout_engine.memory.prefix_cache import (
     BasePrefixCache,
@@ -36,16 +36,7 @@ DECODE_RUN = 16   # tokens of slots a decoding request takes at once (see the mo
 
 def decode_run_tokens() -> int:
     """``DECODE_RUN``, or ``ROLLOUT_ENGINE_DECODE_RUN`` when set (an integer >= 1)."""
-    raw = os.environ.get(DECODE_RUN_ENV)
-    if raw is None:
-        return DECODE_RUN
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{DECODE_RUN_ENV}={raw!r}: expected an integer >= 1")
-    return value
+    return env_int(DECODE_RUN_ENV, DECODE_RUN)
 
 
 class KVManager:
