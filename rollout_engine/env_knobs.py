@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 
-def env_int(name: str, default: int, lo: int = 1, hi: int = 1 << 30) -> int:
+def env_int(name: str, default: int, lo: int = 1, hi: Optional[int] = None) -> int:
     """``name``'s value when set (and not blank), else ``default``; ValueError naming the
-    variable unless it is an integer in ``[lo, hi]``."""
+    variable unless it is an integer >= ``lo`` (and <= ``hi`` when given)."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
-    if not raw.isdigit() or not lo <= int(raw) <= hi:
-        raise ValueError(f"{name}: must be an integer in [{lo}, {hi}], got {raw!r}")
+    if not raw.isdigit() or int(raw) < lo or (hi is not None and int(raw) > hi):
+        bounds = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name}: must be an integer {bounds}, got {raw!r}")
     return int(raw)
