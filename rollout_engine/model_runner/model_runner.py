@@ -16,8 +16,10 @@ import torch
 from rollout_engine.config import EngineConfig
 from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool
 from rollout_engine.model_runner.attention.base import create_attention_backend
+from rollout_engine.model_runner.attention.torch_native import KernelDecodeMeta
 from rollout_engine.model_runner.cuda_graph import create_decode_graphs
 from rollout_engine.model_runner.forward_batch import ForwardBatch
+from rollout_engine.models.cpu_decode import CpuDecodeForward
 from rollout_engine.models.layers import compute_inv_freq
 from rollout_engine.models.llama import ModelArch
 from rollout_engine.models.registry import build_model
@@ -70,6 +72,8 @@ class ModelRunner:
             attention_backend=config.resolved_attention_backend(),
             disabled=config.disable_cuda_graph or self.tp is not None,  # not captured with tp
             max_bs=min(config.cuda_graph_max_bs, self.max_running_requests))
+        # CPU float32 decode steps through one flat loop over the kernels (None elsewhere)
+        self.flat_decode = CpuDecodeForward.create(self.model, self.attn_backend)
         if self.tp is not None and self.tp.leader is not None:
             # rank 0: every forward first sends its inputs to the other ranks (TP=1 keeps the
             # plain method: no per-step cost)
@@ -99,7 +103,10 @@ class ModelRunner:
             return self.graphs.replay(fb)
         fb.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(fb)
-        hidden = self.model(fb.input_ids, fb.positions, fb)
+        if self.flat_decode is not None and isinstance(fb.attn_metadata, KernelDecodeMeta):
+            hidden = self.flat_decode(fb)   # the same kernels without the module calls
+        else:
+            hidden = self.model(fb.input_ids, fb.positions, fb)
         return self.model.compute_logits(hidden[fb.logits_indices])
 
     def _forward_leader(self, fb: ForwardBatch) -> torch.Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
@@ -66,6 +67,12 @@ class SmallGemm:
         fn.restype = ctypes.c_int
         fn.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64]
         self._fn = fn
+
+    @property
+    def raw(self) -> Callable[..., int]:
+        """The C function (x, M, K, ldx, w, N, ldw, bias or None, out, ldo), unchecked: for a
+        caller that checked its operands itself (``models.cpu_decode``)."""
+        return self._fn
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -45,6 +45,12 @@ def _onednn_linear_ok() -> bool:
         return False
 
 
+def small_gemm_allowed() -> bool:
+    """Whether `linear` may send float32 CPU products to the small-GEMM kernel at all (it
+    does only on its oneDNN path); `use_small_gemm` then decides by shape."""
+    return _onednn_linear_ok()
+
+
 ONEDNN_EXACT_ROWS = 16
 """Row counts up to this go to oneDNN as they are; larger ones are padded (`onednn_rows`)."""
 

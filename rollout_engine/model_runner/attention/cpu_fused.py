@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
@@ -44,6 +45,11 @@ class FusedOps:
             fn = getattr(lib, f"rollout_engine_{name}_f32")
             fn.restype, fn.argtypes = ctypes.c_int, args
             self._fns[name] = fn
+
+    def raw(self, name: str) -> Callable[..., int]:
+        """The C function behind method ``name`` (raw pointers and sizes, no checks): for
+        callers that made the checks once for many calls (``models.cpu_decode``)."""
+        return self._fns[name]
 
     @staticmethod
     def _check(*tensors: torch.Tensor) -> None:

@@ -80,23 +80,51 @@ class PagedDecodeOp:
         if k.shape != v.shape or q.shape[2] != k.shape[2]:
             raise ValueError(f"paged_decode: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
                              f"v {tuple(v.shape)} disagree")
-        batch = q.shape[0]
-        index = (table, rows, seq_lens, own_start, members, chunk_offsets, chunk_lens)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        self.prepared(table, DecodePlan(rows, seq_lens, own_start, members, chunk_offsets,
+                                        chunk_lens), q.shape[0], q.shape[1], k.shape[1],
+                      q.shape[2])(q.data_ptr(), q.stride(0), k, v, scale, out.data_ptr())
+        return out
+
+    def prepared(self, table: torch.Tensor, plan: DecodePlan, batch: int, num_heads: int,
+                 num_kv_heads: int, head_dim: int
+                 ) -> Callable[[int, int, torch.Tensor, torch.Tensor, float, int], None]:
+        """The kernel for one decode step's plan, checked once for all its layers:
+        ``attend(q_ptr, q_row_stride, k, v, scale, out_ptr)`` writes row b's attention of
+        q ``[batch, num_heads, head_dim]`` (float32 at q_ptr, rows q_row_stride floats apart,
+        heads and dims contiguous) into out ``[batch, num_heads, head_dim]`` (contiguous), over
+        one layer's pool buffers k, v ``[num_slots + 1, num_kv_heads, head_dim]``, which are
+        checked at every call (cheaply: they are the pool's)."""
+        index = (table, plan.rows, plan.seq_lens, plan.own_start, plan.members,
+                 plan.chunk_offsets, plan.chunk_lens)
         for t in index:
             if t.dtype is not torch.int64 or not t.is_cpu or not t.is_contiguous():
                 raise ValueError("paged_decode: index tensors must be contiguous int64 on CPU")
-        if table.dim() != 2 or any(t.shape != (batch,) for t in (rows, seq_lens, own_start)) \
-                or chunk_offsets.shape != (chunk_lens.numel() + 1,):
+        if table.dim() != 2 or any(t.shape != (batch,) for t in index[1:4]) \
+                or plan.chunk_offsets.shape != (plan.chunk_lens.numel() + 1,):
             raise ValueError("paged_decode: index tensor shapes disagree with the batch")
-        out = torch.empty(q.shape, dtype=q.dtype)
+        ptrs = [t.data_ptr() for t in index]
+        sizes = (batch, num_heads, num_kv_heads, head_dim)
+        tail = (table.shape[0], table.shape[1], plan.members.numel(), plan.chunk_lens.numel())
+        shape = (num_kv_heads, head_dim)
         err = ctypes.create_string_buffer(256)
-        rc = self._fn(*(t.data_ptr() for t in (q, k, v, *index)), batch, q.shape[1],
-                      k.shape[1], q.shape[2], k.shape[0], table.shape[0], table.shape[1],
-                      members.numel(), chunk_lens.numel(), q.stride(0), scale, out.data_ptr(),
-                      err, len(err))
-        if rc:
-            raise RuntimeError(err.value.decode(errors="replace"))
-        return out
+        fn = self._fn
+
+        def attend(q_ptr: int, q_stride: int, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   out_ptr: int) -> None:
+            if not (k.dtype is torch.float32 and v.dtype is torch.float32 and k.is_cpu
+                    and k.shape[1:] == shape and v.shape == k.shape and k.is_contiguous()
+                    and v.is_contiguous()):
+                raise ValueError(f"paged_decode: k {tuple(k.shape)} / v {tuple(v.shape)} must be "
+                                 f"contiguous float32 [slots, {num_kv_heads}, {head_dim}]")
+            if q_stride < num_heads * head_dim:
+                raise ValueError(f"paged_decode: q row stride {q_stride} under a row")
+            rc = fn(q_ptr, k.data_ptr(), v.data_ptr(), *ptrs, *sizes, k.shape[0], *tail,
+                    q_stride, scale, out_ptr, err, len(err))
+            if rc:
+                raise RuntimeError(err.value.decode(errors="replace"))
+
+        return attend
 
 
 def _rows_strided(q: torch.Tensor) -> bool:

@@ -34,7 +34,7 @@ class _DecodeMeta:
 
 
 @dataclass
-class _KernelDecodeMeta:
+class KernelDecodeMeta:
     plan: cpu_kernels.DecodePlan    # rows, lengths and shared-prefix groups for the kernel
 
 
@@ -128,7 +128,7 @@ class TorchNativeBackend(AttentionBackend):
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         table = self.req_to_token.table
         if fb.mode == ForwardMode.DECODE and self.decode_kernel is not None:
-            fb.attn_metadata = _KernelDecodeMeta(self._decode_plan(table, fb))
+            fb.attn_metadata = KernelDecodeMeta(self._decode_plan(table, fb))
             return
         if fb.mode == ForwardMode.DECODE:
             max_len = max(fb.seq_lens_list)
@@ -225,7 +225,7 @@ class TorchNativeBackend(AttentionBackend):
         pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         kbuf, vbuf = pool.k_buffers[layer_id], pool.v_buffers[layer_id]
         meta = fb.attn_metadata
-        if isinstance(meta, _KernelDecodeMeta):
+        if isinstance(meta, KernelDecodeMeta):
             assert self.decode_kernel is not None
             return cpu_kernels.paged_decode(self.decode_kernel, q, kbuf, vbuf,
                                             self.req_to_token.table, meta.plan, scaling)

@@ -1,0 +1,148 @@
+"""A decode step's forward on CPU in float32 as one flat loop over the compiled kernels.
+
+The module path (``LlamaForCausalLM.forward``) runs a decode step through ~60 ``nn.Module``
+calls and ~130 kernel wrappers, each checking its tensors' dtypes, shapes and strides before
+it reaches its C function. At a decode step's few rows that Python is a real share of the
+step. Here the same kernels run in the same order on the same tensors, so the result is bit
+for bit the module path's (tests/rollout_engine/model_runner/test_flat_decode.py checks
+``torch.equal``), with the checks made once per step instead of per call: the inputs and buffers are the engine's own (float32, contiguous, CPU), the shapes
+follow from the architecture, and every C entry point still checks the values it indexes
+with (slots, the decode plan). Measured in the engine (the GRPO rollout of
+benchmarks/bench_offline.py, decode steps alternating between the two paths, 194 steps
+each): 0.51 / 0.82 / 0.69 ms less a forward at batch 64 / 128 / 256 (paired medians; the
+forward takes ~17.6 / 33.6 / 73 ms).
+
+It applies (`CpuDecodeForward.create` returns None otherwise, and the module path runs) only
+where every piece has its kernel: float32 on CPU without tensor parallelism, the fused ops and
+the paged decode kernel loaded, the CPU attention backend's decode kernel in use, no q/k norm
+(Qwen3). The weights and pool buffers are looked up through the model and the pool on every
+call, never kept: refits, shadow swaps and sleep give parameters and buffers new storage.
+``ROLLOUT_ENGINE_FLAT_DECODE=0`` keeps the module path.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+
+from rollout_engine.model_runner.attention.cpu_fused import FusedOps, load_fused_ops
+from rollout_engine.model_runner.forward_batch import ForwardBatch
+from rollout_engine.models import layers
+from rollout_engine.models.cpu_gemm import SmallGemm, load_small_gemm, use_small_gemm
+from rollout_engine.models.weight_packs import packing_ok
+
+FLAT_DECODE_ENV = "ROLLOUT_ENGINE_FLAT_DECODE"
+
+class CpuDecodeForward:
+    """``__call__(fb)``: the hidden states after the final norm, ``[T, hidden]``, of a decode
+    batch whose attention metadata the backend has just planned (``init_forward_metadata``),
+    equal to ``model(fb.input_ids, fb.positions, fb)``."""
+
+    def __init__(self, model: torch.nn.Module, backend: Any, ops: FusedOps,
+                 gemm: Optional[SmallGemm]) -> None:
+        arch = model.arch
+        self.model, self.backend = model, backend
+        self.hidden = arch.hidden_size
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            arch.num_heads, arch.num_kv_heads, arch.head_dim)
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.intermediate = arch.intermediate_size
+        self.eps = arch.rms_norm_eps
+        self._rmsnorm, self._add_rmsnorm = ops.raw("rmsnorm"), ops.raw("add_rmsnorm")
+        self._rope, self._silu_mul = ops.raw("rope"), ops.raw("silu_mul")
+        self._gemm = gemm.raw if gemm is not None and gemm.fast else None
+
+    @classmethod
+    def create(cls, model: torch.nn.Module, backend: Any) -> Optional[CpuDecodeForward]:
+        """The flat loop for ``model`` with attention ``backend``, or None where it does not
+        apply (see the module docstring)."""
+        arch = getattr(model, "arch", None)
+        if (os.environ.get(FLAT_DECODE_ENV, "1") == "0" or arch is None
+                or getattr(model, "tp", None) is not None or arch.qk_norm
+                or getattr(backend, "decode_kernel", None) is None):
+            return None
+        params = list(model.parameters())
+        if not params or any(p.dtype is not torch.float32 or not p.is_cpu for p in params):
+            return None
+        pool = backend.kv_pool
+        if pool.dtype is not torch.float32 or pool.device.type != "cpu":
+            return None
+        ops = load_fused_ops()
+        if ops is None:
+            return None
+        return cls(model, backend, ops, load_small_gemm())
+
+    def _product(self, rows: int) -> Callable[[torch.Tensor, torch.nn.Module], torch.Tensor]:
+        """``module``'s linear layer on ``x`` ``[rows, in]`` (contiguous), through the kernel
+        ``layers.linear`` would pick for this row count: the small GEMM's C function directly
+        where it is the choice, else ``layers.linear`` itself."""
+        packing = packing_ok()
+        gemm = self._gemm if layers.small_gemm_allowed() else None
+
+        def product(x: torch.Tensor, mod: torch.nn.Module) -> torch.Tensor:
+            weight, bias = mod.weight, mod.bias
+            n = weight.shape[0]
+            if gemm is None or not use_small_gemm(rows, n, packing) or weight.stride(1) != 1:
+                return layers.linear(x, weight, bias)
+            out = torch.empty(rows, n, dtype=torch.float32)
+            k = x.shape[1]
+            gemm(x.data_ptr(), rows, k, k, weight.data_ptr(), n, weight.stride(0),
+                 None if bias is None else bias.data_ptr(), out.data_ptr(), n)
+            return out
+
+        return product
+
+    def __call__(self, fb: ForwardBatch) -> torch.Tensor:
+        model, backend = self.model, self.backend
+        pool = backend.kv_pool
+        x = model.embed_tokens(fb.input_ids)
+        cos, sin = model.rotary.cos_sin(fb.positions, x.dtype)
+        t, hidden, eps = x.shape[0], self.hidden, self.eps
+        if not (x.dtype is torch.float32 and x.is_contiguous() and cos.is_contiguous()
+                and sin.is_contiguous() and cos.shape == (t, 1, self.head_dim)):
+            raise ValueError(f"flat decode: embedding {tuple(x.shape)} / rotary "
+                             f"{tuple(cos.shape)} are not what the kernels take")
+        product = self._product(t)
+        attend = backend.decode_kernel.prepared(
+            backend.req_to_token.table, fb.attn_metadata.plan, t, self.num_heads,
+            self.num_kv_heads, self.head_dim)
+        q_size, kv_size, loc = self.q_size, self.kv_size, fb.out_cache_loc
+        qkv_width = q_size + 2 * kv_size
+        residual = x
+        h = torch.empty_like(x)
+        self._rmsnorm(x.data_ptr(), model.layers[0].input_layernorm.weight.data_ptr(),
+                      h.data_ptr(), t, hidden, hidden, eps)
+        for i, layer in enumerate(model.layers):
+            attn = layer.self_attn
+            if i:
+                h = torch.empty_like(x)
+                self._add_rmsnorm(x.data_ptr(), residual.data_ptr(),
+                                  layer.input_layernorm.weight.data_ptr(), h.data_ptr(), t,
+                                  hidden, eps)
+            qkv = product(h, attn.qkv_proj)
+            base = qkv.data_ptr()
+            self._rope(base, base + 4 * q_size, cos.data_ptr(), sin.data_ptr(), t,
+                       self.num_heads, self.num_kv_heads, self.head_dim, qkv_width, qkv_width)
+            k = qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
+            v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, self.head_dim)
+            pool.set_kv(i, loc, k, v)
+            o = torch.empty(t, q_size, dtype=torch.float32)
+            attend(base, qkv_width, pool.k_buffers[i], pool.v_buffers[i], attn.scaling,
+                   o.data_ptr())
+            x = product(o, attn.o_proj)
+            h = torch.empty_like(x)
+            self._add_rmsnorm(x.data_ptr(), residual.data_ptr(),
+                              layer.post_attention_layernorm.weight.data_ptr(), h.data_ptr(),
+                              t, hidden, eps)
+            gate_up = product(h, layer.mlp.gate_up_proj)
+            act = torch.empty(t, gate_up.shape[1] // 2, dtype=torch.float32)
+            self._silu_mul(gate_up.data_ptr(), act.data_ptr(), t, act.shape[1])
+            x = product(act, layer.mlp.down_proj)
+        out = torch.empty_like(x)
+        self._add_rmsnorm(x.data_ptr(), residual.data_ptr(), model.norm.weight.data_ptr(),
+                          out.data_ptr(), t, hidden, eps)
+        return out
