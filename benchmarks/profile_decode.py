@@ -229,10 +229,16 @@ class StepRecorder:
 
 
 def instrument(rec: StepRecorder) -> contextlib.ExitStack:
+    from rollout_engine.memory.kv_pool import KVPool
+    from rollout_engine.model_runner.attention import cpu_kernels
     from rollout_engine.model_runner.attention.torch_native import TorchNativeBackend
     from rollout_engine.model_runner.model_runner import ModelRunner
     from rollout_engine.models import cpu_gemm, layers, llama
     from rollout_engine.scheduler import scheduler as sched_mod
+    try:
+        from rollout_engine.models import cpu_decode
+    except ImportError:     # a version of the engine before the flat decode loop
+        cpu_decode = None
 
     stack = contextlib.ExitStack()
     plan = [(sched_mod.Scheduler, "step", rec.wrap_step),
@@ -252,6 +258,13 @@ def instrument(rec: StepRecorder) -> contextlib.ExitStack:
             plan.append((owner, attr, labelled(label)))
     # the small-GEMM kernel (a ctypes call, invisible to the profiler): labelled by shape
     plan.append((cpu_gemm.SmallGemm, "__call__", functools.partial(gemm_labelled, rec)))
+    # the flat decode loop (models/cpu_decode.py) calls the C functions itself: its instance's
+    # functions are labelled at its first call; the K/V write and the kernel are attention
+    plan += [(cpu_kernels.PagedDecodeOp, "prepared", prepared_labelled),
+             (KVPool, "set_kv", labelled("attention"))]
+    if cpu_decode is not None:
+        plan.append((cpu_decode.CpuDecodeForward, "__call__",
+                     functools.partial(flat_labelled, rec)))
     for owner, attr, wrap in plan:
         stack.enter_context(patched(owner, attr, wrap))
     return stack
@@ -267,6 +280,37 @@ def gemm_labelled(rec: StepRecorder, fn: Callable) -> Callable:
         with torch.profiler.record_function(label):
             return fn(op, x, weight, *args)
     return inner
+
+
+def prepared_labelled(fn: Callable) -> Callable:
+    def prepared(*args: Any, **kwargs: Any) -> Any:
+        return labelled("attention")(fn(*args, **kwargs))
+    return prepared
+
+
+def flat_labelled(rec: StepRecorder, fn: Callable) -> Callable:
+    """The flat loop's ``__call__``, its instance's C functions labelled first (once)."""
+    import torch
+
+    def gemm(raw: Callable) -> Callable:
+        def inner(*args: Any) -> Any:   # (x, M, K, ldx, w, N, ...)
+            out_f, in_f = args[5], args[2]
+            label = ("lm_head" if out_f == rec.arch.vocab_size
+                     else _projection_of(out_f, in_f, rec.arch))
+            with torch.profiler.record_function(label):
+                return raw(*args)
+        return inner
+
+    def call(flat: Any, fb: Any) -> Any:
+        if not getattr(flat, "_profile_labelled", False):
+            for attr, label in (("_rmsnorm", "norms"), ("_add_rmsnorm", "norms"),
+                                ("_rope", "rope"), ("_silu_mul", "activation")):
+                setattr(flat, attr, labelled(label)(getattr(flat, attr)))
+            if flat._gemm is not None:
+                flat._gemm = gemm(flat._gemm)
+            flat._profile_labelled = True
+        return fn(flat, fb)
+    return call
 
 
 def summarize(profiles: list[dict[str, float]]) -> dict[str, Any]:
