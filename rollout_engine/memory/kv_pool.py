@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from rollout_engine.host_lists import list_tensor
+from rollout_engine.memory import huge_pages
 
 
 class KVPool:
@@ -46,14 +47,11 @@ class KVPool:
     def allocate(self) -> None:
         # Zeros, not empty: padded attention reads masked slots, and garbage NaNs would leak
         # through the mask as NaN * 0.
-        self.k_buffers = [
-            torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-            for _ in range(self.num_layers)
-        ]
-        self.v_buffers = [
-            torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-            for _ in range(self.num_layers)
-        ]
+        # (on CPU in huge pages: a decode step reads slots all over them, memory/huge_pages.py)
+        self.k_buffers = [huge_pages.zeros(self.shape, self.dtype, self.device)
+                          for _ in range(self.num_layers)]
+        self.v_buffers = [huge_pages.zeros(self.shape, self.dtype, self.device)
+                          for _ in range(self.num_layers)]
 
     def release(self) -> None:
         """Drop the buffers (sleep). ``allocate`` brings them back zeroed."""

@@ -22,6 +22,7 @@ from typing import Optional, Protocol
 import torch
 from torch import nn
 
+from rollout_engine.memory import huge_pages
 from rollout_engine.memory.kv_pool import KVPool
 from rollout_engine.models import weight_packs
 
@@ -146,7 +147,7 @@ class MemorySaver(ABC):
     def _resume_weights(self) -> bool:
         params = dict(self.model.named_parameters())
         for name, (shape, dtype, device) in self._shapes.items():
-            params[name].data = torch.zeros(shape, dtype=dtype, device=device)
+            params[name].data = huge_pages.zeros(shape, dtype, device)
         stale = self._backup is None
         if not stale:
             with torch.no_grad():

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from rollout_engine.config import EngineConfig
+from rollout_engine.memory import huge_pages
 from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool
 from rollout_engine.model_runner.attention.base import create_attention_backend
 from rollout_engine.model_runner.attention.torch_native import KernelDecodeMeta
@@ -47,6 +48,8 @@ class ModelRunner:
         with torch.device("meta"):
             model = build_model(self.arch, self.tp)
         model = model.to_empty(device=self.device).to(self.dtype)
+        for p in model.parameters():   # before the weights are written (memory/huge_pages.py)
+            huge_pages.advise(p.data)
         # meta -> empty left the RoPE buffer uninitialised; it stays float32 whatever the dtype
         model.rotary.inv_freq = compute_inv_freq(
             self.arch.head_dim, self.arch.rope_theta, self.arch.rope_scaling).to(self.device)

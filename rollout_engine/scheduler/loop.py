@@ -226,11 +226,9 @@ class ProcessHost(SchedulerHost):
         # of 1024 holds every decode batch size and the common prefill lengths; a larger one
         # only lets the process keep more memory it will rarely reuse
         env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
-        # torch's CPU allocator asks for transparent huge pages (madvise) on allocations of
-        # 2 MB and more when this is set (read at the first allocation): the weights, the KV
-        # pool and the refit spares then take far fewer TLB misses (a refit's copy into the
-        # parameters measured ~25% faster on a 2-core EPYC). Set it to 0 to keep 4 KB pages.
-        env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+        # (no THP_MEM_ALLOC_ENABLE: the weights, the KV pool and the refit spares ask for huge
+        # pages themselves, memory/huge_pages.py; torch's allocator would ask for every
+        # activation of 2 MB or more too, and each then waits on the kernel compacting memory)
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", _CHILD_BOOT, _PACKAGE_ROOT, str(theirs.fileno()),

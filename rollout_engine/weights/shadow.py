@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from rollout_engine.memory import huge_pages
 from rollout_engine.models import weight_packs
 from rollout_engine.protocol.byte_copy import copy_all
 from rollout_engine.weights.loader import LoadReport, weight_table
@@ -89,6 +90,7 @@ class ShadowWeights:
             spare = self.spares.get(key)
             if spare is None or spare.shape != param.shape or spare.dtype != param.dtype:
                 spare = self.spares[key] = torch.empty_like(param.data)
+                huge_pages.advise(spare)   # before its first write (memory/huge_pages.py)
             params[key] = (param, spare, ranges)
         views = [params[id(p)][1].narrow(0, row0, rows) for p, row0, rows in entries]
         self.busy.update(params)

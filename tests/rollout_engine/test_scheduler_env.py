@@ -2,8 +2,9 @@
 
 These are read once, when the child's libraries load, so they only take effect through the
 child's environment: OpenMP waits that spin briefly (GOMP_SPINCOUNT; purely passive waits cost
-a futex wake-up per parallel region, ~25% of an offline batch-64 rollout), oneDNN's primitive
-cache size, and transparent huge pages for torch's allocator.
+a futex wake-up per parallel region, ~25% of an offline batch-64 rollout) and oneDNN's primitive
+cache size; not transparent huge pages for torch's allocator (the long-lived buffers ask for
+them themselves: memory/huge_pages.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from rollout_engine import Engine
 from rollout_engine.testing.tiny_model import tiny_model_path
 
 DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000",
-            "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024", "THP_MEM_ALLOC_ENABLE": "1"}
+            "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}
 
 
 def child_environ(monkeypatch: pytest.MonkeyPatch, **overrides: str) -> dict[str, str]:
@@ -35,6 +36,12 @@ def child_environ(monkeypatch: pytest.MonkeyPatch, **overrides: str) -> dict[str
 def test_the_scheduler_child_gets_short_spinning_openmp_waits_by_default(monkeypatch):
     env = child_environ(monkeypatch)
     assert {k: env.get(k) for k in DEFAULTS} == DEFAULTS
+
+
+def test_the_child_does_not_ask_torch_for_huge_pages_unless_told(monkeypatch):
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    assert "THP_MEM_ALLOC_ENABLE" not in child_environ(monkeypatch)
+    assert child_environ(monkeypatch, THP_MEM_ALLOC_ENABLE="1")["THP_MEM_ALLOC_ENABLE"] == "1"
 
 
 def test_the_callers_own_settings_reach_the_child_unchanged(monkeypatch):
