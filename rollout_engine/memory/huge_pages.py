@@ -10,64 +10,59 @@ is fragmented (``defrag=madvise``), on the 2-core development VM 2.5 ms for a [2
 logits tensor and 9.6 ms for a prefill's [1024, 2816] gate_up output against 0.6 / 0.1 ms
 on 4 KB pages, which halved the prefill's gate_up product (7 -> 14 ms a layer in the engine).
 
-So the buffers that live long ask for huge pages themselves, before they are first written:
-``empty`` / ``zeros`` madvise (MADV_HUGEPAGE) the 2 MB-aligned part of a new CPU tensor's
-memory, and `advise` does it for one already made (parameters after ``to_empty``). Where the
-OS has no madvise (not Linux) or ``ROLLOUT_ENGINE_HUGE_PAGES=0``, they are plain tensors.
+So the buffers that live long get memory of their own: `empty` / `zeros` map a fresh
+anonymous region (``mmap``, zero-filled by the kernel), ask for huge pages on it
+(MADV_HUGEPAGE) before anything is written, and return a tensor over its 2 MB-aligned start
+(the tensor keeps the mapping alive; it is unmapped with the last tensor on it). Their own
+mapping, not the allocator's heap: advice given on heap memory would stay on it after the
+buffer is freed and reach the activations allocated there later. Below one huge page, off
+CPU, where the OS has no MADV_HUGEPAGE, or with ``ROLLOUT_ENGINE_HUGE_PAGES=0`` they are
+plain ``torch.empty`` / ``torch.zeros``.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
+import mmap
 import os
-import sys
-from collections.abc import Callable, Sequence
-from typing import Optional
+from collections.abc import Sequence
 
 import torch
 
 HUGE_PAGES_ENV = "ROLLOUT_ENGINE_HUGE_PAGES"
 HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
 
 
-@functools.cache
-def _madvise() -> Optional[Callable[[int, int, int], int]]:
-    if not sys.platform.startswith("linux"):
+def _mapped(shape: Sequence[int], dtype: torch.dtype, device: torch.device
+            ) -> torch.Tensor | None:
+    """A tensor over a fresh huge-page-advised mapping, or None where that does not apply."""
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if (torch.device(device).type != "cpu" or nbytes < HUGE_PAGE
+            or not hasattr(mmap, "MADV_HUGEPAGE")
+            or os.environ.get(HUGE_PAGES_ENV, "1") == "0"):
         return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def advise(t: torch.Tensor) -> bool:
-    """Ask for huge pages on the whole 2 MB pages inside ``t``'s memory (a CPU tensor, best
-    before it is first written: pages already there stay small until the kernel merges them).
-    Whether the request was made."""
-    madvise = _madvise()
-    if (madvise is None or not t.is_cpu or os.environ.get(HUGE_PAGES_ENV, "1") == "0"
-            or t.numel() == 0):
-        return False
-    start = t.data_ptr()
-    end = start + t.numel() * t.element_size()
-    lo, hi = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
-    if hi <= lo:
-        return False
-    return madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0
+    # private: a shared anonymous mapping is shmem, whose huge pages the host's shmem_enabled
+    # governs (usually never)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
+    offset = -start % HUGE_PAGE
+    region.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)
+    return torch.frombuffer(region, dtype=dtype, count=numel, offset=offset).view(tuple(shape))
 
 
 def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.empty`` whose memory asks for huge pages on CPU (see `advise`)."""
-    t = torch.empty(tuple(shape), dtype=dtype, device=device)
-    advise(t)
-    return t
+    """``torch.empty`` on CPU memory of its own that asks for huge pages (module docstring)."""
+    t = _mapped(shape, dtype, device)
+    return torch.empty(tuple(shape), dtype=dtype, device=device) if t is None else t
 
 
 def zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.zeros`` whose memory asks for huge pages on CPU (see `advise`)."""
-    return empty(shape, dtype, device).zero_()
+    """``torch.zeros`` likewise. The zeros are written, although a fresh mapping reads as
+    zeros already: so its pages are there from the start (the KV pool's memory is held, and
+    given back by a sleep, as ``kv_pool_bytes`` says), not faulted in by the steps that
+    first reach them."""
+    t = _mapped(shape, dtype, device)
+    return torch.zeros(tuple(shape), dtype=dtype, device=device) if t is None else t.zero_()
+

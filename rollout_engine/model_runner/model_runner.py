@@ -48,8 +48,8 @@ class ModelRunner:
         with torch.device("meta"):
             model = build_model(self.arch, self.tp)
         model = model.to_empty(device=self.device).to(self.dtype)
-        for p in model.parameters():   # before the weights are written (memory/huge_pages.py)
-            huge_pages.advise(p.data)
+        for p in model.parameters():   # memory of their own (memory/huge_pages.py)
+            p.data = huge_pages.empty(p.shape, p.dtype, p.device)
         # meta -> empty left the RoPE buffer uninitialised; it stays float32 whatever the dtype
         model.rotary.inv_freq = compute_inv_freq(
             self.arch.head_dim, self.arch.rope_theta, self.arch.rope_scaling).to(self.device)
@@ -107,7 +107,7 @@ class ModelRunner:
         fb.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(fb)
         if self.flat_decode is not None and isinstance(fb.attn_metadata, KernelDecodeMeta):
-            hidden = self.flat_decode(fb)   # the same kernels without the module calls
+            hidden = self.flat_decode(self.model, fb)   # the same kernels, no module calls
         else:
             hidden = self.model(fb.input_ids, fb.positions, fb)
         return self.model.compute_logits(hidden[fb.logits_indices])

@@ -37,14 +37,14 @@ from rollout_engine.models.weight_packs import packing_ok
 FLAT_DECODE_ENV = "ROLLOUT_ENGINE_FLAT_DECODE"
 
 class CpuDecodeForward:
-    """``__call__(fb)``: the hidden states after the final norm, ``[T, hidden]``, of a decode
-    batch whose attention metadata the backend has just planned (``init_forward_metadata``),
-    equal to ``model(fb.input_ids, fb.positions, fb)``."""
+    """``__call__(model, fb)``: the hidden states after the final norm, ``[T, hidden]``, of a
+    decode batch whose attention metadata its backend (``fb.attn_backend``) has just planned
+    (``init_forward_metadata``), equal to ``model(fb.input_ids, fb.positions, fb)``. The model
+    and the backend come with every call: a runner may be given another backend after it was
+    built (a speculative draft shares its target's request table)."""
 
-    def __init__(self, model: torch.nn.Module, backend: Any, ops: FusedOps,
-                 gemm: Optional[SmallGemm]) -> None:
+    def __init__(self, model: torch.nn.Module, ops: FusedOps, gemm: Optional[SmallGemm]) -> None:
         arch = model.arch
-        self.model, self.backend = model, backend
         self.hidden = arch.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = (
             arch.num_heads, arch.num_kv_heads, arch.head_dim)
@@ -74,7 +74,7 @@ class CpuDecodeForward:
         ops = load_fused_ops()
         if ops is None:
             return None
-        return cls(model, backend, ops, load_small_gemm())
+        return cls(model, ops, load_small_gemm())
 
     def _product(self, rows: int) -> Callable[[torch.Tensor, torch.nn.Module], torch.Tensor]:
         """``module``'s linear layer on ``x`` ``[rows, in]`` (contiguous), through the kernel
@@ -96,8 +96,8 @@ class CpuDecodeForward:
 
         return product
 
-    def __call__(self, fb: ForwardBatch) -> torch.Tensor:
-        model, backend = self.model, self.backend
+    def __call__(self, model: torch.nn.Module, fb: ForwardBatch) -> torch.Tensor:
+        backend = fb.attn_backend
         pool = backend.kv_pool
         x = model.embed_tokens(fb.input_ids)
         cos, sin = model.rotary.cos_sin(fb.positions, x.dtype)

@@ -89,8 +89,9 @@ class ShadowWeights:
         for key, (param, ranges) in touched.items():
             spare = self.spares.get(key)
             if spare is None or spare.shape != param.shape or spare.dtype != param.dtype:
-                spare = self.spares[key] = torch.empty_like(param.data)
-                huge_pages.advise(spare)   # before its first write (memory/huge_pages.py)
+                spare = self.spares[key] = (   # memory of its own (memory/huge_pages.py)
+                    huge_pages.empty(param.shape, param.dtype, param.device)
+                    if param.data.is_contiguous() else torch.empty_like(param.data))
             params[key] = (param, spare, ranges)
         views = [params[id(p)][1].narrow(0, row0, rows) for p, row0, rows in entries]
         self.busy.update(params)

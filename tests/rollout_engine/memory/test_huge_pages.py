@@ -21,36 +21,52 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="madvise and /proc/self/smaps are Linux's")
 
 
-def _advised(t: torch.Tensor) -> bool:
-    """Whether the mapping holding ``t``'s middle byte has the MADV_HUGEPAGE flag."""
+def _mapping(t: torch.Tensor) -> tuple[str, list[str]]:
+    """(header line, VmFlags) of the mapping holding ``t``'s middle byte."""
     addr = t.data_ptr() + t.numel() * t.element_size() // 2
-    inside = False
+    header = None
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()[0]
             if "-" in head and all(c in "0123456789abcdef-" for c in head):
                 lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and line.startswith("VmFlags:"):
-                return "hg" in line.split()[1:]
+                header = line if lo <= addr < hi else None
+            elif header is not None and line.startswith("VmFlags:"):
+                return header, line.split()[1:]
     raise AssertionError(f"no mapping holds {addr:#x}")
 
 
-def test_a_large_buffer_asks_and_a_plain_one_does_not():
-    big = huge_pages.zeros((4 << 20,), torch.float32, torch.device("cpu"))   # 16 MB
-    assert big.abs().sum().item() == 0.0
+def _advised(t: torch.Tensor) -> bool:
+    """Whether ``t`` is in a private anonymous mapping that asked for huge pages (the hg
+    flag; shared anonymous memory is shmem, named /dev/zero, with its own huge-page rule)."""
+    header, flags = _mapping(t)
+    private_anonymous = len(header.split()) == 5 and "sh" not in flags
+    return "hg" in flags and private_anonymous
+
+
+def test_a_large_buffer_asks_in_a_mapping_of_its_own():
+    cpu = torch.device("cpu")
+    big = huge_pages.zeros((4 << 20,), torch.float32, cpu)        # 16 MB
+    assert float(big.abs().max()) == 0.0 and big.is_contiguous()
+    assert big.data_ptr() % huge_pages.HUGE_PAGE == 0
     assert _advised(big)
-    plain = torch.zeros(4 << 20)
-    assert not _advised(plain)
+    grid = huge_pages.empty((1024, 3000), torch.bfloat16, cpu)
+    assert grid.shape == (1024, 3000) and grid.dtype == torch.bfloat16 and _advised(grid)
+    grid.fill_(2.0)
+    assert float(grid.float().sum()) == 2.0 * 1024 * 3000
+    # what torch allocates after it (and after it is gone) is not advised
+    del big
+    for _ in range(3):
+        assert not _advised(torch.zeros(4 << 20))
 
 
-def test_what_cannot_hold_a_whole_huge_page_is_left_alone(monkeypatch):
-    assert not huge_pages.advise(torch.empty(1000))
-    assert not huge_pages.advise(torch.empty(0))
+def test_small_off_or_disabled_buffers_are_plain(monkeypatch):
+    cpu = torch.device("cpu")
+    small = huge_pages.zeros((1000,), torch.float32, cpu)
+    assert float(small.abs().max()) == 0.0 and not _advised(small)
     monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, "0")
-    t = huge_pages.empty((4 << 20,), torch.float32, torch.device("cpu"))
-    assert not huge_pages.advise(t)
-    assert not _advised(t)
+    t = huge_pages.zeros((4 << 20,), torch.float32, cpu)
+    assert float(t.abs().max()) == 0.0 and not _advised(t)
 
 
 def test_the_kv_pool_and_the_parameters_ask(qwen2_path):
@@ -61,5 +77,7 @@ def test_the_kv_pool_and_the_parameters_ask(qwen2_path):
 
     runner = ModelRunner(EngineConfig(model_path=str(tiny_model_path("qwen2", **PRESET_55M)),
                                       device="cpu", dtype="float32", max_total_tokens=64))
-    big = [p for p in runner.model.parameters() if p.numel() * 4 >= 4 * huge_pages.HUGE_PAGE]
+    params = list(runner.model.parameters())
+    big = [p for p in params if p.numel() * 4 >= huge_pages.HUGE_PAGE]
     assert big and all(_advised(p) for p in big)
+    assert not any(_advised(p) for p in params if p.numel() * 4 < huge_pages.HUGE_PAGE)

@@ -13,7 +13,12 @@ import pytest
 import torch
 
 from rollout_engine.config import EngineConfig
-from rollout_engine.model_runner.attention.torch_native import KERNEL_ENV, KernelDecodeMeta
+from rollout_engine.memory.kv_pool import ReqToTokenPool
+from rollout_engine.model_runner.attention.torch_native import (
+    KERNEL_ENV,
+    KernelDecodeMeta,
+    TorchNativeBackend,
+)
 from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
 from rollout_engine.model_runner.model_runner import ModelRunner
 from rollout_engine.models.cpu_decode import FLAT_DECODE_ENV, CpuDecodeForward
@@ -73,7 +78,7 @@ def _both(runner: ModelRunner, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Te
     assert isinstance(fb.attn_metadata, KernelDecodeMeta)
     with torch.inference_mode():
         ref = runner.model(fb.input_ids, fb.positions, fb)
-        got = runner.flat_decode(fb)
+        got = runner.flat_decode(runner.model, fb)
     return ref, got
 
 
@@ -101,6 +106,17 @@ def test_the_runner_forward_gives_the_module_paths_logits(runners, monkeypatch):
     fb = _decode_batch(runner, 40, 8, torch.Generator().manual_seed(3))
     flat = runner.forward(fb)
     monkeypatch.setattr(runner, "flat_decode", None)
+    assert torch.equal(runner.forward(fb), flat)
+
+
+def test_a_backend_given_after_the_runner_was_built_is_the_one_used(tiny_paths):
+    # as a speculative draft does: the runner's request table and backend are replaced
+    runner = _runner(tiny_paths["qwen2"])
+    runner.req_to_token = ReqToTokenPool(160 + 8, 512, runner.device)
+    runner.attn_backend = TorchNativeBackend(runner.kv_pool, runner.req_to_token)
+    fb = _decode_batch(runner, 40, 8, torch.Generator().manual_seed(9))
+    flat = runner.forward(fb)
+    runner.flat_decode = None
     assert torch.equal(runner.forward(fb), flat)
 
 
