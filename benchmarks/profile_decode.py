@@ -301,7 +301,7 @@ def flat_labelled(rec: StepRecorder, fn: Callable) -> Callable:
                 return raw(*args)
         return inner
 
-    def call(flat: Any, fb: Any) -> Any:
+    def call(flat: Any, *args: Any) -> Any:
         if not getattr(flat, "_profile_labelled", False):
             for attr, label in (("_rmsnorm", "norms"), ("_add_rmsnorm", "norms"),
                                 ("_rope", "rope"), ("_silu_mul", "activation")):
@@ -309,7 +309,7 @@ def flat_labelled(rec: StepRecorder, fn: Callable) -> Callable:
             if flat._gemm is not None:
                 flat._gemm = gemm(flat._gemm)
             flat._profile_labelled = True
-        return fn(flat, fb)
+        return fn(flat, *args)
     return call
 
 
