@@ -49,7 +49,8 @@ class ModelRunner:
             model = build_model(self.arch, self.tp)
         model = model.to_empty(device=self.device).to(self.dtype)
         for p in model.parameters():   # memory of their own (memory/huge_pages.py)
-            p.data = huge_pages.empty(p.shape, p.dtype, p.device)
+            if p.numel() * p.element_size() >= huge_pages.HUGE_PAGE:
+                p.data = huge_pages.empty(p.shape, p.dtype, p.device)
         # meta -> empty left the RoPE buffer uninitialised; it stays float32 whatever the dtype
         model.rotary.inv_freq = compute_inv_freq(
             self.arch.head_dim, self.arch.rope_theta, self.arch.rope_scaling).to(self.device)

@@ -50,7 +50,6 @@ class CpuDecodeForward:
             arch.num_heads, arch.num_kv_heads, arch.head_dim)
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
-        self.intermediate = arch.intermediate_size
         self.eps = arch.rms_norm_eps
         self._rmsnorm, self._add_rmsnorm = ops.raw("rmsnorm"), ops.raw("add_rmsnorm")
         self._rope, self._silu_mul = ops.raw("rope"), ops.raw("silu_mul")
@@ -96,6 +95,14 @@ class CpuDecodeForward:
 
         return product
 
+    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: torch.nn.Module
+                  ) -> torch.Tensor:
+        """``residual += x`` in place; its RMSNorm by ``norm``'s weight, a new tensor."""
+        h = torch.empty_like(x)
+        self._add_rmsnorm(x.data_ptr(), residual.data_ptr(), norm.weight.data_ptr(),
+                          h.data_ptr(), x.shape[0], self.hidden, self.eps)
+        return h
+
     def __call__(self, model: torch.nn.Module, fb: ForwardBatch) -> torch.Tensor:
         backend = fb.attn_backend
         pool = backend.kv_pool
@@ -119,10 +126,7 @@ class CpuDecodeForward:
         for i, layer in enumerate(model.layers):
             attn = layer.self_attn
             if i:
-                h = torch.empty_like(x)
-                self._add_rmsnorm(x.data_ptr(), residual.data_ptr(),
-                                  layer.input_layernorm.weight.data_ptr(), h.data_ptr(), t,
-                                  hidden, eps)
+                h = self._add_norm(x, residual, layer.input_layernorm)
             qkv = product(h, attn.qkv_proj)
             base = qkv.data_ptr()
             self._rope(base, base + 4 * q_size, cos.data_ptr(), sin.data_ptr(), t,
@@ -134,15 +138,9 @@ class CpuDecodeForward:
             attend(base, qkv_width, pool.k_buffers[i], pool.v_buffers[i], attn.scaling,
                    o.data_ptr())
             x = product(o, attn.o_proj)
-            h = torch.empty_like(x)
-            self._add_rmsnorm(x.data_ptr(), residual.data_ptr(),
-                              layer.post_attention_layernorm.weight.data_ptr(), h.data_ptr(),
-                              t, hidden, eps)
+            h = self._add_norm(x, residual, layer.post_attention_layernorm)
             gate_up = product(h, layer.mlp.gate_up_proj)
             act = torch.empty(t, gate_up.shape[1] // 2, dtype=torch.float32)
             self._silu_mul(gate_up.data_ptr(), act.data_ptr(), t, act.shape[1])
             x = product(act, layer.mlp.down_proj)
-        out = torch.empty_like(x)
-        self._add_rmsnorm(x.data_ptr(), residual.data_ptr(), model.norm.weight.data_ptr(),
-                          out.data_ptr(), t, hidden, eps)
-        return out
+        return self._add_norm(x, residual, model.norm)
