@@ -30,13 +30,15 @@ class FusedOps:
     """The compiled library; each method checks what the C side cannot (dtype, device, shapes,
     strides) and raises ValueError rather than read out of bounds."""
 
-    ABI = 3   # rollout_engine_fused_ops_abi() of the source these signatures describe
+    ABI = 4   # rollout_engine_fused_ops_abi() of the source these signatures describe
 
     def __init__(self, library_path: str) -> None:
         lib = cpu_kernels.open_library(library_path, "rollout_engine_fused_ops_abi", self.ABI)
         sig = {"rmsnorm": [_P, _P, _P, _I64, _I64, _I64, _F32],
                "add_rmsnorm": [_P, _P, _P, _P, _I64, _I64, _F32],
                "rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64],
+               "rope_store": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P,
+                              _I64],
                "silu_mul": [_P, _P, _I64, _I64],
                "sample_rows": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P,
                                _P]}
@@ -98,6 +100,36 @@ class FusedOps:
                              f"{k.stride()}, cos {tuple(cos.shape)}")
         self._fns["rope"](q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, hq, hk,
                           d, q.stride(0), k.stride(0))
+
+    def rope_store(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+                   cos: torch.Tensor, sin: torch.Tensor, loc: torch.Tensor,
+                   k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
+        """A decode step's ``rope`` and ``KVPool.set_kv`` in one pass over the fused qkv
+        output ``[T, (Hq + 2 Hk) D]``: q rotated in place, k rotated into ``k_pool[loc]``, v
+        copied into ``v_pool[loc]`` (pools ``[slots, Hk, D]``); qkv's k is left as it was."""
+        self._check(qkv, cos, sin, k_pool, v_pool)
+        t = qkv.shape[0]
+        d = k_pool.shape[-1] if k_pool.dim() == 3 else 0
+        ok = (qkv.dim() == 2 and qkv.is_contiguous() and d > 0 and d % 2 == 0
+              and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * d
+              and k_pool.shape[1] == num_kv_heads and v_pool.shape == k_pool.shape
+              and k_pool.is_contiguous() and v_pool.is_contiguous()
+              and cos.shape == (t, 1, d) and sin.shape == (t, 1, d)
+              and cos.is_contiguous() and sin.is_contiguous()
+              and loc.dtype is torch.int64 and loc.shape == (t,) and loc.is_contiguous()
+              and loc.is_cpu)
+        if not ok:
+            raise ValueError(f"rope_store: qkv {tuple(qkv.shape)}, pools {tuple(k_pool.shape)} / "
+                             f"{tuple(v_pool.shape)}, cos {tuple(cos.shape)}, loc "
+                             f"{tuple(loc.shape)} {loc.dtype} disagree")
+        base = qkv.data_ptr()
+        q_bytes = 4 * num_heads * d
+        if self._fns["rope_store"](base, base + q_bytes, base + q_bytes + 4 * num_kv_heads * d,
+                                   cos.data_ptr(), sin.data_ptr(), t, num_heads, num_kv_heads,
+                                   d, qkv.shape[1], loc.data_ptr(), k_pool.data_ptr(),
+                                   v_pool.data_ptr(), k_pool.shape[0]):
+            raise ValueError(f"rope_store: a slot in loc is outside the pool's "
+                             f"{k_pool.shape[0]} slots")
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``[T, 2I]`` (gate then up) -> ``silu(gate) * up`` ``[T, I]``."""

@@ -66,6 +66,44 @@ def test_rope_in_place(ops, tokens: int, hq: int, hk: int, d: int) -> None:
     assert torch.equal(qkv[:, (hq + hk) * d:], v_before)            # v untouched
 
 
+@pytest.mark.parametrize("tokens", [1, 3, 256])
+@pytest.mark.parametrize("hq, hk, d", [(8, 2, 64), (4, 4, 16), (2, 1, 10)])
+def test_rope_store_is_rope_then_set_kv(ops, tokens: int, hq: int, hk: int, d: int) -> None:
+    """q rotated in place and the pool rows at loc exactly what ``rope`` then
+    ``KVPool.set_kv`` leave; every other pool row and the rest of qkv untouched."""
+    g = _gen(tokens * 7 + hq + d)
+    qkv = torch.randn(tokens, (hq + 2 * hk) * d, generator=g)
+    slots = 3 * tokens + 5
+    k_pool, v_pool = torch.randn(slots, hk, d, generator=g), torch.randn(slots, hk, d, generator=g)
+    loc = torch.randperm(slots, generator=g)[:tokens]
+    rot = RotaryEmbedding(d, 10000.0, None)
+    cos, sin = rot.cos_sin(torch.randint(0, 5000, (tokens,), generator=g), torch.float32)
+    ref_qkv, ref_k, ref_v = qkv.clone(), k_pool.clone(), v_pool.clone()
+    q_ref = ref_qkv[:, :hq * d].view(tokens, hq, d)
+    k_ref = ref_qkv[:, hq * d:(hq + hk) * d].view(tokens, hk, d)
+    ops.rope(q_ref, k_ref, cos, sin)
+    ref_k[loc] = k_ref
+    ref_v[loc] = ref_qkv[:, (hq + hk) * d:].view(tokens, hk, d)
+    kv_before = qkv[:, hq * d:].clone()
+    ops.rope_store(qkv, hq, hk, cos, sin, loc, k_pool, v_pool)
+    assert torch.equal(qkv[:, :hq * d], ref_qkv[:, :hq * d])
+    assert torch.equal(qkv[:, hq * d:], kv_before)
+    assert torch.equal(k_pool, ref_k) and torch.equal(v_pool, ref_v)
+
+
+def test_rope_store_refuses_a_slot_outside_the_pool(ops) -> None:
+    qkv = torch.randn(2, (2 + 2) * 8)
+    k_pool, v_pool = torch.zeros(4, 1, 8), torch.zeros(4, 1, 8)
+    cos, sin = RotaryEmbedding(8, 10000.0, None).cos_sin(torch.tensor([0, 1]), torch.float32)
+    for bad in ([1, 4], [-1, 0]):
+        with pytest.raises(ValueError, match="outside the pool"):
+            ops.rope_store(qkv, 2, 1, cos, sin, torch.tensor(bad), k_pool, v_pool)
+        assert not k_pool.any() and not v_pool.any()     # nothing written
+    with pytest.raises(ValueError, match="disagree"):
+        ops.rope_store(qkv, 2, 1, cos, sin, torch.tensor([0, 1], dtype=torch.int32), k_pool,
+                       v_pool)
+
+
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("n", [1408, 7, 100])
 def test_silu_mul(ops, tokens: int, n: int) -> None:

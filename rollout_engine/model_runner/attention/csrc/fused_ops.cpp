@@ -4,6 +4,7 @@
 //   rmsnorm          out[t] = w * x[t] / sqrt(mean(x[t]^2) + eps)
 //   add_rmsnorm      residual[t] += x[t]; out[t] = rmsnorm(residual[t])   (vLLM's fused_add_rms_norm)
 //   rope             q[t, h], k[t, h] rotated in place (neox / HF rotate_half) by cos/sin[t]
+//   rope_store       rope of q in place, of k into the KV pool's slot, v copied there (decode)
 //   silu_mul         out[t] = silu(gu[t, :I]) * gu[t, I:]
 //   sample_rows      per row of logits: the next token (inverse CDF of softmax(x / T) with
 //                    min-p, or the argmax) and its logprob log_softmax(x / T)[token], in one
@@ -88,13 +89,29 @@ inline void scale_row(const float* x, const float* w, float r, float* out, int64
   for (; i < n; ++i) out[i] = w[i] * (x[i] * r);
 }
 
+// out = x rotated by cos/sin (one head of d dims; out may be x): see rollout_engine_rope_f32.
+inline void rotate_head(const float* x, const float* c, const float* s, int64_t d, float* out) {
+  const int64_t half = d / 2;
+  int64_t i = 0;
+  for (; i + 8 <= half; i += 8) {
+    const v8f x1 = load8(x + i), x2 = load8(x + half + i), cv = load8(c + i), sv = load8(s + i);
+    store8(out + i, x1 * cv - x2 * sv);
+    store8(out + half + i, x2 * cv + x1 * sv);
+  }
+  for (; i < half; ++i) {
+    const float x1 = x[i], x2 = x[half + i];
+    out[i] = x1 * c[i] - x2 * s[i];
+    out[half + i] = x2 * c[i] + x1 * s[i];
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
 // Bumped whenever an entry point's arguments change: cpu_fused.py refuses a library built from
 // another version (a stale cache) instead of calling it with the wrong arguments.
-int rollout_engine_fused_ops_abi() { return 3; }
+int rollout_engine_fused_ops_abi() { return 4; }
 
 // x [rows, n] (row stride x_stride) -> out [rows, n] contiguous.
 int rollout_engine_rmsnorm_f32(const float* x, const float* w, float* out, int64_t rows,
@@ -131,25 +148,39 @@ int rollout_engine_add_rmsnorm_f32(const float* x, float* residual, const float*
 int rollout_engine_rope_f32(float* q, float* k, const float* cos, const float* sin,
                             int64_t tokens, int64_t hq, int64_t hk, int64_t d,
                             int64_t q_stride, int64_t k_stride) {
-  const int64_t half = d / 2;
   at::parallel_for(0, tokens, grain((hq + hk) * d), [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      for (int64_t h = 0; h < hq + hk; ++h) {
+        float* x = h < hq ? q + t * q_stride + h * d : k + t * k_stride + (h - hq) * d;
+        rotate_head(x, cos + t * d, sin + t * d, d, x);
+      }
+    }
+  });
+  return 0;
+}
+
+// A decode step's rope and KV write in one pass: q rotated in place as rope does; k rotated
+// into k_pool[loc[t]] and v copied into v_pool[loc[t]] (pools [num_slots, hk, D] contiguous),
+// which is what rope then KVPool.set_kv leave there (k in qkv is left unrotated: the caller
+// reads K only from the pool). Returns 1 with nothing written if a loc is out of range.
+int rollout_engine_rope_store_f32(float* q, const float* k, const float* v, const float* cos,
+                                  const float* sin, int64_t tokens, int64_t hq, int64_t hk,
+                                  int64_t d, int64_t stride, const int64_t* loc, float* k_pool,
+                                  float* v_pool, int64_t num_slots) {
+  for (int64_t t = 0; t < tokens; ++t)
+    if (loc[t] < 0 || loc[t] >= num_slots) return 1;
+  const int64_t row = hk * d;
+  at::parallel_for(0, tokens, grain((hq + 2 * hk) * d), [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const float* c = cos + t * d;
       const float* s = sin + t * d;
-      for (int64_t h = 0; h < hq + hk; ++h) {
-        float* x = h < hq ? q + t * q_stride + h * d : k + t * k_stride + (h - hq) * d;
-        int64_t i = 0;
-        for (; i + 8 <= half; i += 8) {
-          v8f x1 = load8(x + i), x2 = load8(x + half + i), cv = load8(c + i), sv = load8(s + i);
-          store8(x + i, x1 * cv - x2 * sv);
-          store8(x + half + i, x2 * cv + x1 * sv);
-        }
-        for (; i < half; ++i) {
-          const float x1 = x[i], x2 = x[half + i];
-          x[i] = x1 * c[i] - x2 * s[i];
-          x[half + i] = x2 * c[i] + x1 * s[i];
-        }
+      for (int64_t h = 0; h < hq; ++h) {
+        float* x = q + t * stride + h * d;
+        rotate_head(x, c, s, d, x);
       }
+      float* kd = k_pool + loc[t] * row;
+      for (int64_t h = 0; h < hk; ++h) rotate_head(k + t * stride + h * d, c, s, d, kd + h * d);
+      std::memcpy(v_pool + loc[t] * row, v + t * stride, row * sizeof(float));
     }
   });
   return 0;
