@@ -56,10 +56,21 @@ def uniforms_for(seeds: list[int], steps: list[int]) -> torch.Tensor:
     """``[uniform_for(s, k) for s, k in zip(seeds, steps)]`` as a float64 tensor, computed on
     uint64 arrays (numpy's wrap around 2^64 is splitmix64's ``& _MASK64``): bit-identical, and
     a batch's worth of Python big-int arithmetic less per step."""
+    return uniforms_from_mix(seed_mix(seeds), steps)
+
+
+def seed_mix(seeds: list[int]) -> np.ndarray:
+    """``splitmix64(seed)`` of each seed (uint64): the per-request half of ``uniform_for``."""
     x = np.array([s & _MASK64 for s in seeds], dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        return _splitmix64_array(x)
+
+
+def uniforms_from_mix(mix: np.ndarray, steps: list[int]) -> torch.Tensor:
+    """``uniforms_for`` from the seeds' ``seed_mix``."""
     k = np.array(steps, dtype=np.int64).astype(np.uint64)
     with np.errstate(over="ignore"):
-        u = _splitmix64_array(_splitmix64_array(x) ^ k) >> np.uint64(11)
+        u = _splitmix64_array(mix ^ k) >> np.uint64(11)
     return torch.from_numpy(u.astype(np.float64) * (1.0 / (1 << 53)))
 
 
@@ -88,6 +99,10 @@ class SamplingBatch:
     top_logprobs_num: Union[int, list[int]] = 0      # per row, or one number for every row
     # grammar rows whose returned logprobs are the masked ones (return_masked_logprobs)
     masked_logprob_rows: list[int] = field(default_factory=list)
+    # what ``sample`` derives from the per-row parameters (not uniforms or penalties), kept
+    # here for the next steps of the same rows: build_sampling_batch hands the same dict to
+    # every step of an unchanged batch (None: derive afresh)
+    derived: Optional[dict[str, Any]] = None
 
 
 @dataclass
@@ -136,16 +151,25 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, mask: Optional[TokenMask] = 
     the rest (and is the oracle the kernel is tested against)."""
     b, vocab = logits.shape
     logits = logits.contiguous()
-    greedy = greedy_rows(sb)
-    truncated = ~greedy & ((sb.top_ks < vocab) | (sb.top_ps < 1))
-    fast = _one_pass_rows(logits, sb, mask, truncated)
+    # without penalties or a grammar mask, which rows the kernel takes and what it is given
+    # follow from the per-row parameters alone: kept across the steps of the same rows
+    derived = sb.derived if sb.penalties is None and mask is None else None
+    if derived is not None and derived.get("vocab") == vocab:
+        greedy, fast = derived["greedy"], derived["fast"]
+    else:
+        greedy = greedy_rows(sb)
+        truncated = ~greedy & ((sb.top_ks < vocab) | (sb.top_ps < 1))
+        fast = _one_pass_rows(logits, sb, mask, truncated)
+        if derived is not None:
+            derived.clear()
+            derived.update(vocab=vocab, greedy=greedy, fast=fast)
     if fast is None:
         return sample_reference(logits, sb, mask)
     ops, rows = fast
     if rows.numel() < b:   # the others need [B, V] passes: the kernel picks its rows' tokens
-        tokens, _ = _sample_one_pass(ops, logits, sb, greedy, rows)
+        tokens, _ = _sample_one_pass(ops, logits, sb, greedy, rows, derived)
         return sample_reference(logits, sb, mask, one_pass=(rows, tokens))
-    tokens, chosen = _sample_one_pass(ops, logits, sb, greedy, rows)
+    tokens, chosen = _sample_one_pass(ops, logits, sb, greedy, rows, derived)
     nums = _per_row(sb.top_logprobs_num, b)
     asking = [i for i, k in enumerate(nums) if k > 0]
     top = None
@@ -182,20 +206,27 @@ def _one_pass_rows(logits: torch.Tensor, sb: SamplingBatch, mask: Optional[Token
 
 
 def _sample_one_pass(ops: Any, logits: torch.Tensor, sb: SamplingBatch, greedy: torch.Tensor,
-                     rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's tokens and logprobs for batch ``rows`` (ascending) of ``logits``."""
+                     rows: torch.Tensor, derived: Optional[dict[str, Any]] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's tokens and logprobs for batch ``rows`` (ascending) of ``logits``;
+    ``derived``: where the per-row arguments are kept for later steps (``sample``)."""
     whole = rows.numel() == logits.shape[0]
 
     def pick(t: torch.Tensor) -> torch.Tensor:
         return (t if whole else t.index_select(0, rows)).contiguous()
 
-    t = pick(sb.temperatures)
-    top_ks = pick(sb.top_ks)
-    capped = bool((top_ks < logits.shape[1]).any())
-    return ops.sample_rows(pick(logits), torch.where(t > 0, t, torch.ones_like(t)),
-                           pick(sb.min_ps), pick(sb.uniforms.to(torch.float64)),
-                           pick(greedy.to(torch.uint8)), _penalty_csr(logits, sb, rows),
-                           top_ks.clamp(min=1) if capped else None)
+    args = None if derived is None else derived.get("kernel_args")
+    if args is None:
+        t = pick(sb.temperatures)
+        top_ks = pick(sb.top_ks)
+        capped = bool((top_ks < logits.shape[1]).any())
+        args = (torch.where(t > 0, t, torch.ones_like(t)), pick(sb.min_ps),
+                pick(greedy.to(torch.uint8)), top_ks.clamp(min=1) if capped else None)
+        if derived is not None:
+            derived["kernel_args"] = args
+    temps, min_ps, greedy_u8, top_ks = args
+    return ops.sample_rows(pick(logits), temps, min_ps, pick(sb.uniforms.to(torch.float64)),
+                           greedy_u8, _penalty_csr(logits, sb, rows), top_ks)
 
 
 def _penalty_csr(logits: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor

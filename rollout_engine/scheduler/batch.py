@@ -11,7 +11,12 @@ import torch
 from rollout_engine.host_lists import list_tensor
 from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
 from rollout_engine.penalties import Penalties, PenaltyCounts
-from rollout_engine.sampler import SamplingBatch, compute_logprobs, uniforms_for
+from rollout_engine.sampler import (
+    SamplingBatch,
+    compute_logprobs,
+    seed_mix,
+    uniforms_from_mix,
+)
 from rollout_engine.scheduler.request import Req
 
 
@@ -127,27 +132,76 @@ class ScheduleBatch:
                     list(zip(v, i)) for v, i in zip(vals.tolist(), idx.tolist()))
 
 
-def build_sampling_batch(reqs: list[Req], vocab_size: int, eos_ids: frozenset[int],
-                         device: torch.device, counts: PenaltyCounts,
-                         grammar_ended: frozenset[int] = frozenset()) -> SamplingBatch:
-    """Per-row tensors of the requests about to sample (in row order). A request that uses
-    penalties takes a row of ``counts`` the first time it gets here. ``grammar_ended``: rows
-    whose grammar allows only stop tokens; min_new_tokens does not ban EOS there (the grammar
-    wins, or no token would be left)."""
+@dataclass
+class _RowParams:
+    """What ``build_sampling_batch`` takes from the requests' fixed parameters."""
+
+    temperatures: torch.Tensor
+    top_ps: torch.Tensor
+    top_ks: torch.Tensor
+    min_ps: torch.Tensor
+    seed_mix: np.ndarray
+    top_logprobs_num: list[int]
+    masked_logprob_rows: list[int]
+    penalised: bool                  # any row with penalties or a min_new_tokens ban to check
+    derived: dict = field(default_factory=dict)   # SamplingBatch.derived
+
+
+class SamplingRowsCache:
+    """The last batch's ``_RowParams``, reused while the rows are the same requests (by
+    identity, held here so none is recycled) in the same order: a decode step's batch is
+    mostly the previous one, and building these is ~10 tensors and passes over the batch."""
+
+    def __init__(self) -> None:
+        self._reqs: list[Req] = []
+        self._params: Optional[_RowParams] = None
+
+    def get(self, reqs: list[Req], vocab_size: int, device: torch.device) -> _RowParams:
+        same = self._params is not None and len(reqs) == len(self._reqs) and all(
+            a is b for a, b in zip(reqs, self._reqs))
+        if not same:
+            self._params = _row_params(reqs, vocab_size, device)
+            self._reqs = list(reqs)
+        assert self._params is not None
+        return self._params
+
+
+def _row_params(reqs: list[Req], vocab_size: int, device: torch.device) -> _RowParams:
     params = [req.params for req in reqs]
-    return SamplingBatch(
+    return _RowParams(
         # the request's own temperature: its logprobs use it
         temperatures=list_tensor([p.temperature for p in params], torch.float32, device),
         top_ps=list_tensor([p.top_p for p in params], torch.float32, device),
         top_ks=list_tensor([vocab_size if p.top_k == -1 else min(p.top_k, vocab_size)
                             for p in params], torch.int64, device),
         min_ps=list_tensor([p.min_p for p in params], torch.float32, device),
-        uniforms=uniforms_for([r.seed for r in reqs],
-                              [len(r.output_ids) for r in reqs]).to(device),
-        penalties=_penalties(reqs, eos_ids, device, counts, grammar_ended),
+        seed_mix=seed_mix([r.seed for r in reqs]),
         top_logprobs_num=[r.top_logprobs_num if r.return_logprob else 0 for r in reqs],
         masked_logprob_rows=[i for i, r in enumerate(reqs)
                              if r.params.return_masked_logprobs and r.grammar is not None],
+        penalised=any(uses_counts(r) or r.params.min_new_tokens > 0 for r in reqs))
+
+
+def build_sampling_batch(reqs: list[Req], vocab_size: int, eos_ids: frozenset[int],
+                         device: torch.device, counts: PenaltyCounts,
+                         grammar_ended: frozenset[int] = frozenset(),
+                         cache: Optional[SamplingRowsCache] = None) -> SamplingBatch:
+    """Per-row tensors of the requests about to sample (in row order). A request that uses
+    penalties takes a row of ``counts`` the first time it gets here. ``grammar_ended``: rows
+    whose grammar allows only stop tokens; min_new_tokens does not ban EOS there (the grammar
+    wins, or no token would be left). ``cache``: where the rows' fixed parameters are kept
+    for the next call with the same requests."""
+    rows = cache.get(reqs, vocab_size, device) if cache is not None else _row_params(
+        reqs, vocab_size, device)
+    return SamplingBatch(
+        temperatures=rows.temperatures, top_ps=rows.top_ps, top_ks=rows.top_ks,
+        min_ps=rows.min_ps,
+        uniforms=uniforms_from_mix(rows.seed_mix, [len(r.output_ids) for r in reqs]).to(device),
+        penalties=(_penalties(reqs, eos_ids, device, counts, grammar_ended)
+                   if rows.penalised else None),
+        top_logprobs_num=rows.top_logprobs_num,
+        masked_logprob_rows=rows.masked_logprob_rows,
+        derived=rows.derived if cache is not None else None,
     )
 
 

@@ -33,7 +33,11 @@ from rollout_engine.protocol.messages import (
 )
 from rollout_engine.sampler import sample
 from rollout_engine.scheduler import policy
-from rollout_engine.scheduler.batch import ScheduleBatch, build_sampling_batch
+from rollout_engine.scheduler.batch import (
+    SamplingRowsCache,
+    ScheduleBatch,
+    build_sampling_batch,
+)
 from rollout_engine.scheduler.control import ControlHandlers
 from rollout_engine.scheduler.kv_manager import KVManager
 from rollout_engine.scheduler.request import Req, ReqState
@@ -60,6 +64,7 @@ class Scheduler:
         self.stop_checker = StopChecker(tokenizer, self.eos_ids, self.runner.context_len)
         self.vocab_size = self.runner.arch.vocab_size
         self.penalty_counts = PenaltyCounts(self.vocab_size, self.device)
+        self.sampling_rows = SamplingRowsCache()   # a decode batch's fixed sampling params
         self.grammars: GrammarScheduling[Req] = GrammarScheduling(
             config.grammar_backend, tokenizer, self.vocab_size, sorted(self.eos_ids),
             any_whitespace=not config.constrained_json_disable_any_whitespace,
@@ -342,7 +347,7 @@ class Scheduler:
             ended = self.grammars.stop_only_rows(mask, [
                 len(r.output_ids) < r.params.min_new_tokens for r in reqs] if mask else [])
             sb = build_sampling_batch(reqs, self.vocab_size, self.eos_ids, self.device,
-                                      self.penalty_counts, ended)
+                                      self.penalty_counts, ended, self.sampling_rows)
             # decode samples every row in order: skip the [B, V] copy of an index
             whole = rows == list(range(logits.shape[0]))
             out = sample(logits if whole else logits[rows], sb, mask)

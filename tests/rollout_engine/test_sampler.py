@@ -30,7 +30,7 @@ from rollout_engine.sampler import (
     uniforms_for,
 )
 from rollout_engine.sampling_params import SamplingParams
-from rollout_engine.scheduler.batch import build_sampling_batch
+from rollout_engine.scheduler.batch import SamplingRowsCache, build_sampling_batch
 
 N = 20_000
 LOGITS = [2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 3.0, 0.2, -2.0, 1.2, 0.8]
@@ -324,17 +324,22 @@ def _penaliser(req: _Req, eos: frozenset[int]):
     return penalise
 
 
+@pytest.mark.parametrize("cached", [False, True])
 @pytest.mark.parametrize("penalties", [None, "most", "few"])
-def test_tokens_and_logprobs_equal_the_reference_on_every_option(penalties):
+def test_tokens_and_logprobs_equal_the_reference_on_every_option(penalties, cached):
     """Every combination of T, top_k, top_p and min_p, with and without penalties (frequency,
     presence, repetition, min_new_tokens banning EOS), over several decode steps of fixed seeds:
     the same tokens as the float64 reference with the same uniforms, logprobs within 1e-6
     (relative past 1).
-    Penalty counts are kept incrementally by ``PenaltyCounts``; the reference recounts."""
+    Penalty counts are kept incrementally by ``PenaltyCounts``; the reference recounts.
+    ``cached``: the rows' parameters and what ``sample`` derives from them are kept across the
+    steps (``SamplingRowsCache``), as the scheduler's decode steps do; from the third step on
+    the batch loses a row and is reordered, so the kept rows must be rebuilt."""
     g = torch.Generator().manual_seed(3)
     eos = frozenset({3})
     pool = PenaltyCounts(REF_VOCAB, torch.device("cpu"))
-    steps = 3 if penalties else 1
+    steps = 4 if cached else 3 if penalties else 1
+    cache = SamplingRowsCache() if cached else None
     reqs, rows = [], []
     for c, case in enumerate(GRID):
         extra = dict(frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.3,
@@ -345,11 +350,17 @@ def test_tokens_and_logprobs_equal_the_reference_on_every_option(penalties):
             params = SamplingParams(**case, **(extra if has else {}))
             prompt = torch.randint(0, REF_VOCAB, (20,), generator=g).tolist()
             reqs.append(_Req(prompt, params, seed=1000 * c + r))
-    total = 0
-    for _ in range(steps):
+    total, everyone = 0, reqs
+    for step in range(steps):
+        if cached and step == 2:
+            reqs = reqs[:0:-1]     # one row fewer, the rest reversed
         logits = torch.randn(len(reqs), REF_VOCAB, generator=g) * 3
         logits[:, 3] = logits.max() + 1   # EOS the favourite: min_new_tokens must ban it
-        sb = build_sampling_batch(reqs, REF_VOCAB, eos, torch.device("cpu"), pool)
+        sb = build_sampling_batch(reqs, REF_VOCAB, eos, torch.device("cpu"), pool, cache=cache)
+        if cached and step == 1:   # the same rows: their parameters were kept
+            assert sb.temperatures is kept.temperatures and sb.derived is kept.derived
+            assert (sb.penalties is None) == (penalties is None)
+        kept = sb
         before = logits.clone()
         out = sample(logits, sb)
         assert torch.equal(logits, before)   # penalty entries are restored
@@ -368,9 +379,11 @@ def test_tokens_and_logprobs_equal_the_reference_on_every_option(penalties):
             pool.record([row for row, _ in rows], [t for _, t in rows])
         for req, t in zip(reqs, out.token_ids):
             req.output_ids.append(t)
-    assert total == steps * len(reqs)
+    assert total == (steps * len(reqs) + (2 if cached else 0))
+    if cached:
+        assert sb.derived is not None and (bool(sb.derived) == (penalties is None))
     assert (pool.num_used > 0) == bool(penalties)
-    for req in reqs:
+    for req in everyone:
         if req.penalty_row is not None:
             pool.give_back(req.penalty_row)
     assert pool.num_used == 0 and pool.counts.shape[0] == 0   # memory goes when the rows do
