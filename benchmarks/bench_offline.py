@@ -16,8 +16,12 @@ each round's ours / vLLM is printed too:
     python benchmarks/bench_offline.py --quick    # batch 64, 64 new tokens
     python benchmarks/bench_offline.py            # batch 64, 128, 256
 
-The fraction of the roofline is tok/s over (measured fp32 matmul rate / 2 x matmul params).
-The last line printed is ours / vLLM at the largest batch.
+The fraction of the roofline is tok/s over (fp32 matmul rate / 2 x matmul params), the rate
+being the fastest of every measurement the run makes: at the start (4 KB and huge pages) and
+right before and after each round's run of ours (this host's speed swings ~40% within minutes,
+so a rate measured once, in a slow minute, would flatter every later run). Each round's ours
+against the rate measured around it is recorded too. The last line printed is ours / vLLM at
+the largest batch.
 """
 
 from __future__ import annotations
@@ -220,8 +224,11 @@ def main() -> None:
           f"GFLOP/s, copy {mach['copy_gbps']:.1f} GB/s; load {os.getloadavg()[0]:.1f}", flush=True)
     print(f"workload: batch {batches} (P x n={N_SAMPLES}), {args.prompt_len}-token prompts, "
           f"{new_tokens} new, T=1, logprobs; {params['matmul'] / 1e6:.1f}M matmul params, "
-          f"roofline {roof:.0f} tok/s", flush=True)
+          f"roofline {roof:.0f} tok/s (at the start's rate; the table uses the run's fastest)",
+          flush=True)
 
+    rates = [mach["matmul_fp32_gflops"]]   # every matmul rate measured in this run
+    around_ours: list[list[float]] = []     # per round: the rates just before / after ours
     sides = [s for s in args.sides.split(",") if s]
     found: dict[str, Optional[dict[str, Any]]] = {s: {str(b): [] for b in batches} for s in sides}
     per_round: list[dict[str, Any]] = []
@@ -235,6 +242,13 @@ def main() -> None:
                 py = vllm_peer.vllm_python(setup=not args.no_vllm_setup)
                 got = (vllm_peer.run_vllm_script(py, VLLM_SCRIPT, spec, timeout=3600,
                                                  threads=threads) if py else None)
+            elif side == "ours":
+                before = common.matmul_gflops(reps=10)
+                got = _run_side(side, spec)
+                around = [round(before, 2), round(common.matmul_gflops(reps=10), 2)]
+                rates += around
+                if got is not None:
+                    around_ours.append(around)
             else:
                 got = _run_side(side, spec)
             print(f"round {rnd + 1}, {side}: {got} ({time.perf_counter() - t0:.0f} s with "
@@ -243,6 +257,8 @@ def main() -> None:
                 found[side] = None
                 continue
             this_round[side] = got
+            if side == "ours":
+                this_round["ours_matmul_gflops_around"] = around_ours[-1]
             for b in batches:
                 found[side][str(b)] += got[str(b)]   # type: ignore[index]
         per_round.append(this_round)
@@ -250,6 +266,15 @@ def main() -> None:
     paired = [{str(b): max(r["ours"][str(b)]) / max(r["vllm"][str(b)]) for b in batches}
               for r in per_round if "ours" in r and "vllm" in r]
 
+    rate = max(rates)
+    roof = common.compute_roofline_tok_s(rate, params["matmul"])
+    print(f"matmul rates measured: start {mach['matmul_fp32_gflops']:.1f}, around ours "
+          f"{around_ours} GFLOP/s; roofline from the fastest, {rate:.1f}: {roof:.0f} tok/s")
+    # each round's ours over the roofline of the rate measured around that run
+    ours_of_adjacent = [
+        {str(b): max(r["ours"][str(b)]) / common.compute_roofline_tok_s(
+            max(r["ours_matmul_gflops_around"]), params["matmul"]) for b in batches}
+        for r in per_round if "ours" in r]
     best = {s: {b: max(r[str(b)]) for b in batches} for s, r in found.items() if r}
     rows = []
     for b in batches:
@@ -267,6 +292,8 @@ def main() -> None:
     name = args.name or ("bench_offline_quick" if args.quick else "bench_offline")
     path = common.save_result(name, {
         "machine": mach, "params": params, "roofline_tok_s": roof,
+        "roofline_matmul_gflops": rate, "matmul_gflops_around_ours": around_ours,
+        "ours_of_adjacent_roofline_by_round": ours_of_adjacent,
         "workload": {k: v for k, v in spec.items() if k != "model_dir"} | {
             "model": "tiny qwen2 PRESET_55M", "dtype": "float32", "temperature": 1.0,
             "ignore_eos": True, "logprobs": True},
@@ -282,6 +309,9 @@ def main() -> None:
     for i, r in enumerate(paired):
         print(f"round {i + 1}: ours / vLLM " + ", ".join(
             f"batch {b} {r[str(b)]:.2f}x" for b in batches))
+    for i, r in enumerate(ours_of_adjacent):
+        print(f"round {i + 1}: ours of the roofline measured around it " + ", ".join(
+            f"batch {b} {r[str(b)]:.0%}" for b in batches))
 
 
 if __name__ == "__main__":
