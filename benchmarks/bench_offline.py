@@ -228,7 +228,6 @@ def main() -> None:
           flush=True)
 
     rates = [mach["matmul_fp32_gflops"]]   # every matmul rate measured in this run
-    around_ours: list[list[float]] = []     # per round: the rates just before / after ours
     sides = [s for s in args.sides.split(",") if s]
     found: dict[str, Optional[dict[str, Any]]] = {s: {str(b): [] for b in batches} for s in sides}
     per_round: list[dict[str, Any]] = []
@@ -247,8 +246,6 @@ def main() -> None:
                 got = _run_side(side, spec)
                 around = [round(before, 2), round(common.matmul_gflops(reps=10), 2)]
                 rates += around
-                if got is not None:
-                    around_ours.append(around)
             else:
                 got = _run_side(side, spec)
             print(f"round {rnd + 1}, {side}: {got} ({time.perf_counter() - t0:.0f} s with "
@@ -257,8 +254,8 @@ def main() -> None:
                 found[side] = None
                 continue
             this_round[side] = got
-            if side == "ours":
-                this_round["ours_matmul_gflops_around"] = around_ours[-1]
+            if side == "ours":   # the rates just before and after it
+                this_round["ours_matmul_gflops_around"] = around
             for b in batches:
                 found[side][str(b)] += got[str(b)]   # type: ignore[index]
         per_round.append(this_round)
@@ -266,6 +263,7 @@ def main() -> None:
     paired = [{str(b): max(r["ours"][str(b)]) / max(r["vllm"][str(b)]) for b in batches}
               for r in per_round if "ours" in r and "vllm" in r]
 
+    around_ours = [r["ours_matmul_gflops_around"] for r in per_round if "ours" in r]
     rate = max(rates)
     roof = common.compute_roofline_tok_s(rate, params["matmul"])
     print(f"matmul rates measured: start {mach['matmul_fp32_gflops']:.1f}, around ours "
@@ -273,8 +271,8 @@ def main() -> None:
     # each round's ours over the roofline of the rate measured around that run
     ours_of_adjacent = [
         {str(b): max(r["ours"][str(b)]) / common.compute_roofline_tok_s(
-            max(r["ours_matmul_gflops_around"]), params["matmul"]) for b in batches}
-        for r in per_round if "ours" in r]
+            max(around), params["matmul"]) for b in batches}
+        for r, around in zip([r for r in per_round if "ours" in r], around_ours)]
     best = {s: {b: max(r[str(b)]) for b in batches} for s, r in found.items() if r}
     rows = []
     for b in batches:

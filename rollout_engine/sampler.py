@@ -154,15 +154,14 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, mask: Optional[TokenMask] = 
     # without penalties or a grammar mask, which rows the kernel takes and what it is given
     # follow from the per-row parameters alone: kept across the steps of the same rows
     derived = sb.derived if sb.penalties is None and mask is None else None
-    if derived is not None and derived.get("vocab") == vocab:
+    if derived:
         greedy, fast = derived["greedy"], derived["fast"]
     else:
         greedy = greedy_rows(sb)
         truncated = ~greedy & ((sb.top_ks < vocab) | (sb.top_ps < 1))
         fast = _one_pass_rows(logits, sb, mask, truncated)
         if derived is not None:
-            derived.clear()
-            derived.update(vocab=vocab, greedy=greedy, fast=fast)
+            derived.update(greedy=greedy, fast=fast)
     if fast is None:
         return sample_reference(logits, sb, mask)
     ops, rows = fast

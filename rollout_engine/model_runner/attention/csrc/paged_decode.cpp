@@ -155,8 +155,8 @@ constexpr int64_t kAhead = 2;         // blocks of keys prefetched ahead
 // Into L1 (prefetcht0): with prefetcht1 (into L2) the first load of each key row still
 // waited (perf: a fifth of the kernel's samples on the QK tile's first FMAs); GRPO step at
 // batch 256, own 16 / 64 / 128: 3-9% less a layer.
-inline void prefetch_row(const float* p, int64_t bytes) {
-  const char* c = reinterpret_cast<const char*>(p);
+inline void prefetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
@@ -188,9 +188,8 @@ struct KeyStream {
         // waited on a cold table row for each new member; with this, 2-7% less a layer)
         if (m + 1 < num_members) {
           const int64_t b2 = members[m + 1];
-          const char* t = reinterpret_cast<const char*>(table + rows[b2] * C + own_start[b2]);
-          for (int64_t off = 0; off < (seq_lens[b2] - own_start[b2]) * 8; off += 64)
-            __builtin_prefetch(t + off, 0, 3);
+          prefetch_row(table + rows[b2] * C + own_start[b2],
+                       (seq_lens[b2] - own_start[b2]) * int64_t(sizeof(int64_t)));
         }
         continue;
       }
