@@ -105,11 +105,11 @@ def parity(ctx: Ctx) -> Section:
 
 def kernel_errors(ctx: Ctx, dtype: torch.dtype) -> dict[str, tuple[float, float]]:
     """Max abs error of each Triton kernel against its ``*_ref`` on random inputs."""
-    from kernels.decode_attention import decode_attention, decode_attention_ref
-    from kernels.extend_attention import extend_attention, extend_attention_ref
-    from kernels.logprob_gather import logprob_gather, logprob_gather_ref
-    from kernels.rmsnorm import rmsnorm, rmsnorm_ref
-    from kernels.rotary import build_cos_sin_cache, compute_inv_freq, rotary, rotary_ref
+    from rollout_kernels.decode_attention import decode_attention, decode_attention_ref
+    from rollout_kernels.extend_attention import extend_attention, extend_attention_ref
+    from rollout_kernels.logprob_gather import logprob_gather, logprob_gather_ref
+    from rollout_kernels.rmsnorm import rmsnorm, rmsnorm_ref
+    from rollout_kernels.rotary import build_cos_sin_cache, compute_inv_freq, rotary, rotary_ref
 
     dev, dry = ctx.device, ctx.dry
     g = torch.Generator().manual_seed(1)

@@ -1,7 +1,7 @@
 """Kernel test setup: run Triton in its CPU interpreter when there is no GPU.
 
 ``TRITON_INTERPRET`` is read when a ``@triton.jit`` function is defined, so it is set here,
-before any test module imports ``kernels.*``. (A conftest higher up that imports the kernels
+before any test module imports ``rollout_kernels.*``. (A conftest higher up that imports the kernels
 first would defeat this; the launchers then raise a ValueError naming the device mismatch.)
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from kernels._utils import interpret_mode  # noqa: E402
+from rollout_kernels._utils import interpret_mode  # noqa: E402
 
 RESERVED_SLOT = 0  # never allocated; its K/V are poisoned so a stray read shows up
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import kernel_device_ok, next_power_of_2
+from rollout_kernels._utils import kernel_device_ok, next_power_of_2
 
 __all__ = ["rmsnorm", "rmsnorm_ref"]
 

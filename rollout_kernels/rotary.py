@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import kernel_device_ok, next_power_of_2
+from rollout_kernels._utils import kernel_device_ok, next_power_of_2
 
 __all__ = ["build_cos_sin_cache", "compute_inv_freq", "rotary", "rotary_ref"]
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import kernel_device_ok
+from rollout_kernels._utils import kernel_device_ok
 
 __all__ = ["logprob_gather", "logprob_gather_ref"]
 
