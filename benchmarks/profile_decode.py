@@ -304,7 +304,7 @@ def flat_labelled(rec: StepRecorder, fn: Callable) -> Callable:
     def call(flat: Any, *args: Any) -> Any:
         if not getattr(flat, "_profile_labelled", False):
             for attr, label in (("_rmsnorm", "norms"), ("_add_rmsnorm", "norms"),
-                                ("_rope", "rope"), ("_silu_mul", "activation")):
+                                ("_rope_store", "rope"), ("_silu_mul", "activation")):
                 setattr(flat, attr, labelled(label)(getattr(flat, attr)))
             if flat._gemm is not None:
                 flat._gemm = gemm(flat._gemm)
