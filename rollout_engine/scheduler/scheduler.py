@@ -198,6 +198,9 @@ class Scheduler:
         ratio = self.new_token_ratio
         # the chunked request decodes too once its prompt is in: keep its future free as well
         active = self.active_reqs()
+        # what this step computes right after a cached prefix: a waiting request sharing it
+        # waits a step and finds it cached (policy.shares_uncached_prefix)
+        keys: set[tuple[int, ...]] = set()
         if self.chunked is not None:
             req, self.chunked = self.chunked, None
             ext = min(req.seq_len - req.kv_len, budget)
@@ -206,6 +209,9 @@ class Scheduler:
             reqs.append(req)
             lens.append(ext)
             budget -= ext
+            # its siblings match what its earlier chunks cached: admitted beside this chunk,
+            # one would compute the same tokens again
+            keys.add(policy.share_key(req, req.kv_len))
             if req.kv_len + ext < req.seq_len:
                 self.chunked = req
                 return ScheduleBatch(ForwardMode.EXTEND, reqs, lens)
@@ -216,7 +222,6 @@ class Scheduler:
                                      self.config.schedule_policy,
                                      self.config.schedule_lpm_fallback_queue_len)
         max_running = self.runner.max_running_requests
-        keys: set[tuple[int, ...]] = set()
         admitted: set[int] = set()
         for cand in cands:
             req = cand.req

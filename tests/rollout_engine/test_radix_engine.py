@@ -173,6 +173,21 @@ def test_n_samples_prefill_the_prompt_once(page_size, qwen2_path, make_engine):
     assert computed <= len(longer) - hit + 7 * page_size, (computed, hit)
 
 
+def test_siblings_wait_for_a_chunked_prompt_instead_of_computing_its_last_chunk(
+        qwen2_path, make_engine):
+    # the prompt is prefilled in two chunks (100 + 50 tokens); the step that computes its last
+    # 50 has budget left, and the siblings already match the first 100: one of them admitted
+    # then would compute the same 50 tokens beside it instead of finding them cached a step on
+    engine = make_engine(qwen2_path, chunked_prefill_size=100)
+    rng = random.Random(5)
+    prompt = rand_ids(rng, 150, engine.tm.vocab_size)
+    before = stat(engine, "prefill_tokens")
+    outs = gen(engine, [prompt], {**GREEDY, "n": 8})
+    computed = stat(engine, "prefill_tokens") - before
+    assert all(o["output_ids"] == hf_ref(qwen2_path, prompt) for o in outs)
+    assert computed == len(prompt) + 7, computed   # each sibling recomputes its last token only
+
+
 # ---- eviction under a KV budget much smaller than the working set ----------------------------
 
 @pytest.mark.parametrize("page_size", [1, 16])
