@@ -30,7 +30,8 @@ class ScheduleBatch:
     extend_lens: list[int]
     # filled by to_forward_batch: which logits row belongs to what
     sample_rows: list[int] = field(default_factory=list)      # per req: row or -1
-    input_logprob_rows: list[tuple[int, int]] = field(default_factory=list)  # per req: [a, b)
+    # per req: [a, b) (empty for a decode step: no prompt logprobs are left to compute)
+    input_logprob_rows: list[tuple[int, int]] = field(default_factory=list)
     input_logprob_targets: list[list[int]] = field(default_factory=list)
 
     def to_forward_batch(self, device: torch.device) -> ForwardBatch:
@@ -95,8 +96,9 @@ class ScheduleBatch:
             return None
         n = len(reqs)
         self.sample_rows = list(range(n))
-        self.input_logprob_rows = [(i, i) for i in range(n)]
-        self.input_logprob_targets = [[] for _ in range(n)]
+        # a running request's prompt logprobs were all computed by its prefill: none to record
+        # (record_input_logprobs has no row to visit, instead of 256 empty ones a step)
+        self.input_logprob_rows, self.input_logprob_targets = [], []
         # one [8, n] array (numpy converts nested lists ~3x faster than torch.tensor), rows
         # handed out as the batch's tensors
         table = np.array([[r.all_ids[s] for r, s in zip(reqs, starts)], starts,
