@@ -65,6 +65,47 @@ class PagedDecodeOp:
         fn.argtypes = ([ctypes.c_void_p] * 10 + [ctypes.c_int64] * 10
                        + [ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64])
         self._fn = fn
+        # the causal prefill entry (a library built before it has none: SDPA stays in use)
+        causal = getattr(self._lib, "rollout_engine_prefill_causal_f32", None)
+        if causal is not None:
+            causal.restype = ctypes.c_int
+            causal.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 7
+                               + [ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p,
+                                  ctypes.c_int64])
+        self._causal = causal
+
+    @property
+    def has_prefill_causal(self) -> bool:
+        return self._causal is not None
+
+    def prefill_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int,
+                       scale: float, out: torch.Tensor) -> None:
+        """Causal attention of ``n`` fresh prompts of equal length (no cached prefix), written
+        into ``out`` ``[n * e, Hq, D]`` (contiguous): token i of a prompt over keys 0..i of
+        the same prompt. q ``[n * e, Hq, D]``, k and v ``[n * e, Hkv, D]`` float32 on CPU, their
+        heads and dims contiguous and rows any stride apart (views into the fused qkv output),
+        k and v with the same row stride."""
+        if self._causal is None:
+            raise RuntimeError("prefill_causal: the loaded kernel library predates it")
+        for t in (q, k, v, out):
+            if t.dtype is not torch.float32 or not t.is_cpu or t.dim() != 3:
+                raise ValueError("prefill_causal: q, k, v, out must be 3-D float32 on CPU")
+        tokens, hq, d = q.shape
+        hkv = k.shape[1]
+        if not (n >= 1 and tokens % n == 0 and k.shape == v.shape == (tokens, hkv, d)
+                and out.shape == q.shape and out.is_contiguous() and hkv >= 1 and hq % hkv == 0
+                and _rows_strided(q) and _rows_strided(k) and _rows_strided(v)
+                and k.stride(0) == v.stride(0)):
+            raise ValueError(f"prefill_causal: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                             f"v {tuple(v.shape)}, out {tuple(out.shape)} for {n} prompts "
+                             "disagree or are not row-strided")
+        if tokens == 0:
+            return
+        err = ctypes.create_string_buffer(256)
+        rc = self._causal(q.data_ptr(), k.data_ptr(), v.data_ptr(), n, tokens // n, hq, hkv, d,
+                          q.stride(0), k.stride(0), scale, out.data_ptr(), err, len(err))
+        if rc:
+            raise RuntimeError(err.value.decode(errors="replace"))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
                  rows: torch.Tensor, seq_lens: torch.Tensor, own_start: torch.Tensor,

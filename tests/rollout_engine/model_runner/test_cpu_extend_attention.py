@@ -119,3 +119,74 @@ def test_prefill_sized_fresh_runs() -> None:
     """4096 tokens of fresh prompts (32 x 128) and ragged lengths in one batch."""
     _check([(0, 128, 0)] * 32, hq=8, hkv=2, d=64, seed=2)
     _check([(0, n, 0) for n in (1, 2, 3, 64, 64, 65, 200, 7)], seed=3)
+
+
+# ---- fresh prompts through the compiled causal kernel (PagedDecodeOp.prefill_causal) ---------
+
+def _fused_views(gen: torch.Generator, tokens: int, hq: int, hkv: int, d: int):
+    """q, k, v as the model hands them over: row-strided views into one fused qkv output."""
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen)
+    q = qkv[:, :hq * d].view(tokens, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(tokens, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
+    return q, k, v
+
+
+def _causal_reference(q, k, v, n: int, scale: float) -> torch.Tensor:
+    tokens, hq, d = q.shape
+    e, g = tokens // n, hq // k.shape[1]
+    qd, kd, vd = (t.double().reshape(n, e, -1, d).transpose(1, 2) for t in (q, k, v))
+    kd, vd = kd.repeat_interleave(g, dim=1), vd.repeat_interleave(g, dim=1)
+    s = qd @ kd.transpose(-1, -2) * scale
+    s = s.masked_fill(~torch.ones(e, e, dtype=torch.bool).tril(), -torch.inf)
+    return (s.softmax(-1) @ vd).transpose(1, 2).reshape(tokens, hq, d).float()
+
+
+@pytest.mark.parametrize("n,e,hq,hkv,d", [(16, 128, 8, 2, 64), (3, 1, 4, 4, 32), (2, 100, 8, 2, 64),
+                                          (5, 33, 6, 2, 16), (1, 300, 4, 1, 128),
+                                          (2, 31, 2, 1, 256)])
+def test_causal_kernel_matches_reference(n: int, e: int, hq: int, hkv: int, d: int) -> None:
+    from rollout_engine.model_runner.attention.cpu_kernels import load_paged_decode
+
+    op = load_paged_decode()
+    assert op is not None and op.has_prefill_causal
+    gen = torch.Generator().manual_seed(n * e + d)
+    q, k, v = _fused_views(gen, n * e, hq, hkv, d)
+    out = torch.full((n * e, hq, d), float("nan"))
+    op.prefill_causal(q, k, v, n, d ** -0.5, out)
+    torch.testing.assert_close(out, _causal_reference(q, k, v, n, d ** -0.5), atol=TOL, rtol=0)
+
+
+def test_causal_kernel_refuses_bad_shapes() -> None:
+    from rollout_engine.model_runner.attention.cpu_kernels import load_paged_decode
+
+    op = load_paged_decode()
+    q, k, v = _fused_views(torch.Generator().manual_seed(0), 12, 4, 2, 32)
+    with pytest.raises(ValueError, match="disagree"):
+        op.prefill_causal(q, k, v, 5, 1.0, torch.empty(12, 4, 32))       # 12 tokens, 5 prompts
+    with pytest.raises(ValueError, match="disagree"):
+        op.prefill_causal(q, k, v, 2, 1.0, torch.empty(12, 4, 64)[..., :32])   # strided out
+    with pytest.raises(ValueError, match="float32"):
+        op.prefill_causal(q.double(), k, v, 2, 1.0, torch.empty(12, 4, 32))
+    with pytest.raises(RuntimeError, match="head_dim"):
+        q3, k3, v3 = _fused_views(torch.Generator().manual_seed(0), 4, 2, 1, 24)
+        op.prefill_causal(q3, k3, v3, 2, 1.0, torch.empty(4, 2, 24))
+
+
+def test_fresh_runs_take_the_kernel_not_sdpa(monkeypatch) -> None:
+    """The backend's fresh prompts (strided views, as the model passes them) go through the
+    kernel: SDPA is made to fail, and the result still equals the float64 reference."""
+    import rollout_engine.model_runner.attention.torch_native as tn
+
+    def no_sdpa(*args, **kwargs):
+        raise AssertionError("SDPA was called for a fresh run")
+
+    monkeypatch.setattr(tn.F, "scaled_dot_product_attention", no_sdpa)
+    gen = torch.Generator().manual_seed(7)
+    reqs = [(0, 128, 0)] * 3 + [(0, 40, 0)] * 2
+    pool, rtt, fb, _, _, _ = _batch(gen, reqs, 8, 2, 64)
+    q, k, v = _fused_views(gen, fb.out_cache_loc.numel(), 8, 2, 64)
+    ref = _reference(pool, rtt, fb, q, k, v, 0.125)
+    backend = TorchNativeBackend(pool, rtt)
+    backend.init_forward_metadata(fb)
+    torch.testing.assert_close(backend.forward(q, k, v, 0, 0.125, fb), ref, atol=TOL, rtol=0)

@@ -648,6 +648,78 @@ void run(const Args& a) {
   });
 }
 
+// Causal attention of freshly prefilled prompts (no cached prefix): n prompts of e tokens each,
+// token i of a prompt over keys 0..i of the same prompt. q [n * e, Hq, D] (rows q_stride floats
+// apart), k and v [n * e, Hkv, D] (rows kv_stride apart), out [n * e, Hq, D] contiguous.
+// A task is one prompt's KV head h and a tile of kBlock tokens [t0, t1): their G query heads
+// form nq = (t1 - t0) * G rows (row i * G + g: token t0 + i, head h * G + g) against the key
+// blocks up to the tile's own, the same batched pass as a decode chunk's shared prefix
+// (transpose_keys, qk_rows, rescale, pv_rows); only the tile's own block is masked (key j > i).
+struct CausalArgs {
+  const float *q, *k, *v;
+  int64_t n, e, Hq, Hkv, q_stride, kv_stride;
+  float scale;
+  float* out;
+};
+
+template <int NC>
+void prefill_causal(const CausalArgs& a) {
+  constexpr int64_t D = NC * 8;
+  const int64_t G = a.Hq / a.Hkv, tiles = (a.e + kBlock - 1) / kBlock;
+  parallel_tasks<Scratch>(a.n * a.Hkv * tiles, [&](int64_t task, Scratch& s) {
+    // the longest tiles first: task 0 is the last tile of prompt 0, head 0
+    const int64_t tile = tiles - 1 - task % tiles, h = task / tiles % a.Hkv;
+    const int64_t p = task / tiles / a.Hkv;
+    const int64_t t0 = tile * kBlock, t1 = std::min(t0 + kBlock, a.e), nq = (t1 - t0) * G;
+    const int64_t base = p * a.e;
+    s.Q.resize(nq * D);
+    s.m.assign(nq, kNegInf);
+    s.l.assign(nq, 0.0f);
+    s.acc.assign(nq * D, 0.0f);
+    s.S.resize(nq * kBlock);
+    s.Kt.resize(D * kBlock);
+    for (int64_t i = 0; i < t1 - t0; ++i) {
+      const float* src = a.q + (base + t0 + i) * a.q_stride + h * G * D;
+      float* dst = s.Q.data() + i * G * D;
+      for (int64_t x = 0; x < G * D; ++x) dst[x] = src[x] * a.scale;
+    }
+    const State st{s.m.data(), s.l.data(), s.acc.data()};
+    const float* kp[kBlock];
+    const float* vp[kBlock];
+    for (int64_t j0 = 0; j0 < t1; j0 += kBlock) {
+      for (int64_t j = 0; j < kBlock; ++j) {   // past the prompt: key 0 again, masked below
+        const int64_t key = base + (j0 + j < t1 ? j0 + j : 0);
+        kp[j] = a.k + key * a.kv_stride;
+        vp[j] = a.v + key * a.kv_stride;
+      }
+      for (int64_t j = 0; j < kBlock; j += 8) transpose_keys<NC>(kp + j, h * D, s.Kt.data() + j);
+      const int64_t bk = std::min(kBlock, t1 - j0);
+#if defined(__AVX512F__)
+      qk_rows<v16f, NC>(s.Q.data(), 0, nq, bk, s.Kt.data(), s.S.data());
+#else
+      qk_rows<v8f, NC>(s.Q.data(), 0, nq, bk, s.Kt.data(), s.S.data());
+#endif
+      if (j0 + kBlock > t0) {   // the tile's own block: token t0 + i sees keys up to itself
+        for (int64_t r = 0; r < nq; ++r) {
+          const int64_t last = t0 + r / G - j0;   // the row's last visible key in the block
+          for (int64_t j = last + 1; j < kBlock; ++j) s.S[r * kBlock + j] = kNegInf;
+        }
+      }
+      rescale<NC>(nq, st, s.S.data());
+      int64_t r0 = 0;
+      for (; r0 + 4 <= nq; r0 += 4)
+        pv_rows<NC, 4, 16>(s.S.data() + r0 * kBlock, vp, h * D, bk, st.acc + r0 * D);
+      for (; r0 < nq; ++r0)
+        pv_rows<NC, 1, 4>(s.S.data() + r0 * kBlock, vp, h * D, bk, st.acc + r0 * D);
+    }
+    for (int64_t r = 0; r < nq; ++r) {
+      const v8f inv = splat(1.0f / st.l[r]);   // l >= 1: the row's max key counts e^0
+      float* dst = a.out + ((base + t0 + r / G) * a.Hq + h * G + r % G) * D;
+      for (int c = 0; c < NC; ++c) store8(dst + 8 * c, load8(st.acc + r * D + 8 * c) * inv);
+    }
+  });
+}
+
 }  // namespace
 
 // Bumped whenever the entry point's arguments change: cpu_kernels.py refuses a library built
@@ -679,6 +751,34 @@ extern "C" int rollout_engine_paged_decode_f32(
     return 0;
   } catch (const std::exception& e) {
     std::snprintf(err, static_cast<size_t>(err_len), "%s", e.what());
+    return 1;
+  }
+}
+
+
+// Causal attention of n fresh prompts of e tokens each (see prefill_causal); returns 0, or 1
+// with a message in err when the head_dim or the head counts are unsupported.
+extern "C" int rollout_engine_prefill_causal_f32(const float* q, const float* k, const float* v,
+                                                 int64_t n, int64_t e, int64_t num_heads,
+                                                 int64_t num_kv_heads, int64_t head_dim,
+                                                 int64_t q_stride, int64_t kv_stride,
+                                                 float scale, float* out, char* err,
+                                                 int64_t err_len) {
+  const CausalArgs a{q, k, v, n, e, num_heads, num_kv_heads, q_stride, kv_stride, scale, out};
+  try {
+    check(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && n >= 0 && e >= 1,
+          "head counts or shape disagree");
+    switch (head_dim) {
+      case 16: prefill_causal<2>(a); break;
+      case 32: prefill_causal<4>(a); break;
+      case 64: prefill_causal<8>(a); break;
+      case 128: prefill_causal<16>(a); break;
+      case 256: prefill_causal<32>(a); break;
+      default: check(false, "head_dim must be 16, 32, 64, 128 or 256");
+    }
+    return 0;
+  } catch (const std::exception& ex) {
+    std::snprintf(err, static_cast<size_t>(err_len), "%s", ex.what());
     return 1;
   }
 }
