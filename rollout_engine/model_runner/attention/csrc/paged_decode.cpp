@@ -30,7 +30,10 @@
 // Continuing phase 1's (m, l, acc) in phase 2 is exactly the log-sum-exp merge of the two
 // partial attentions, so the result equals attention over the whole row.
 //
-// The entry point is a plain C function over raw pointers (called through ctypes, which also
+// A second entry point, prefill_causal, runs fresh prompts' causal attention (prefill) with the
+// same batched pass as phase 1, over the new tokens' own q / k / v.
+//
+// The entry points are plain C functions over raw pointers (called through ctypes, which also
 // releases the GIL); the Python wrapper checks dtypes, shapes and contiguity. Only
 // <ATen/Parallel.h> is included: the build takes ~2 s instead of ~8 s with ATen's Tensor and
 // the op registry (~26 s with <torch/extension.h>).
@@ -720,6 +723,39 @@ void prefill_causal(const CausalArgs& a) {
   });
 }
 
+// K::go<NC>(a) for head_dim = 8 * NC (K: a struct with `template <int NC> static void go`).
+template <typename K, typename A>
+void by_head_dim(int64_t head_dim, const A& a) {
+  switch (head_dim) {
+    case 16: K::template go<2>(a); break;
+    case 32: K::template go<4>(a); break;
+    case 64: K::template go<8>(a); break;
+    case 128: K::template go<16>(a); break;
+    case 256: K::template go<32>(a); break;
+    default: check(false, "head_dim must be 16, 32, 64, 128 or 256");
+  }
+}
+
+struct Decode {
+  template <int NC> static void go(const Args& a) { run<NC>(a); }
+};
+struct Causal {
+  template <int NC> static void go(const CausalArgs& a) { prefill_causal<NC>(a); }
+};
+
+// body(), returning 0; or 1 with its exception's message in err (at most err_len bytes,
+// NUL-terminated): nothing is thrown across the C entry points.
+template <typename Body>
+int guarded(char* err, int64_t err_len, const Body& body) {
+  try {
+    body();
+    return 0;
+  } catch (const std::exception& ex) {
+    std::snprintf(err, static_cast<size_t>(err_len), "%s", ex.what());
+    return 1;
+  }
+}
+
 }  // namespace
 
 // Bumped whenever the entry point's arguments change: cpu_kernels.py refuses a library built
@@ -738,23 +774,11 @@ extern "C" int rollout_engine_paged_decode_f32(
   const Args a{q, k, v, table, rows, seq_lens, own_start, members, chunk_offsets, chunk_lens,
                batch, num_heads, num_kv_heads, num_slots, table_rows, table_cols, num_members,
                num_chunks, q_stride, scale, out};
-  try {
+  return guarded(err, err_len, [&] {
     check(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "head counts disagree");
-    switch (head_dim) {
-      case 16: run<2>(a); break;
-      case 32: run<4>(a); break;
-      case 64: run<8>(a); break;
-      case 128: run<16>(a); break;
-      case 256: run<32>(a); break;
-      default: check(false, "head_dim must be 16, 32, 64, 128 or 256");
-    }
-    return 0;
-  } catch (const std::exception& e) {
-    std::snprintf(err, static_cast<size_t>(err_len), "%s", e.what());
-    return 1;
-  }
+    by_head_dim<Decode>(head_dim, a);
+  });
 }
-
 
 // Causal attention of n fresh prompts of e tokens each (see prefill_causal); returns 0, or 1
 // with a message in err when the head_dim or the head counts are unsupported.
@@ -765,20 +789,9 @@ extern "C" int rollout_engine_prefill_causal_f32(const float* q, const float* k,
                                                  float scale, float* out, char* err,
                                                  int64_t err_len) {
   const CausalArgs a{q, k, v, n, e, num_heads, num_kv_heads, q_stride, kv_stride, scale, out};
-  try {
+  return guarded(err, err_len, [&] {
     check(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && n >= 0 && e >= 1,
           "head counts or shape disagree");
-    switch (head_dim) {
-      case 16: prefill_causal<2>(a); break;
-      case 32: prefill_causal<4>(a); break;
-      case 64: prefill_causal<8>(a); break;
-      case 128: prefill_causal<16>(a); break;
-      case 256: prefill_causal<32>(a); break;
-      default: check(false, "head_dim must be 16, 32, 64, 128 or 256");
-    }
-    return 0;
-  } catch (const std::exception& ex) {
-    std::snprintf(err, static_cast<size_t>(err_len), "%s", ex.what());
-    return 1;
-  }
+    by_head_dim<Causal>(head_dim, a);
+  });
 }
