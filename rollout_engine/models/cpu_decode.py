@@ -37,7 +37,6 @@ from rollout_engine.model_runner.attention.cpu_fused import FusedOps, load_fused
 from rollout_engine.model_runner.forward_batch import ForwardBatch
 from rollout_engine.models import layers, weight_packs
 from rollout_engine.models.cpu_gemm import SmallGemm, load_small_gemm, use_small_gemm
-from rollout_engine.models.weight_packs import packing_ok
 
 FLAT_DECODE_ENV = "ROLLOUT_ENGINE_FLAT_DECODE"
 
@@ -83,8 +82,9 @@ class CpuDecodeForward:
     def _product(self, rows: int) -> Callable[[torch.Tensor, torch.nn.Module], torch.Tensor]:
         """``module``'s linear layer on ``x`` ``[rows, in]`` (contiguous), through the kernel
         ``layers.linear`` would pick for this row count: the small GEMM's C function directly
-        where it is the choice, else ``layers.linear`` itself."""
-        packing = packing_ok()
+        where it is the choice, oneDNN on the packed copy directly where the row count needs no
+        padding, else ``layers.linear`` itself."""
+        packing = weight_packs.packing_ok()
         onednn = layers.small_gemm_allowed()   # float32 CPU linears go through oneDNN
         gemm = self._gemm if onednn else None
         # oneDNN on the packed copy straight away where ``layers.linear`` would call it with
