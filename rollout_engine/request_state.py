@@ -109,14 +109,19 @@ class ChunkStream:
     Closing the stream before the request finishes aborts the request, so the scheduler stops
     decoding it and frees its KV: ``close()`` / ``aclose()``, leaving a ``with`` block, or
     dropping the stream (``break`` out of ``for chunk in engine.generate(..., stream=True)``,
-    garbage collection). A dead scheduler raises ``SchedulerDeadError`` after the last chunk.
+    garbage collection). A dropped stream's finalizer only hands its rid to ``on_drop``, which
+    must merely record it (a finalizer can run inside any allocation, even while this thread
+    holds a lock mid-send); the frontend sends those aborts from ordinary code. A dead
+    scheduler raises ``SchedulerDeadError`` after the last chunk.
     """
 
     def __init__(self, st: RequestState, abort: Callable[[str], None], *,
                  cumulative: bool = False,
-                 token_text: Optional[Callable[[int], str]] = None) -> None:
+                 token_text: Optional[Callable[[int], str]] = None,
+                 on_drop: Optional[Callable[[str], None]] = None) -> None:
         self.st = st
         self._abort = abort
+        self._on_drop = on_drop
         self._buf: deque[dict[str, Any]] = deque()
         self.closed = False
         self.cumulative = cumulative
@@ -212,7 +217,8 @@ class ChunkStream:
         self.close()
 
     def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter teardown or a dead channel
-            pass
+        # record only: no send, no lock (see the class docstring)
+        if getattr(self, "closed", True) or self._on_drop is None or self.st.done:
+            return
+        self.closed = True
+        self._on_drop(self.st.req.rid)

@@ -10,6 +10,7 @@ import random
 import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -49,6 +50,9 @@ class EngineOverloadedError(RuntimeError):
     """``max_queued_requests`` requests are already in flight; retry later (HTTP 503)."""
 
 
+RECEIVE_TICK_S = 0.2   # the receiver's longest wait: how late a dropped stream's abort is sent
+
+
 class TokenizerManager:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -71,6 +75,11 @@ class TokenizerManager:
         self.lock = threading.Lock()
         self.dead: Optional[str] = None
         self.released: set[str] = set()     # memory tags released (mirrors the scheduler)
+        # Finalizers only record (deque.append takes no lock): rids of streams dropped
+        # unfinished, and whether the Engine was collected without a shutdown. The receiver
+        # thread acts on both from ordinary code.
+        self.dropped: deque[str] = deque()
+        self.orphaned = False
         self.weights_stale = False
         self.host: SchedulerHost = start_scheduler(config)
         ready = self._wait_ready(timeout=config.watchdog_timeout)
@@ -102,8 +111,12 @@ class TokenizerManager:
     # -- receiving -----------------------------------------------------------------------------
     def _receive_loop(self) -> None:
         while True:
+            if self.orphaned:
+                self.shutdown()
+                return
+            self.send_dropped_aborts()
             try:
-                msg = self.host.chan.recv(timeout=1.0)
+                msg = self.host.chan.recv(timeout=RECEIVE_TICK_S)
             except (EOFError, OSError):
                 if self.dead is not None:
                     return  # shut down on purpose
@@ -264,6 +277,18 @@ class TokenizerManager:
         if self.dead is None:
             self.host.chan.send(AbortReq(rid=rid, abort_all=abort_all))
 
+    def send_dropped_aborts(self) -> None:
+        """Abort the requests whose streams were dropped unfinished (recorded by finalizers)."""
+        while self.dropped:
+            try:
+                rid = self.dropped.popleft()
+            except IndexError:
+                return
+            try:
+                self.abort(rid=rid)
+            except OSError:
+                return   # the scheduler is gone: nothing to stop
+
     # -- waiting -------------------------------------------------------------------------------
     def wait(self, st: RequestState, timeout: Optional[float] = None) -> dict[str, Any]:
         with st.cond:
@@ -280,7 +305,7 @@ class TokenizerManager:
         chunks with ``cumulative``; ``token_text`` fills logprob entries' text slot. Closing
         the stream early, or dropping it, aborts the request."""
         return ChunkStream(st, lambda rid: self.abort(rid=rid), cumulative=cumulative,
-                           token_text=token_text)
+                           token_text=token_text, on_drop=self.dropped.append)
 
     async def async_wait_change(self, st: RequestState) -> None:
         await st.changed()

@@ -330,12 +330,11 @@ class Engine:
         self.shutdown()
 
     def __del__(self) -> None:
+        # A finalizer only records: the frontend's receiver thread sees the flag and shuts the
+        # scheduler down from ordinary code (a shutdown sends and waits).
         tm = getattr(self, "tm", None)
-        if tm is not None and tm.dead is None:
-            try:
-                tm.shutdown()
-            except Exception:  # noqa: BLE001 - interpreter teardown
-                pass
+        if tm is not None:
+            tm.orphaned = True
 
 
 _SGLANG_KWARGS = GENERATE_REQUEST.names(Treatment.DEFAULT_ONLY, Treatment.IGNORED)

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
+import threading
+import time
 from contextlib import aclosing
 from typing import Any, Optional
 
@@ -208,29 +211,81 @@ async def _serve(server: Any, engine: Engine) -> None:
         watchdog.cancel()
 
 
+GRACEFUL_S = 3             # open connections' allowance after a stop signal (uvicorn's)
+FORCED_STOP_AFTER_S = 6.0   # a stop asked for by a signal that has not ended by then is forced
+
+
+class ForcedStop:
+    """Ends the process ``after_s`` seconds after a stop signal, scheduler processes first,
+    whatever the main thread is doing (an event loop blocked for good never runs uvicorn's
+    shutdown). A thread started up front waits on a pipe; the signal handler only writes a
+    byte to it, which is safe from a handler that interrupted any code."""
+
+    def __init__(self, after_s: float = FORCED_STOP_AFTER_S) -> None:
+        self.after_s = after_s
+        self._r, self._w = os.pipe()
+        threading.Thread(target=self._watch, name="rollout-forced-stop", daemon=True).start()
+
+    def arm(self) -> None:
+        try:
+            os.write(self._w, b"s")
+        except OSError:
+            pass   # armed already (the pipe is full) or the process is exiting
+
+    def _watch(self) -> None:
+        os.read(self._r, 1)
+        time.sleep(self.after_s)   # the orderly stop's allowance: the process ends first if it can
+        print(f"rollout_engine: still running {self.after_s:g} s after the stop signal; "
+              "killing the scheduler and exiting", file=sys.stderr, flush=True)
+        kill_children()
+        os._exit(1)
+
+
+def kill_children() -> None:
+    """SIGKILL every process this one started (schedulers, tensor-parallel ranks)."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+
+
 def run_server(config_kwargs: dict[str, Any]) -> int:
-    """Serve until interrupted (exit code 0) or until the scheduler dies (exit code 1)."""
+    """Serve until interrupted (exit code 0) or until the scheduler dies (exit code 1).
+
+    SIGTERM / SIGINT stop the server in order (open streams get uvicorn's graceful shutdown,
+    then the scheduler); a stop that has not ended ``FORCED_STOP_AFTER_S`` seconds after the
+    signal kills the scheduler processes and exits with code 1."""
     import uvicorn
 
     warning = exposure_warning(config_kwargs.get("host", "127.0.0.1"),
                                config_kwargs.get("api_key"))
     if warning is not None:
         logger.warning(warning)
-    engine = Engine(**config_kwargs)
-    cfg = engine.config
-    server = uvicorn.Server(uvicorn.Config(
-        create_app(engine), host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),
-        access_log=False, timeout_graceful_shutdown=5))
+    forced = ForcedStop()
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            forced.arm()
+            super().handle_exit(sig, frame)
 
     def terminate(signum: int, frame: Any) -> None:
+        forced.arm()
         raise SystemExit(0)   # uvicorn re-raises SIGTERM after its graceful shutdown
 
     signal.signal(signal.SIGTERM, terminate)
+    engine = Engine(**config_kwargs)
+    cfg = engine.config
+    server = Server(uvicorn.Config(
+        create_app(engine), host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),
+        access_log=False, timeout_graceful_shutdown=GRACEFUL_S))
     died = False
     try:
         asyncio.run(_serve(server, engine))
     except KeyboardInterrupt:
-        pass
+        forced.arm()
     finally:
         died = engine.tm.dead is not None
         engine.shutdown()

@@ -62,6 +62,7 @@ class Channel(ABC):
 
 
 _WAKE = object()
+_CLOSE = object()
 
 
 class QueueChannel(Channel):
@@ -83,16 +84,55 @@ class QueueChannel(Channel):
 
 
 class PipeChannel(Channel):
-    def __init__(self, conn: Any) -> None:
+    """A channel over a ``multiprocessing`` connection.
+
+    ``background_send`` (the frontend's end): ``send`` only puts the message on a queue and one
+    sender thread pickles and writes it. A caller (the HTTP event loop) never waits on a full
+    pipe while the scheduler is busy, and pickling never happens under a lock a finalizer or
+    another caller could want (a finalizer that ran inside a pickle under the send lock and
+    sent too once deadlocked the whole server). ``queue.SimpleQueue.put`` is reentrant.
+    Without it (the scheduler's end), ``send`` writes under a lock in the caller's thread.
+    """
+
+    def __init__(self, conn: Any, *, background_send: bool = False) -> None:
         self.conn = conn
         self.lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()   # `wake` writes a byte; `recv` waits on both
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        self.send_error: Optional[BaseException] = None   # why the sender thread stopped
+        self._outbox: Optional[queue.SimpleQueue] = None
+        if background_send:
+            self._outbox = queue.SimpleQueue()
+            threading.Thread(target=self._send_forever, name="rollout-sender",
+                             daemon=True).start()
 
     def send(self, msg: Any) -> None:
-        with self.lock:
-            self.conn.send(msg)
+        if self._outbox is None:
+            with self.lock:
+                self.conn.send(msg)
+            return
+        if self.send_error is not None:
+            raise BrokenPipeError(f"the scheduler's pipe is closed: {self.send_error}")
+        self._outbox.put(msg)
+
+    def close_sender(self) -> None:
+        """Let the sender thread end once what was sent before is written."""
+        if self._outbox is not None:
+            self._outbox.put(_CLOSE)
+
+    def _send_forever(self) -> None:
+        assert self._outbox is not None
+        while True:
+            msg = self._outbox.get()
+            if msg is _CLOSE:
+                return
+            try:
+                self.conn.send(msg)   # the only writer: no lock
+            except (OSError, ValueError) as e:   # the scheduler is gone (closed / broken pipe)
+                self.send_error = e
+                return
+            del msg   # a large payload is not kept alive while the queue is empty
 
     def recv(self, timeout: Optional[float]) -> Any:
         if not self.conn.poll(0):
@@ -236,7 +276,7 @@ class ProcessHost(SchedulerHost):
                 stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
-        self.chan = PipeChannel(Connection(ours.detach()))
+        self.chan = PipeChannel(Connection(ours.detach()), background_send=True)
         self.pid = self.proc.pid
         try:
             self.chan.send(ChildStart(config, list(sys.path)))
@@ -257,6 +297,7 @@ class ProcessHost(SchedulerHost):
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout)
+        self.chan.close_sender()
 
 
 def start_scheduler(config: EngineConfig) -> SchedulerHost:

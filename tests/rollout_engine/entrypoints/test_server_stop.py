@@ -1,0 +1,106 @@
+"""SIGTERM stops the server process and its scheduler within a bound, even when the server's
+event loop is blocked for good (as a deadlock on the loop's thread once left it)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.rollout_engine.entrypoints.conftest import bound_socket
+from tests.rollout_engine.entrypoints.test_launch_server import _wait_healthy
+
+STOP_BOUND_S = 10.0
+
+# The real server entry point, with one extra route that blocks the event loop on a lock its
+# own thread holds (the shape of a self-deadlock).
+SERVER = textwrap.dedent("""
+    import sys, threading
+    from rollout_engine.entrypoints import http_server
+
+    make_app = http_server.create_app
+
+    def create_app(engine, **kw):
+        app = make_app(engine, **kw)
+
+        @app.post("/block_the_loop")
+        async def block_the_loop():
+            lock = threading.Lock()
+            lock.acquire()
+            lock.acquire()
+
+        return app
+
+    http_server.create_app = create_app
+    sys.exit(http_server.run_server({"model_path": sys.argv[1], "port": int(sys.argv[2]),
+                                     "dtype": "float32", "device": "cpu"}))
+""")
+
+
+@pytest.fixture
+def server(qwen2_path: str, tmp_path):
+    sock = bound_socket()
+    port = sock.getsockname()[1]
+    sock.close()
+    log = tmp_path / "server.log"
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-c", SERVER, qwen2_path, str(port)],
+                                stdout=subprocess.DEVNULL, stderr=stderr)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc, timeout=300)   # a first start may build the C++ kernels
+        yield proc, url, log
+    finally:
+        for p in psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []:
+            p.kill()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def _stop_and_time(proc: subprocess.Popen, scheduler: psutil.Process) -> float:
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(STOP_BOUND_S)
+        scheduler.wait(max(0.1, STOP_BOUND_S - (time.monotonic() - sent)))
+    except (subprocess.TimeoutExpired, psutil.TimeoutExpired):
+        pytest.fail(f"the server or its scheduler still ran {STOP_BOUND_S:g} s after SIGTERM")
+    return time.monotonic() - sent
+
+
+def test_sigterm_stops_a_server_whose_event_loop_is_blocked(server) -> None:
+    proc, url, log = server
+    scheduler = psutil.Process(httpx.get(url + "/get_server_info").json()["scheduler_pid"])
+    def block() -> None:
+        try:
+            httpx.post(url + "/block_the_loop", timeout=60)
+        except httpx.HTTPError:
+            pass   # the server goes away under it
+
+    threading.Thread(target=block, daemon=True).start()
+    deadline = time.monotonic() + 30
+    while True:   # until the loop stops answering: then it is blocked
+        try:
+            httpx.get(url + "/health", timeout=1.0)
+        except httpx.TimeoutException:
+            break
+        assert time.monotonic() < deadline, "the loop never blocked"
+    took = _stop_and_time(proc, scheduler)
+    assert proc.returncode == 1, "a forced stop is not a clean exit"
+    assert "killing the scheduler" in log.read_text()
+    assert took < STOP_BOUND_S
+
+
+def test_sigterm_stops_an_idle_server_cleanly(server) -> None:
+    proc, url, _ = server
+    scheduler = psutil.Process(httpx.get(url + "/get_server_info").json()["scheduler_pid"])
+    _stop_and_time(proc, scheduler)
+    assert proc.returncode == 0
