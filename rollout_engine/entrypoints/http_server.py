@@ -69,13 +69,22 @@ def create_app(engine: Engine, *, api_key: Optional[str] = None,
                    admin_api_key if admin_api_key is not None else engine.config.admin_api_key)
     metrics = Metrics()
     service = GenerationService(engine, metrics)
-    app = FastAPI(title="rollout_engine", dependencies=[Depends(keys.require_user)])
+
+    # async, so a key check runs on the event loop: a sync dependency would wait for a worker
+    # thread of a pool every request shares, and /health must not wait on request handling
+    async def require_user(request: Request) -> None:
+        keys.require_user(request)
+
+    async def require_admin(request: Request) -> None:
+        keys.require_admin(request)
+
+    app = FastAPI(title="rollout_engine", dependencies=[Depends(require_user)])
     app.state.engine, app.state.service, app.state.metrics = engine, service, metrics
     cfg = engine.config
     app.add_middleware(BodyLimitMiddleware, limit=cfg.max_request_body_bytes,
                        route_limits={r: cfg.max_refit_body_bytes for r in REFIT_ROUTES})
     install_error_handlers(app, engine)
-    admin = [Depends(keys.require_admin)]
+    admin = [Depends(require_admin)]
     tm = engine.tm
 
     # -- generation ----------------------------------------------------------------------------
@@ -117,6 +126,7 @@ def create_app(engine: Engine, *, api_key: Optional[str] = None,
     # -- health and introspection --------------------------------------------------------------
     @app.get("/health")
     async def health() -> Response:
+        """Reads one flag: no lock, no worker thread, no scheduler round trip."""
         if tm.dead is not None:
             return error_response(503, f"the scheduler died: {tm.dead.splitlines()[0]}")
         return json_response({"status": "ok"})

@@ -1,5 +1,6 @@
 """SIGTERM stops the server process and its scheduler within a bound, even when the server's
-event loop is blocked for good (as a deadlock on the loop's thread once left it)."""
+event loop is blocked for good (as a deadlock on the loop's thread once left it); /health
+answers without waiting on anything request handling holds."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.rollout_engine.entrypoints.conftest import bound_socket
 from tests.rollout_engine.entrypoints.test_launch_server import _wait_healthy
 
 STOP_BOUND_S = 10.0
+HEALTH_TIMEOUT_S = 2.0
 
 # The real server entry point, with one extra route that blocks the event loop on a lock its
 # own thread holds (the shape of a self-deadlock).
@@ -104,3 +106,40 @@ def test_sigterm_stops_an_idle_server_cleanly(server) -> None:
     scheduler = psutil.Process(httpx.get(url + "/get_server_info").json()["scheduler_pid"])
     _stop_and_time(proc, scheduler)
     assert proc.returncode == 0
+
+
+def test_health_answers_while_every_worker_thread_is_busy(live_server, serve_app) -> None:
+    """Sync routes and dependencies share one pool of worker threads (anyio's, 40); /health
+    must not need one."""
+    import anyio.to_thread
+
+    from rollout_engine.entrypoints.http_server import create_app
+
+    app = create_app(live_server.engine)
+    async def pool_size() -> int:   # the default of every event loop's pool
+        return int(anyio.to_thread.current_default_thread_limiter().total_tokens)
+
+    workers = anyio.run(pool_size)
+    inside = threading.Semaphore(0)
+    release = threading.Event()
+
+    @app.get("/occupy_a_worker")
+    def occupy_a_worker() -> dict:
+        inside.release()
+        release.wait(60)
+        return {}
+
+    url = serve_app(app)
+    threads = [threading.Thread(target=httpx.get, args=(url + "/occupy_a_worker",),
+                                kwargs={"timeout": 90}, daemon=True) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(workers):
+            assert inside.acquire(timeout=60)
+        r = httpx.get(url + "/health", timeout=HEALTH_TIMEOUT_S)
+        assert r.status_code == 200
+    finally:
+        release.set()
+        for t in threads:
+            t.join(30)
