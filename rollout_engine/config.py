@@ -113,6 +113,15 @@ class EngineConfig:
     max_request_body_bytes: int = 32 * 1024 * 1024
     max_refit_body_bytes: int = 1024 * 1024 * 1024   # /update_weights_from_tensor
     max_queued_requests: Optional[int] = None   # in flight in the frontend; more get 503
+    # per-request costs (over a cap: a 400 naming it); vLLM's max_logprobs default of 20
+    max_top_logprobs_num: int = 20
+    max_stop_strings: int = 64
+    max_stop_str_len: int = 256        # characters; the stop check decodes ~4x this many tokens
+    max_stop_token_ids: int = 1024
+    # chat templates: a request's own (chat_template, chat_template_kwargs.chat_template) is
+    # refused unless trusted (vLLM's rule); every render is bounded in time and size
+    trust_request_chat_template: bool = False
+    max_template_render_s: float = 5.0
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> None:
@@ -182,6 +191,13 @@ class EngineConfig:
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             bad("max_queued_requests", f"must be >= 1 (or None: no limit), "
                 f"got {self.max_queued_requests}")
+        for name in ("max_top_logprobs_num", "max_stop_strings", "max_stop_token_ids"):
+            if getattr(self, name) < 0:
+                bad(name, f"must be >= 0, got {getattr(self, name)}")
+        if self.max_stop_str_len < 1:
+            bad("max_stop_str_len", f"must be >= 1 character, got {self.max_stop_str_len}")
+        if not self.max_template_render_s > 0:
+            bad("max_template_render_s", f"must be > 0 seconds, got {self.max_template_render_s}")
         object.__setattr__(self, "speculative_algorithm",
                            spec_options.normalized_algorithm(self.speculative_algorithm))
         for name, why in spec_options.check(self):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from rollout_engine.constrained.backend import NoGrammarBackend, check_grammar
@@ -29,6 +30,49 @@ def grammar_check_for(config: Any) -> Callable[[Constraint], None]:
     return lambda c: check_grammar(c, any_whitespace=any_ws)
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """Caps on what one request may cost the scheduler (``EngineConfig``'s flags of the same
+    names): top logprobs per token (memory and sampling time per step), and the number and
+    length of stop strings and stop token ids (checked at every step). A refusal is a
+    ValueError naming the field, the cap and the flag that raises it."""
+
+    max_top_logprobs_num: int
+    max_stop_strings: int
+    max_stop_str_len: int
+    max_stop_token_ids: int
+
+    @classmethod
+    def of(cls, config: Any) -> RequestLimits:
+        return cls(config.max_top_logprobs_num, config.max_stop_strings,
+                   config.max_stop_str_len, config.max_stop_token_ids)
+
+    def check_top_logprobs(self, num: int, field: str = "top_logprobs_num") -> None:
+        if num > self.max_top_logprobs_num:
+            raise ValueError(f"{field}: {num} top logprobs per token; this server allows at "
+                             f"most {self.max_top_logprobs_num} (max_top_logprobs_num; "
+                             "--max-top-logprobs-num raises it)")
+
+    def check_stops(self, stop: Any, stop_token_ids: Any, prefix: str = "sampling_params."
+                    ) -> None:
+        """``stop``: a string or a list of them; ``stop_token_ids``: a list (None: none)."""
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > self.max_stop_strings:
+            raise ValueError(f"{prefix}stop: {len(stops)} stop strings; this server allows at "
+                             f"most {self.max_stop_strings} (max_stop_strings; "
+                             "--max-stop-strings raises it)")
+        longest = max((len(s) for s in stops if isinstance(s, str)), default=0)
+        if longest > self.max_stop_str_len:
+            raise ValueError(f"{prefix}stop: a stop string of {longest} characters; this server "
+                             f"allows at most {self.max_stop_str_len} (max_stop_str_len; "
+                             "--max-stop-str-len raises it)")
+        num_ids = len(stop_token_ids or [])
+        if num_ids > self.max_stop_token_ids:
+            raise ValueError(f"{prefix}stop_token_ids: {num_ids} ids; this server allows at "
+                             f"most {self.max_stop_token_ids} (max_stop_token_ids; "
+                             "--max-stop-token-ids raises it)")
+
+
 class RequestBuilder:
     """Validates and expands generate calls.
 
@@ -37,6 +81,8 @@ class RequestBuilder:
     and the scheduler would have to abort it midway (or, with a prompt that never fits, could
     never admit it). Within the pool, the request always fits once it runs alone.
 
+    ``limits`` caps each request's top logprobs and stop conditions (``RequestLimits``).
+
     ``grammar_check`` decides a constrained request (``json_schema``, ``regex``, ``ebnf``,
     ``structural_tag``) at submission: ``grammar_check_for(config)``, a tokenizer-free check
     of what the grammar backend accepts (a ValueError naming the field and the problem); the
@@ -44,9 +90,10 @@ class RequestBuilder:
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, context_len: int,
-                 rng: random.Random, pool_tokens: Optional[int] = None,
+                 rng: random.Random, limits: RequestLimits, pool_tokens: Optional[int] = None,
                  grammar_check: Callable[[Constraint], None] = check_grammar) -> None:
         self.tokenizer = tokenizer
+        self.limits = limits
         self.vocab_size = vocab_size
         self.context_len = context_len
         self.rng = rng
@@ -98,6 +145,8 @@ class RequestBuilder:
         nb = len(ids_list)
         params = _per_item(sampling_params, nb, "sampling_params", dict)
         sps = [SamplingParams.from_dict(p) for p in params]
+        for sp in sps:
+            self.limits.check_stops(sp.stop, sp.stop_token_ids)
         checked: set[tuple[str, str]] = set()
         for sp in sps:
             c = sp.constraint
@@ -161,8 +210,10 @@ class RequestBuilder:
                 f"max_new_tokens: prompt ({len(ids)} tokens) + max_new_tokens "
                 f"({sp.max_new_tokens}) exceeds the KV pool ({pool} tokens, "
                 "max_total_num_tokens); lower max_new_tokens or raise max_total_tokens")
-        if not 0 <= top_logprobs_num <= min(self.vocab_size, 1000):
-            raise ValueError(f"top_logprobs_num: must be in [0, {min(self.vocab_size, 1000)}]")
+        if not 0 <= top_logprobs_num <= self.vocab_size:
+            raise ValueError(f"top_logprobs_num: must be in [0, {self.vocab_size}] (the "
+                             "vocabulary size)")
+        self.limits.check_top_logprobs(top_logprobs_num)
         if not -1 <= logprob_start_len < len(ids):
             raise ValueError(f"logprob_start_len: must be -1 or in [0, {len(ids)}) for this prompt")
 

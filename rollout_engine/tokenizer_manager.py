@@ -28,7 +28,7 @@ from rollout_engine.protocol.messages import (
     SchedulerDied,
     SchedulerReady,
 )
-from rollout_engine.request_builder import RequestBuilder, grammar_check_for
+from rollout_engine.request_builder import RequestBuilder, RequestLimits, grammar_check_for
 from rollout_engine.request_state import ChunkStream, RequestState, SchedulerDeadError
 from rollout_engine.scheduler.loop import SchedulerHost, start_scheduler
 
@@ -88,7 +88,7 @@ class TokenizerManager:
         self.context_len: int = ready.info["context_length"]
         pool = ready.info["max_total_num_tokens"] // config.page_size * config.page_size
         self.builder = RequestBuilder(self.tokenizer, self.vocab_size, self.context_len,
-                                      self.rng, pool_tokens=pool,
+                                      self.rng, RequestLimits.of(config), pool_tokens=pool,
                                       grammar_check=grammar_check_for(config))
         self.receiver = threading.Thread(target=self._receive_loop, name="rollout-receiver",
                                          daemon=True)

@@ -350,7 +350,8 @@ CHAT_REQUEST = FieldList(
     "ChatCompletionRequest", "python/sglang/srt/entrypoints/openai/protocol.py", [
         _f("messages", None, S, "rendered by the model's chat template"),
         _f("logprobs", False, S, "choices[].logprobs.content"),
-        _f("top_logprobs", None, S, "0..20 alternatives per token"),
+        _f("top_logprobs", None, S, "alternatives per token, at most --max-top-logprobs-num "
+           "(default 20)"),
         _f("max_tokens", None, S, "sampling_params.max_new_tokens"),
         _f("max_completion_tokens", None, S, "sampling_params.max_new_tokens (wins)"),
         _f("temperature", None, S, "sampling_params.temperature"),

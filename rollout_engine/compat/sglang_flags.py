@@ -555,7 +555,7 @@ triton_attention_reduce_in_fp32              switch  False                ignore
 triton_attention_split_tile_size             int     None                 ignore:perf
 trust_mm_content_hashes                      switch  False                default
 trust_remote_code                            switch  False                ignore:launch
-trust_request_chat_template                  switch  False                default
+trust_request_chat_template                  switch  False                ours
 unified_cache_external_linker_backend        str     'mooncake'           default
 unified_cache_external_linker_config         json    None                 default
 uno_lora_path                                str     None                 default

@@ -116,6 +116,17 @@ HELP: dict[str, str] = {
     "max_request_body_bytes": "Largest request body (bytes); a bigger one gets 413.",
     "max_refit_body_bytes": "Largest body of /update_weights_from_tensor (bytes).",
     "max_queued_requests": "Most requests in flight at once; more get 503 (default: no limit).",
+    "max_top_logprobs_num": "Most top logprobs per token a request may ask for "
+                            "(top_logprobs_num, OpenAI logprobs / top_logprobs); more get 400.",
+    "max_stop_strings": "Most stop strings per request; more get 400.",
+    "max_stop_str_len": "Longest stop string in characters (each step decodes about 4x this "
+                        "many tokens to check it); longer get 400.",
+    "max_stop_token_ids": "Most stop_token_ids per request; more get 400.",
+    "trust_request_chat_template": "Render a chat template sent with a request (chat_template, "
+                                   "chat_template_kwargs.chat_template); by default such a "
+                                   "request gets 400 and the server's own template is used.",
+    "max_template_render_s": "Seconds one chat-template render may take; a slower one gets "
+                             "400.",
 }
 
 

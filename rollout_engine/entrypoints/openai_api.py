@@ -4,9 +4,14 @@ They translate OpenAI shapes to a ``GenerationService`` call and back; tokenizat
 and logprobs are the engine's. Choice ``index`` is ``prompt_index * n + sample_index``.
 
 A constraint (``response_format``, ``regex``, ``ebnf``, a forcing ``tool_choice``) is put to the
-engine's request builder first, so its 400 names the OpenAI field. Chat ``tools`` go to the chat
+engine's request builder first, so its 400 names the OpenAI field; so are the per-request caps
+(``logprobs`` / ``top_logprobs``, ``stop``, ``stop_token_ids``). Chat ``tools`` go to the chat
 template; ``<tool_call>`` blocks in the output come back as ``message.tool_calls`` (streamed as
 ``delta.tool_calls``) with ``finish_reason`` ``"tool_calls"``.
+
+Chat messages are rendered by ``ChatTemplateRenderer`` (bounded by ``--max-template-render-s``)
+in the service's template threads. A template sent with the request is refused (400) unless
+the server runs with ``--trust-request-chat-template``.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any, Optional, Union
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
+from rollout_engine.entrypoints.chat_template import ChatTemplateRenderer
 from rollout_engine.entrypoints.http_utils import (
     SSE_DONE,
     json_response,
@@ -70,12 +76,21 @@ class OpenAIServing:
         self.service = service
         self.model_name = model_name
         self.pieces = TokenPieces(service.engine.tokenizer)
+        config = service.engine.config
+        self.trust_request_template = config.trust_request_chat_template
+        self.renderer = ChatTemplateRenderer(service.engine.tokenizer,
+                                             config.max_template_render_s)
 
-    def check_constraint(self, req: Union[CompletionRequest, ChatCompletionRequest]) -> None:
-        """A constrained request is the engine's to take or refuse (a 400 naming the field)."""
+    def check_request(self, req: Union[CompletionRequest, ChatCompletionRequest],
+                      top_logprobs: Optional[int], top_logprobs_field: str) -> None:
+        """What the engine would refuse, refused first under the OpenAI names: a constraint,
+        the per-request caps (top logprobs, stop strings, stop token ids)."""
+        builder = self.service.engine.tm.builder
         c = req.constraint()
         if c is not None:
-            self.service.engine.tm.builder.check_constraint(c)
+            builder.check_constraint(c)
+        builder.limits.check_top_logprobs(top_logprobs or 0, top_logprobs_field)
+        builder.limits.check_stops(req.stop, req.stop_token_ids, prefix="")
 
     def _header(self, prefix: str, obj: str) -> dict[str, Any]:
         return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
@@ -120,7 +135,7 @@ class OpenAIServing:
     async def completions(self, request: Request) -> Response:
         req = CompletionRequest.parse(await read_json(request))
         req.check_unsupported()
-        self.check_constraint(req)
+        self.check_request(req, req.logprobs, "logprobs")
         want_lp = req.logprobs is not None
         states, _ = await self.service.submit(
             **_prompt_kwargs(req.prompt), sampling_params=req.sampling_params(req.max_tokens),
@@ -183,27 +198,32 @@ class OpenAIServing:
         yield SSE_DONE
 
     # -- /v1/chat/completions ------------------------------------------------------------------
-    def render_chat(self, req: ChatCompletionRequest) -> str:
-        messages = [m.template_dict() for m in req.messages]
-        tools = [t.model_dump(exclude_none=True) for t in req.active_tools]
-        try:
-            text = self.service.engine.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message, tokenize=False,
-                **({"tools": tools} if tools else {}), **req.template_kwargs)
-        except Exception as e:  # noqa: BLE001 - a template error is the caller's input
-            raise ValueError(f"messages: the chat template could not render them: "
-                             f"{type(e).__name__}: {e}") from None
-        if not isinstance(text, str):
-            raise ValueError("messages: the chat template did not produce text")
-        return text
+    def request_template(self, req: ChatCompletionRequest) -> Optional[str]:
+        """The template the request sends, if this server takes one (ValueError if not)."""
+        found = req.request_template()
+        if found is None:
+            return None
+        if not self.trust_request_template:
+            raise ValueError(f"{found[0]}: this server renders chat with its own template and "
+                             "does not run templates sent with requests (start it with "
+                             "--trust-request-chat-template to allow them)")
+        return found[1]
+
+    def render_chat(self, req: ChatCompletionRequest, template: Optional[str]) -> str:
+        return self.renderer.render(
+            [m.template_dict() for m in req.messages],
+            tools=[t.model_dump(exclude_none=True) for t in req.active_tools],
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            template_kwargs=req.template_kwargs, template=template)
 
     async def chat_completions(self, request: Request) -> Response:
         req = ChatCompletionRequest.parse(await read_json(request))
         req.check_unsupported()
-        self.check_constraint(req)
+        self.check_request(req, req.top_logprobs, "top_logprobs")
+        template = self.request_template(req)
         prompt: dict[str, Any] = {"input_ids": req.input_ids} if req.input_ids is not None else {
-            "prompt": await self.service.offload(self.render_chat, req)}
+            "prompt": await self.service.offload_template(self.render_chat, req, template)}
         states, _ = await self.service.submit(
             **prompt, sampling_params=req.sampling_params(req.max_new_tokens),
             return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,

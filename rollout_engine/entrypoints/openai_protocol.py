@@ -213,6 +213,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     # extensions
+    chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     reasoning_effort: Optional[ReasoningEffort] = None
     input_ids: Optional[list[int]] = None
@@ -245,16 +246,33 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise ValueError("top_logprobs: requires logprobs = true")
-            if not 0 <= self.top_logprobs <= 20:
-                raise ValueError(f"top_logprobs: must be in [0, 20], got {self.top_logprobs}")
+            if self.top_logprobs < 0:   # the upper bound is the server's (RequestLimits)
+                raise ValueError(f"top_logprobs: must be >= 0, got {self.top_logprobs}")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message: needs add_generation_prompt = false")
 
+    def request_template(self) -> Optional[tuple[str, str]]:
+        """The chat template this request sends, as ``(field, template)``: the top-level
+        ``chat_template`` or ``chat_template_kwargs.chat_template`` (None: the server's own)."""
+        found = [(name, value) for name, value in (
+            ("chat_template", self.chat_template),
+            ("chat_template_kwargs.chat_template",
+             (self.chat_template_kwargs or {}).get("chat_template"))) if value is not None]
+        for name, value in found:
+            if not isinstance(value, str):
+                raise ValueError(f"{name}: must be a string (a Jinja template)")
+        if len(found) > 1:
+            raise ValueError("chat_template: also given as chat_template_kwargs.chat_template; "
+                             "give one")
+        return found[0] if found else None
+
     @property
     def template_kwargs(self) -> dict[str, Any]:
-        """``chat_template_kwargs``; ``reasoning_effort`` sets ``thinking`` and
-        ``enable_thinking`` (false for "none") unless given, as SGLang does."""
+        """``chat_template_kwargs`` less the template itself (``request_template``);
+        ``reasoning_effort`` sets ``thinking`` and ``enable_thinking`` (false for "none")
+        unless given, as SGLang does."""
         kwargs = dict(self.chat_template_kwargs or {})
+        kwargs.pop("chat_template", None)
         if self.reasoning_effort is not None:
             thinking = self.reasoning_effort != "none"
             kwargs.setdefault("thinking", thinking)

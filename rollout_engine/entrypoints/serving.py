@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 TOKENIZE_THREADS = 4
+TEMPLATE_THREADS = 2
 
 
 class GenerationService:
@@ -35,14 +36,24 @@ class GenerationService:
         self.tm = engine.tm
         self.metrics = metrics
         self.inflight: dict[str, RequestState] = {}
-        # tokenizing a long prompt or rendering a chat template must not stall the event loop
-        # (every other request's stream); its own pool, so slow control calls cannot starve it
+        # tokenizing a long prompt must not stall the event loop (every other request's
+        # stream); its own pool, so slow control calls cannot starve it
         self.executor = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="rollout-tokenize")
+        # chat templates are programs (bounded, but up to max_template_render_s each): a pool
+        # of their own, so renders never hold the threads plain tokenization waits for
+        self.template_executor = ThreadPoolExecutor(TEMPLATE_THREADS,
+                                                    thread_name_prefix="rollout-chat-template")
 
     async def offload(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run CPU-bound request preparation in the tokenizer threads."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+
+    async def offload_template(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a chat-template render in the template threads."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.template_executor,
+                                          functools.partial(fn, *args, **kwargs))
 
     # -- submitting ----------------------------------------------------------------------------
     async def submit(self, prompt: Any = None, input_ids: Any = None,

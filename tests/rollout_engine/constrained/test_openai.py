@@ -20,6 +20,7 @@ from rollout_engine.entrypoints.openai_protocol import (
     CompletionRequest,
     constraint_params,
 )
+from rollout_engine.request_builder import RequestLimits
 from rollout_engine.sampling_params import SamplingParams
 from tests.rollout_engine.constrained.test_tool_calls import OUTPUT, TOOLS
 from tests.rollout_engine.engines import app_client, thread_engine
@@ -221,11 +222,16 @@ class _FixedOutput:
 
     def __init__(self, tokenizer: Any, text: str) -> None:
         self.text = text
-        builder = SimpleNamespace(check_constraint=lambda c: None)
-        self.engine = SimpleNamespace(tokenizer=tokenizer, tm=SimpleNamespace(builder=builder))
+        builder = SimpleNamespace(check_constraint=lambda c: None,
+                                  limits=RequestLimits(20, 64, 256, 1024))
+        config = SimpleNamespace(trust_request_chat_template=False, max_template_render_s=5.0)
+        self.engine = SimpleNamespace(tokenizer=tokenizer, config=config,
+                                      tm=SimpleNamespace(builder=builder))
 
     async def offload(self, fn: Any, *args: Any) -> Any:
         return fn(*args)
+
+    offload_template = offload
 
     async def submit(self, **kwargs: Any) -> tuple[list[Any], bool]:
         n = kwargs["sampling_params"]["n"]
