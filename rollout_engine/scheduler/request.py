@@ -79,6 +79,20 @@ class Req:
         self.output_ids.append(token)
         self.all_ids.append(token)
 
+    # -- transitions ---------------------------------------------------------------------------
+    def retract(self) -> None:
+        """Back to the queue after giving back its KV (``KVManager.retract``): the tokens stay
+        and are recomputed from whatever the cache then holds. Records of a phase the request
+        had not finished restart with it, so the recompute does not repeat them: prompt
+        logprobs still being computed (a prefill cut between chunks) start again from
+        ``logprob_start_len``; finished ones, the output tokens, their logprobs and what was
+        streamed of them (``sent_len``) are kept."""
+        self.state = ReqState.WAITING
+        self.num_retractions += 1
+        if self.wants_input_logprobs and not self.input_logprobs_done():
+            self.input_logprobs.clear()
+            self.input_top_logprobs.clear()
+
     # -- derived -------------------------------------------------------------------------------
     @property
     def seq_len(self) -> int:

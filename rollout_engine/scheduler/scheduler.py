@@ -324,9 +324,14 @@ class Scheduler:
         self._finish(req)
 
     def retract(self, req: Req) -> None:
+        """Take an admitted request off the running batch (or the chunked prefill), free its
+        KV and queue it first, to be recomputed (``Req.retract`` restarts its phase)."""
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked is req:
+            self.chunked = None
         self.kv.retract(req)
-        req.state = ReqState.WAITING
-        req.num_retractions += 1
+        req.retract()
         self.stats["num_retractions"] += 1
         self.waiting.appendleft(req)
 
