@@ -35,6 +35,7 @@ class Req:
 
     def __init__(self, msg: GenerateReq, arrival: int) -> None:
         self.rid = msg.rid
+        self.groups = msg.groups
         self.input_ids = list(msg.input_ids)
         self.params: SamplingParams = msg.sampling_params
         self.seed = msg.seed
@@ -141,3 +142,35 @@ class Req:
                     out.input_top_logprobs = list(self.input_top_logprobs)
         self.sent_len = len(self.output_ids)
         return out
+
+
+class InFlight:
+    """The scheduler's requests from arrival to retirement, by rid and by group
+    (``GenerateReq.groups``): an abort names one rid or a whole group."""
+
+    def __init__(self) -> None:
+        self.by_rid: dict[str, Req] = {}
+        self._groups: dict[str, dict[str, Req]] = {}
+
+    def add(self, req: Req) -> None:
+        self.by_rid[req.rid] = req
+        for name in req.groups:
+            self._groups.setdefault(name, {})[req.rid] = req
+
+    def remove(self, req: Req) -> None:
+        if self.by_rid.get(req.rid) is not req:
+            return
+        del self.by_rid[req.rid]
+        for name in req.groups:
+            members = self._groups[name]
+            del members[req.rid]
+            if not members:
+                del self._groups[name]
+
+    def named(self, name: str) -> list[Req]:
+        """The request whose rid is ``name`` and the members of the group ``name``."""
+        found = dict(self._groups.get(name, {}))
+        req = self.by_rid.get(name)
+        if req is not None:
+            found[req.rid] = req
+        return list(found.values())

@@ -1,4 +1,5 @@
-"""A request's transitions: a retraction restarts what it had computed of its current phase."""
+"""A request's transitions: a retraction restarts what it had computed of its current phase; an
+abort names a request or a group of them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from rollout_engine.config import EngineConfig
 from rollout_engine.protocol.messages import ControlReq, GenerateReq, ReqOutput
 from rollout_engine.sampling_params import SamplingParams
-from rollout_engine.scheduler.request import ReqState
+from rollout_engine.scheduler.request import InFlight, Req, ReqState
 from rollout_engine.scheduler.scheduler import Scheduler
 
 PROMPT_LEN = 40
@@ -95,3 +96,31 @@ def test_retract_in_decode_keeps_the_finished_prompt_logprobs(qwen2_path):
     assert paused.input_logprobs[1:] == pytest.approx(plain.input_logprobs[1:], abs=1e-5)
     assert paused.token_ids == plain.token_ids
     assert s.check_integrity()["idle"]
+
+
+def test_in_flight_names_a_rid_or_every_member_of_a_group():
+    def req(rid: str, *groups: str) -> Req:
+        msg = GenerateReq(rid=rid, input_ids=[1], seed=0, groups=groups,
+                          sampling_params=SamplingParams.from_dict({}))
+        return Req(msg, 0)
+
+    inflight = InFlight()
+    members = [req("b_0-0", "b", "b_0"), req("b_0-1", "b", "b_0"), req("b_1-0", "b", "b_1")]
+    lone, twin = req("b"), req("b_0-1")
+    for r in (*members, lone):
+        inflight.add(r)
+
+    def rids(name: str) -> list[str]:
+        return sorted(r.rid for r in inflight.named(name))
+
+    assert rids("b") == ["b", "b_0-0", "b_0-1", "b_1-0"]
+    assert rids("b_0") == ["b_0-0", "b_0-1"]
+    assert rids("b_1-0") == ["b_1-0"]
+    assert rids("b_") == []
+    inflight.remove(twin)   # not the request in flight under that rid: nothing changes
+    assert rids("b_0") == ["b_0-0", "b_0-1"]
+    for r in members:
+        inflight.remove(r)
+    assert rids("b") == ["b"] and rids("b_0") == []
+    inflight.remove(lone)
+    assert inflight.by_rid == {} and rids("b") == []
