@@ -114,8 +114,11 @@ class RequestBuilder:
 
         The supported fields of SGLang's ``GenerateReqInput`` (``compat/fields.py``), with its
         batch rules: a scalar applies to every prompt, a list gives one value per prompt, and a
-        string ``rid`` for a batch names the prompts ``<rid>_<i>``. ``extra_key`` and
-        ``cache_salt`` together name the prefix-cache namespace.
+        string ``rid`` for a batch names the prompts ``<rid>_<i>``; ``n > 1`` samples of a
+        prompt named ``r`` are ``r-<j>``. Each request's ``groups`` are the names it was
+        expanded from (the batch's string rid, then its prompt's rid when it is a sample), so
+        aborting one of them stops every member. ``extra_key`` and ``cache_salt`` together name
+        the prefix-cache namespace.
 
         Returns the requests and whether the caller asked for a single (non-list) answer.
         Raises ValueError naming the bad field; nothing is submitted then.
@@ -159,7 +162,9 @@ class RequestBuilder:
         flags = [_per_item(return_logprob, nb, "return_logprob", bool),
                  _per_item(top_logprobs_num, nb, "top_logprobs_num", int),
                  _per_item(logprob_start_len, nb, "logprob_start_len", int)]
+        batch_groups: tuple[str, ...] = ()
         if isinstance(rid, str) and not single:
+            batch_groups = (rid,)
             rid = [f"{rid}_{i}" for i in range(nb)]
         rids = _per_item(rid, nb, "rid", str) if rid is not None else [None] * nb
         keys = _cache_namespaces(_per_item(extra_key, nb, "extra_key", str),
@@ -170,13 +175,14 @@ class RequestBuilder:
             self._validate(ids, sp, tln, lsl)
             base_rid = rids[i] or uuid.uuid4().hex
             base_seed = sp.sampling_seed if sp.sampling_seed is not None else self.rng.getrandbits(63)
+            groups = batch_groups if sp.n == 1 else (*batch_groups, base_rid)
             for j in range(sp.n):
                 seed = base_seed if sp.n == 1 else derive_seed(base_seed, j)
                 reqs.append(GenerateReq(
                     rid=base_rid if sp.n == 1 else f"{base_rid}-{j}", input_ids=list(ids),
                     sampling_params=sp, seed=seed, return_logprob=bool(rl or tln),
                     top_logprobs_num=tln, logprob_start_len=lsl, stream=stream,
-                    extra_key=keys[i]))
+                    extra_key=keys[i], groups=groups))
         return reqs, single and sps[0].n == 1
 
     def _encode(self, text: str) -> list[int]:

@@ -71,7 +71,7 @@ class DataParallelChannel(Channel):
         elif isinstance(msg, Shutdown):
             self.closing.set()
             self._to_all(msg)
-        else:   # AbortReq: a rid lives on one replica, aborting it elsewhere is a no-op
+        else:   # AbortReq: its rid or group may live on any replicas; elsewhere a no-op
             self._to_all(msg)
 
     def send_many(self, msgs: Sequence[Any]) -> None:

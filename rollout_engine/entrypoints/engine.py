@@ -123,6 +123,9 @@ class Engine:
         return self._finish(list(results), single, return_text_in_logprobs)
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """Abort the request ``rid`` and every request of the group it names: the ``n > 1``
+        samples and batch members a generate call with that ``rid`` made (waiting or
+        running); or every request (``abort_all``)."""
         self.tm.abort(rid=rid or None, abort_all=abort_all)
 
     # -- control ---------------------------------------------------------------------------------

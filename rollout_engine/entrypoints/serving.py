@@ -35,7 +35,6 @@ class GenerationService:
         self.engine = engine
         self.tm = engine.tm
         self.metrics = metrics
-        self.inflight: dict[str, RequestState] = {}
         # tokenizing a long prompt must not stall the event loop (every other request's
         # stream); its own pool, so slow control calls cannot starve it
         self.executor = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="rollout-tokenize")
@@ -70,27 +69,20 @@ class GenerationService:
             self.tm.build_requests, prompt, input_ids, sampling_params, return_logprob,
             top_logprobs_num, -1 if logprob_start_len is None else logprob_start_len, stream,
             rid, extra_key, cache_salt=cache_salt)
-        states = self.tm.submit(reqs)
-        for st in states:
-            self.inflight[st.req.rid] = st
-        return states, single
+        return self.tm.submit(reqs), single
 
     def abort_unfinished(self, states: list[RequestState]) -> int:
         n = 0
         for st in states:
-            self.inflight.pop(st.req.rid, None)
             if not st.done and self.tm.dead is None:
                 self.tm.abort(rid=st.req.rid)
                 n += 1
         return n
 
     def abort(self, rid: str) -> None:
-        """Abort ``rid`` and, when it named an ``n > 1`` request, its samples ``rid-0``, ..."""
+        """Abort the request ``rid`` and every request of the group it names (the samples of
+        an ``n > 1`` call, the members of a batch: ``GenerateReq.groups``)."""
         self.tm.abort(rid=rid)
-        prefix = rid + "-"
-        for child in [r for r in self.inflight if r.startswith(prefix)]:
-            if child[len(prefix):].isdigit():
-                self.tm.abort(rid=child)
 
     # -- waiting -------------------------------------------------------------------------------
     async def collect(self, states: list[RequestState],

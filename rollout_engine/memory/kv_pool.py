@@ -138,6 +138,18 @@ class PageAllocator:
         return set(self._free_set)
 
 
+def row_width(context_len: int, page_size: int) -> int:
+    """Columns a request-table row needs: whole pages covering ``context_len`` positions.
+
+    A request never holds more than ``context_len`` tokens, but its slots come in whole pages
+    (a prompt's pages, a chunk's, a decode run's), so the row must take the context's last page
+    whole::
+
+        context_len 100, page_size 16:  positions 0..99 | last page 96..111  -> 112 columns
+    """
+    return -(-context_len // page_size) * page_size
+
+
 class ReqToTokenPool:
     """Rows of slot indices, one row per running request: ``table[row, position] = slot``.
 

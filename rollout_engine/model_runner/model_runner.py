@@ -15,7 +15,7 @@ import torch
 
 from rollout_engine.config import EngineConfig
 from rollout_engine.memory import huge_pages
-from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool
+from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool, row_width
 from rollout_engine.model_runner.attention.base import create_attention_backend
 from rollout_engine.model_runner.attention.torch_native import KernelDecodeMeta
 from rollout_engine.model_runner.cuda_graph import create_decode_graphs
@@ -67,7 +67,8 @@ class ModelRunner:
         self.max_running_requests = config.max_running_requests or 512
         self.kv_pool = KVPool(self.max_total_num_tokens, self.arch.num_layers,
                               num_kv_heads, self.arch.head_dim, self.dtype, self.device)
-        self.req_to_token = ReqToTokenPool(self.max_running_requests + 8, self.context_len + 8,
+        self.req_to_token = ReqToTokenPool(self.max_running_requests + 8,
+                                           row_width(self.context_len, config.page_size),
                                            self.device)
         self.attn_backend = create_attention_backend(config.resolved_attention_backend(),
                                                      self.kv_pool, self.req_to_token)

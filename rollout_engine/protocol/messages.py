@@ -24,10 +24,17 @@ class GenerateReq:
     logprob_start_len: int = -1     # >= 0: also return prompt logprobs from this position
     stream: bool = False
     extra_key: Optional[str] = None
+    # the caller's names this request was expanded from (``RequestBuilder.build``): a batch
+    # member and an ``n > 1`` sample belong to the call's rid, and a sample of a batch prompt
+    # also to that prompt's rid; aborting a group's name aborts every member
+    groups: tuple[str, ...] = ()
 
 
 @dataclass
 class AbortReq:
+    """Abort the request whose rid is ``rid`` and every request in the group named ``rid``
+    (``GenerateReq.groups``), waiting or running; or every request (``abort_all``)."""
+
     rid: Optional[str] = None
     abort_all: bool = False
     message: str = "aborted by request"

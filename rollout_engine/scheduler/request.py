@@ -35,6 +35,7 @@ class Req:
 
     def __init__(self, msg: GenerateReq, arrival: int) -> None:
         self.rid = msg.rid
+        self.groups = msg.groups
         self.input_ids = list(msg.input_ids)
         self.params: SamplingParams = msg.sampling_params
         self.seed = msg.seed
@@ -78,6 +79,20 @@ class Req:
     def append_output(self, token: int) -> None:
         self.output_ids.append(token)
         self.all_ids.append(token)
+
+    # -- transitions ---------------------------------------------------------------------------
+    def retract(self) -> None:
+        """Back to the queue after giving back its KV (``KVManager.retract``): the tokens stay
+        and are recomputed from whatever the cache then holds. Records of a phase the request
+        had not finished restart with it, so the recompute does not repeat them: prompt
+        logprobs still being computed (a prefill cut between chunks) start again from
+        ``logprob_start_len``; finished ones, the output tokens, their logprobs and what was
+        streamed of them (``sent_len``) are kept."""
+        self.state = ReqState.WAITING
+        self.num_retractions += 1
+        if self.wants_input_logprobs and not self.input_logprobs_done():
+            self.input_logprobs.clear()
+            self.input_top_logprobs.clear()
 
     # -- derived -------------------------------------------------------------------------------
     @property
@@ -127,3 +142,35 @@ class Req:
                     out.input_top_logprobs = list(self.input_top_logprobs)
         self.sent_len = len(self.output_ids)
         return out
+
+
+class InFlight:
+    """The scheduler's requests from arrival to retirement, by rid and by group
+    (``GenerateReq.groups``): an abort names one rid or a whole group."""
+
+    def __init__(self) -> None:
+        self.by_rid: dict[str, Req] = {}
+        self._groups: dict[str, dict[str, Req]] = {}
+
+    def add(self, req: Req) -> None:
+        self.by_rid[req.rid] = req
+        for name in req.groups:
+            self._groups.setdefault(name, {})[req.rid] = req
+
+    def remove(self, req: Req) -> None:
+        if self.by_rid.get(req.rid) is not req:
+            return
+        del self.by_rid[req.rid]
+        for name in req.groups:
+            members = self._groups[name]
+            del members[req.rid]
+            if not members:
+                del self._groups[name]
+
+    def named(self, name: str) -> list[Req]:
+        """The request whose rid is ``name`` and the members of the group ``name``."""
+        found = dict(self._groups.get(name, {}))
+        req = self.by_rid.get(name)
+        if req is not None:
+            found[req.rid] = req
+        return list(found.values())

@@ -297,10 +297,6 @@ class RLControl(BroadcastRefits):
             s.abort(AbortReq(abort_all=True, message="aborted by pause_generation"))
         elif mode == "retract":
             for req in sorted(s.active_reqs(), key=lambda r: r.arrival, reverse=True):
-                if req in s.running:
-                    s.running.remove(req)
-                if s.chunked is req:
-                    s.chunked = None
                 s.retract(req)
         return {"mode": mode, "affected": affected}
 

@@ -40,7 +40,7 @@ from rollout_engine.scheduler.batch import (
 )
 from rollout_engine.scheduler.control import ControlHandlers
 from rollout_engine.scheduler.kv_manager import KVManager
-from rollout_engine.scheduler.request import Req, ReqState
+from rollout_engine.scheduler.request import InFlight, Req, ReqState
 from rollout_engine.scheduler.rl_control import RLControl
 from rollout_engine.scheduler.stop import StopChecker, eos_token_ids
 from rollout_engine.weights.refit import WeightUpdateGroups
@@ -73,7 +73,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Optional[Req] = None
-        self.by_rid: dict[str, Req] = {}
+        self.inflight = InFlight()   # every request taken, until retired
         self.arrivals = 0
         self.paused = False
         self.new_token_ratio = policy.NewTokenRatio()
@@ -114,9 +114,9 @@ class Scheduler:
                     req.finished_reason = {"type": "abort", "message": error}
                     self.outbox.append(req.make_output(full=True))
                     return None
-                self.by_rid[msg.rid] = req
+                self.inflight.add(req)
                 return None
-            self.by_rid[msg.rid] = req
+            self.inflight.add(req)
             self.kv.tree.prefetch(msg.rid, req.all_ids, self.namespace_of(req))  # L3 reads
             self.waiting.append(req)
             return None
@@ -139,6 +139,11 @@ class Scheduler:
 
     def namespace_of(self, req: Req) -> CacheNamespace:
         return CacheNamespace(self.rl.generation, req.extra_key)  # never the user's label
+
+    @property
+    def by_rid(self) -> dict[str, Req]:
+        """The requests in flight by rid (read only: ``inflight`` adds and removes them)."""
+        return self.inflight.by_rid
 
     @property
     def can_run(self) -> bool:
@@ -324,9 +329,14 @@ class Scheduler:
         self._finish(req)
 
     def retract(self, req: Req) -> None:
+        """Take an admitted request off the running batch (or the chunked prefill), free its
+        KV and queue it first, to be recomputed (``Req.retract`` restarts its phase)."""
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked is req:
+            self.chunked = None
         self.kv.retract(req)
-        req.state = ReqState.WAITING
-        req.num_retractions += 1
+        req.retract()
         self.stats["num_retractions"] += 1
         self.waiting.appendleft(req)
 
@@ -411,7 +421,7 @@ class Scheduler:
         no KV any more; forget it and send its last output."""
         req.state = ReqState.FINISHED
         req.grammar = None   # its own state; the compiled grammar stays cached
-        self.by_rid.pop(req.rid, None)
+        self.inflight.remove(req)
         if req.penalty_row is not None:
             self.penalty_counts.give_back(req.penalty_row)
             req.penalty_row = None
@@ -419,8 +429,10 @@ class Scheduler:
 
     # -- abort ---------------------------------------------------------------------------------
     def abort(self, msg: AbortReq) -> int:
+        """Finish the named requests (``AbortReq``) with an abort, waiting or running; returns
+        how many there were."""
         targets = list(self.by_rid.values()) if msg.abort_all else (
-            [self.by_rid[msg.rid]] if msg.rid in self.by_rid else [])
+            self.inflight.named(msg.rid) if msg.rid is not None else [])
         for req in targets:
             req.finished_reason = {"type": "abort", "message": msg.message}
             if req.state == ReqState.WAITING:

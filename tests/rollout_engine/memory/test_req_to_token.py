@@ -36,3 +36,23 @@ def test_out_of_range_writes_raise_at_once():
         with pytest.raises(IndexError, match="outside the table"):
             pool.write(row, start, list(range(n)))
     assert int(pool.table.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("page_size,context_length", [(16, 100), (4, 50), (8, 41)])
+def test_requests_up_to_the_context_fit_whole_page_reservations(page_size, context_length,
+                                                                 qwen2_path, make_engine):
+    """A context that is not a multiple of the page: requests that reach exactly the context
+    length (prefilled in chunks, decoded in page runs, several at once) get their whole-page
+    reservations into the table and finish by length."""
+    engine = make_engine(qwen2_path, page_size=page_size, context_length=context_length,
+                         chunked_prefill_size=3 * page_size + 1)
+    prompts = [[(7 * i + 3 * j) % 200 + 10 for j in range(n)]
+               for i, n in enumerate((context_length - 10, context_length - 1,
+                                      context_length // 2, 1))]
+    news = [context_length - len(p) for p in prompts]
+    outs = engine.generate(input_ids=prompts, sampling_params=[
+        {"max_new_tokens": n, "ignore_eos": True, "temperature": 0.0} for n in news])
+    for out, n in zip(outs, news):
+        assert out["meta_info"]["finish_reason"]["type"] == "length"
+        assert out["meta_info"]["completion_tokens"] == n
+    engine.check_integrity()
