@@ -55,8 +55,9 @@ class EngineConfig:
     hicache_write_policy: str = "write_through"
     hicache_storage_backend: Optional[str] = None   # "file" or None (no L3)
     hicache_storage_prefetch_policy: str = "timeout"
-    # ours: the file backend's directory (SGLang reads SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR),
-    # its size bound, and the storage block length in tokens (a multiple of page_size)
+    # ours: the file backend's directory (SGLang reads SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR;
+    # without either, the user's cache directory; it must be private to the user), its size
+    # bound, and the storage block length in tokens (a multiple of page_size)
     hicache_storage_dir: Optional[str] = None
     hicache_storage_max_gb: float = 16.0
     hicache_storage_block_tokens: int = 64

@@ -50,8 +50,10 @@ HELP: dict[str, str] = {
     "hicache_storage_prefetch_policy": "How long a request waits aside for its storage reads "
                                        "(later requests are admitted meanwhile): best_effort, "
                                        "wait_complete or timeout.",
-    "hicache_storage_dir": "Directory of the file storage tier (default: "
-                           "$SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR or /tmp/hicache).",
+    "hicache_storage_dir": "Directory of the file storage tier, private to this user (mode "
+                           "0700; one others may write is refused). Default: "
+                           "$SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else "
+                           "$XDG_CACHE_HOME/rollout_engine/hicache (~/.cache/...).",
     "hicache_storage_max_gb": "Size bound of the file storage tier; LRU blocks are deleted.",
     "hicache_storage_block_tokens": "Tokens per storage block (a multiple of --page-size).",
     "hicache_storage_flush": "Every cache flush (flush_cache, a refit's flush, sleeping with "

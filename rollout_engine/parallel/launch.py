@@ -165,10 +165,10 @@ def run_worker(config: EngineConfig, conn: Connection, start: TPStart) -> int:
         return 0
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return 0   # rank 0 went away
-    except Exception:  # noqa: BLE001 - told to rank 0, which reports it
+    except Exception as e:  # noqa: BLE001 - told to rank 0, which reports it
         logger.exception("tensor-parallel rank %d failed", start.rank)
         try:
-            conn.send(crash_report(start.rank))
+            conn.send(crash_report(start.rank, e))
         except OSError:
             pass
         return 1

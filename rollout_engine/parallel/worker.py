@@ -295,5 +295,7 @@ class TPWorker:
 _DEFERRED = object()   # the handler answers later (a group being joined)
 
 
-def crash_report(rank: int) -> wire.Crashed:
-    return wire.Crashed(rank, traceback.format_exc(limit=5))
+def crash_report(rank: int, error: BaseException) -> wire.Crashed:
+    """``error`` as rank 0 passes it on to callers: its type and message (the traceback is
+    this rank's log's, not theirs)."""
+    return wire.Crashed(rank, "".join(traceback.format_exception_only(error)).strip())

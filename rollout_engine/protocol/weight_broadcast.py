@@ -23,7 +23,8 @@ Bucket (``load_format="flattened_bucket"``). SGLang's ``FlattenedTensorBucket`` 
 tensors' bytes back to back, in order, with no padding; the broadcast is that one uint8 buffer:
 
     | a: 3 x bf16 (6 B) | b: 2 x fp32 (8 B) | ...      b starts at byte 6: not 4-aligned,
-    0                   6                   14         so its view is copied (`unflatten`)
+    0                   6                   14         so its view is copied (`unflatten`,
+                                                       once every byte has been received)
 """
 
 from __future__ import annotations
@@ -231,7 +232,8 @@ def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 def unflatten(buffer: torch.Tensor, dtypes: Sequence[torch.dtype],
               shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
     """The tensors of a back-to-back buffer: views, or copies where a tensor starts at a byte
-    its dtype cannot be viewed at."""
+    its dtype cannot be viewed at. A copy holds the bytes of the moment it is taken: call this
+    on a received buffer only once its receive has completed."""
     ranges, total = flat_layout(dtypes, shapes)
     if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() != total:
         raise ValueError(f"flattened bucket: expected {total} uint8 bytes, got "
@@ -239,7 +241,7 @@ def unflatten(buffer: torch.Tensor, dtypes: Sequence[torch.dtype],
     out = []
     for (start, end), dtype, shape in zip(ranges, dtypes, shapes):
         piece = buffer[start:end]
-        if (piece.storage_offset() % dtype.itemsize) or not piece.numel():
+        if piece.data_ptr() % dtype.itemsize or not piece.numel():
             piece = piece.clone()
         out.append(piece.view(dtype).view(tuple(int(d) for d in shape)))
     return out

@@ -9,8 +9,8 @@ later step, so generation keeps being served meanwhile.
 from __future__ import annotations
 
 import functools
+import logging
 import time
-import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -20,6 +20,8 @@ from rollout_engine.protocol.messages import ControlReq, ControlResult
 
 if TYPE_CHECKING:
     from rollout_engine.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
 
 
 class BusyError(RuntimeError):
@@ -83,8 +85,11 @@ class ControlHandlers:
         except TimeoutError as e:
             return ControlResult(msg.call_id, False, message=str(e), status=504)
         except Exception as e:  # noqa: BLE001 - a failed control call must not kill the loop
+            # the traceback goes to the server's log; the caller gets what went wrong, not
+            # the engine's source paths
+            logger.exception("control call %s failed", msg.method)
             return ControlResult(msg.call_id, False, status=500,
-                                 message=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+                                 message=f"{msg.method} failed: {type(e).__name__}: {e}")
         return ControlResult(msg.call_id, True, result=result)
 
     # -- cache and introspection ---------------------------------------------------------------

@@ -6,7 +6,8 @@ allocator, request table, radix tree, retraction and release cover the draft's K
 second bookkeeping. The invariant that makes this work: every target forward is followed by a
 draft forward of the same batch (``TargetWithDraft.forward``), so wherever the target's KV is
 valid (prefill, plain decode, the verify forward's accepted positions) the draft's is too, and a
-radix-cache hit is a hit for both.
+radix-cache hit is a hit for both. (Not a hit in the hierarchical cache's host or storage tier,
+which keeps the target's K/V only: ``EngineConfig`` refuses STANDALONE with it.)
 
 Except where that forward would be wasted, which on a small model costs about as much as the
 target's: decode steps with speculation off (a batch above ``speculative_max_batch_size``, no

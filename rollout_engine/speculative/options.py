@@ -10,7 +10,9 @@ and MTP drafts are not implemented), ``speculative_num_draft_tokens`` (tokens pe
 (1: drafts are one chain), ``speculative_ngram_{min,max}_match_window_size``. Ours:
 ``speculative_max_batch_size``, above which a decode batch runs without speculation; a request
 whose proposals keep failing stops proposing (``LOW_ACCEPT_MIN``, re-probed every
-``LOW_ACCEPT_PROBE`` steps: ``gate.py``).
+``LOW_ACCEPT_PROBE`` steps: ``gate.py``). STANDALONE is refused with the hierarchical cache:
+its lower tiers hold the target's KV only, so a prefix loaded back from them would come without
+the draft's.
 
 No imports from the engine: ``config.py`` calls ``check`` while it is being defined.
 """
@@ -51,6 +53,14 @@ def check(cfg: Any) -> list[tuple[str, str]]:
     if draft is not None and algo != "STANDALONE":
         errors.append(("speculative_draft_model_path",
                        f"is used by speculative_algorithm STANDALONE only, got {algo!r}"))
+    if algo == "STANDALONE" and cfg.enable_hierarchical_cache:
+        # the host and storage tiers keep the target's K/V only: a prefix loaded back from
+        # them would leave the draft attending to whatever its pool held at those slots
+        errors.append(("speculative_algorithm",
+                       "STANDALONE cannot be combined with enable_hierarchical_cache: KV loaded "
+                       "back from the host or storage tier holds the target model's K/V, not "
+                       "the draft's; turn off enable_hierarchical_cache (--enable-hierarchical-"
+                       "cache) or use speculative_algorithm NGRAM"))
     if draft is not None and not os.path.isfile(os.path.join(str(draft), "config.json")):
         errors.append(("speculative_draft_model_path",
                        f"{draft!r} is not a Hugging Face model directory (no config.json)"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Optional
 
@@ -179,7 +180,8 @@ class WeightUpdateGroups:
                     for t, dtype, shape in zip(into, torch_dtypes, shapes_t)):
                 raise ValueError("into: one tensor of each announced shape and dtype")
             works = [group.broadcast(t) for t in into]
-            receipt = Receipt(list(zip(names, into)), works, None, self.device, after)
+            named_into = list(zip(names, into))
+            receipt = Receipt(lambda: named_into, works, None, self.device, after)
             self.in_flight.append(receipt)
             return receipt
         staging = self.staging.setdefault(group_name, StagingBuffer(self.device))
@@ -188,7 +190,10 @@ class WeightUpdateGroups:
             slot = staging.take(nbytes)
             buf = staging.buffer(slot)[:nbytes]
             works = [group.broadcast(buf)]
-            named = list(zip(names, unflatten(buf, torch_dtypes, shapes_t)))
+
+            def unpack() -> list[tuple[str, torch.Tensor]]:
+                # after the broadcast landed: a piece its dtype cannot be viewed at is a copy
+                return list(zip(names, unflatten(buf, torch_dtypes, shapes_t)))
         else:
             # one broadcast per tensor, all posted at once (as SGLang does), each received
             # into its own aligned slice of the reused buffer
@@ -200,7 +205,8 @@ class WeightUpdateGroups:
                 t = buf[start:end].view(dtype).view(shape)
                 works.append(group.broadcast(t))
                 named.append((name, t))
-        receipt = Receipt(named, works, lambda: staging.give(slot), self.device, after)
+            unpack = named.copy
+        receipt = Receipt(unpack, works, lambda: staging.give(slot), self.device, after)
         self.in_flight.append(receipt)
         return receipt
 
@@ -221,12 +227,14 @@ class WeightUpdateGroups:
 
 class Receipt:
     """One ``update_weights_from_distributed`` call's broadcast being received into a staging
-    slot. A waiter thread completes `future` (with the (name, tensor) pairs, or the receive's
-    error) once every byte arrived and `after` completed; `done` frees the slot."""
+    slot. A waiter thread completes `future` (with the (name, tensor) pairs `unpack` makes of
+    the received bytes, or the receive's error) once every byte arrived and `after` completed;
+    `unpack` never runs before that, so no copy it takes can miss a byte. `done` frees the
+    slot."""
 
-    def __init__(self, named: list[tuple[str, torch.Tensor]], works: list[Any],
+    def __init__(self, unpack: Callable[[], list[tuple[str, torch.Tensor]]], works: list[Any],
                  free: Any, device: torch.device, after: Optional[Receipt]) -> None:
-        self.named, self.works = named, works
+        self.unpack, self.works = unpack, works
         self._free: Any = free
         self.future: Future = Future()
         threading.Thread(target=self._wait_all, args=(device, after), daemon=True,
@@ -238,9 +246,10 @@ class Receipt:
                 work.wait()   # the group's timeout bounds each (a dead trainer raises)
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()
+            named = self.unpack()
             if after is not None:
                 after.future.exception()   # in order: an earlier update is applied first
-            self.future.set_result(self.named)
+            self.future.set_result(named)
         except BaseException as e:  # noqa: BLE001 - handed to the scheduler thread
             self.future.set_exception(e)
 

@@ -59,7 +59,7 @@ def create_prefix_cache(config: Any, allocator: PageAllocator, kv_pool: KVPool,
     storage = None
     backend = create_storage(
         config.hicache_storage_backend,
-        config.hicache_storage_dir or os.environ.get(_SGLANG_DIR_ENV) or "/tmp/hicache",
+        config.hicache_storage_dir or os.environ.get(_SGLANG_DIR_ENV) or None,
         int(config.hicache_storage_max_gb * 2**30))
     if backend is not None:
         prefix = model_identity(config, kv_pool)

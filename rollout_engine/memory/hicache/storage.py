@@ -9,10 +9,16 @@ key hashes everything that decides those bytes::
 so an engine on other weights (or another model) computes other keys and can never load a
 block it did not compute the same way; after a refit the engine's own keys change too.
 
-``FileStorage`` keeps one file per block in a directory that several engines on one machine may
+``FileStorage`` keeps one file per block in a directory that several engines of one user may
 share: a block is written to a temporary file and renamed into place (readers see a whole block
-or none), carries its own length and CRC (a damaged file reads as a miss and is removed), and
-the directory is kept under ``max_bytes`` by deleting the least recently used blocks.
+or none), carries its own length, CRC and a digest of its key (a damaged file, or one moved
+under another key, reads as a miss and is removed), and the directory is kept under
+``max_bytes`` by deleting the least recently used blocks.
+
+Whoever can write the directory decides what the engine serves from it, so it must be private:
+``FileStorage`` creates it with mode 0700 and refuses one that another user owns or that group
+or others may write. The default (`default_storage_dir`) is in the user's own cache directory,
+never a shared path such as /tmp.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import os
 import queue
+import stat
 import struct
 import threading
 import uuid
@@ -28,10 +35,42 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Optional
 
-__all__ = ["FileStorage", "HiCacheStorage", "StorageWriter", "block_keys", "create_storage"]
+__all__ = ["FileStorage", "HiCacheStorage", "StorageWriter", "block_keys", "create_storage",
+           "default_storage_dir", "ensure_private_dir"]
 
-_MAGIC = b"REKV1\0"
-_HEADER = struct.Struct("<6sQI")   # magic, payload length, crc32
+_MAGIC = b"REKV2\0"
+_HEADER = struct.Struct("<6sQI32s")   # magic, payload length, crc32, sha256 of the key
+
+
+def default_storage_dir() -> str:
+    """The file tier's directory when none is named: ``$XDG_CACHE_HOME/rollout_engine/hicache``
+    (``~/.cache/...`` without it), private to the user running the engine."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "rollout_engine", "hicache")
+
+
+def ensure_private_dir(directory: str) -> None:
+    """Create ``directory`` (mode 0700) if it is missing; raise ValueError if it, or a symbolic
+    link to it, belongs to another user, or group or others may write it: blocks planted there
+    would be served as KV."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    uid = os.getuid()
+    where = f"hicache_storage_dir: {directory!r}"
+    if os.path.islink(directory) and os.lstat(directory).st_uid != uid:
+        raise ValueError(f"{where} is a symbolic link owned by uid "
+                         f"{os.lstat(directory).st_uid}, not by this user ({uid}); name a "
+                         "directory of your own")
+    st = os.stat(directory)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"{where} is not a directory")
+    if st.st_uid != uid:
+        raise ValueError(f"{where} is owned by uid {st.st_uid}, not by this user ({uid}): "
+                         "another user could plant KV blocks there; name a directory of your "
+                         "own (created with mode 0700 if missing)")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ValueError(f"{where} may be written by group or others (mode "
+                         f"{stat.S_IMODE(st.st_mode):04o}): another user could plant KV blocks "
+                         "there; run chmod 700 on it, or name a private directory")
 
 
 def block_keys(identity: bytes, token_ids: Sequence[int], block_tokens: int,
@@ -79,9 +118,9 @@ class FileStorage(HiCacheStorage):
     def __init__(self, directory: str, max_bytes: int) -> None:
         if max_bytes < 1:
             raise ValueError(f"hicache storage max_bytes must be >= 1, got {max_bytes}")
+        ensure_private_dir(directory)
         self.directory = directory
         self.max_bytes = max_bytes
-        os.makedirs(directory, exist_ok=True)
         self._lock = threading.Lock()
         self._approx_bytes = self._scan_bytes()
 
@@ -100,7 +139,7 @@ class FileStorage(HiCacheStorage):
                 raw = f.read()
         except FileNotFoundError:
             return None
-        data = _unpack(raw)
+        data = _unpack(raw, key)
         if data is None:
             _remove(path)       # damaged (never a torn write: those are renamed whole)
             return None
@@ -114,11 +153,12 @@ class FileStorage(HiCacheStorage):
         path = self._path(key)
         if os.path.exists(path):
             return True
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
-        blob = _HEADER.pack(_MAGIC, len(data), zlib.crc32(data)) + data
+        blob = _HEADER.pack(_MAGIC, len(data), zlib.crc32(data), _key_digest(key)) + data
         try:
-            with open(tmp, "wb") as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with open(fd, "wb") as f:
                 f.write(blob)
             os.replace(tmp, path)   # atomic: a reader sees the old state or the whole block
         except OSError:
@@ -172,12 +212,19 @@ class FileStorage(HiCacheStorage):
             self._approx_bytes = total
 
 
-def _unpack(raw: bytes) -> Optional[bytes]:
+def _key_digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def _unpack(raw: bytes, key: str) -> Optional[bytes]:
+    """The payload of a block file read for ``key``; None if it is damaged, of another format,
+    or was written for another key."""
     if len(raw) < _HEADER.size:
         return None
-    magic, length, crc = _HEADER.unpack_from(raw)
+    magic, length, crc, digest = _HEADER.unpack_from(raw)
     data = raw[_HEADER.size:]
-    if magic != _MAGIC or len(data) != length or zlib.crc32(data) != crc:
+    if (magic != _MAGIC or digest != _key_digest(key) or len(data) != length
+            or zlib.crc32(data) != crc):
         return None
     return data
 
@@ -232,12 +279,11 @@ class StorageWriter:
 
 def create_storage(backend: Optional[str], directory: Optional[str],
                    max_bytes: int) -> Optional[HiCacheStorage]:
-    """The storage tier for ``--hicache-storage-backend`` (None: no L3)."""
+    """The storage tier for ``--hicache-storage-backend`` (None: no L3); the file backend in
+    ``directory``, or `default_storage_dir` when it is None."""
     if backend is None:
         return None
     if backend == "file":
-        if not directory:
-            raise ValueError("hicache_storage_dir: the file storage backend needs a directory")
-        return FileStorage(directory, max_bytes)
+        return FileStorage(directory or default_storage_dir(), max_bytes)
     raise ValueError(f"hicache_storage_backend: {backend!r} is not built in (only 'file'; "
                      "mooncake, 3fs and nixl are not implemented)")

@@ -3,6 +3,8 @@ weights never reuse KV from L2 / L3, a restart serves from L3, sleep frees the h
 
 from __future__ import annotations
 
+import os
+
 import psutil
 import pytest
 
@@ -204,3 +206,32 @@ def test_flush_cache_deletes_own_l3_blocks_only_by_flag(paths, make_engine, tmp_
     assert len(names) == (1 if flush_storage else 1 + len(prompt) // 64)
     out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
     assert out["meta_info"]["cached_tokens"] == (0 if flush_storage else 128)
+
+
+def test_the_file_tier_defaults_to_the_users_private_cache(paths, make_engine, tmp_path,
+                                                           monkeypatch):
+    from torch.utils.cpp_extension import get_default_build_root
+
+    # the compiled kernels stay where they are (their default home follows XDG_CACHE_HOME too)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR",
+                       os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", raising=False)
+    engine = make_engine(paths[0], max_total_tokens=POOL, hicache_storage_backend="file",
+                         **HICACHE)
+    engine.generate(input_ids=_long_prompt(6), sampling_params=GREEDY)
+    engine.shutdown()          # queued block writes reach the directory before it returns
+    default = tmp_path / "xdg" / "rollout_engine" / "hicache"
+    assert len(list(default.rglob("*.kv"))) == 2
+    assert default.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_storage_dir_others_may_write_is_refused_at_start(paths, make_engine, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(Exception, match="hicache_storage_dir") as e:
+        make_engine(paths[0], max_total_tokens=POOL, hicache_storage_backend="file",
+                    hicache_storage_dir=str(shared), **HICACHE)
+    assert "chmod 700" in str(e.value)
+    assert not any(shared.iterdir())

@@ -89,6 +89,38 @@ def test_standalone_flags(qwen2_path: str) -> None:
     assert SpecOptions.from_config(c).num_draft_tokens == 4     # 3 steps + the last token
 
 
+def test_standalone_with_the_hierarchical_cache_is_refused(qwen2_path: str) -> None:
+    """Its host and storage tiers keep the target's KV only: a prefix loaded back from them
+    would leave the draft drafting from stale KV."""
+    both = {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": qwen2_path,
+            "enable_hierarchical_cache": True}
+    with pytest.raises(ValueError, match="EngineConfig.speculative_algorithm") as e:
+        EngineConfig(model_path=qwen2_path, **both)
+    assert "enable_hierarchical_cache" in str(e.value)
+    with pytest.raises(ValueError, match="enable_hierarchical_cache"):
+        EngineConfig.from_kwargs(model_path=qwen2_path, **both)
+    # each alone, and NGRAM with the cache, stay allowed
+    EngineConfig(model_path=qwen2_path, **{**both, "enable_hierarchical_cache": False})
+    EngineConfig(model_path=qwen2_path, enable_hierarchical_cache=True,
+                 speculative_algorithm="NGRAM")
+
+
+def test_the_launch_flags_refuse_standalone_with_the_hierarchical_cache(
+        qwen2_path: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollout_engine.entrypoints import http_server
+    from rollout_engine.entrypoints.launch_server import main
+
+    started: list[Any] = []
+    monkeypatch.setattr(http_server, "run_server", lambda kwargs: started.append(kwargs) or 0)
+    code = main(["--model-path", qwen2_path, "--speculative-algorithm", "STANDALONE",
+                 "--speculative-draft-model-path", qwen2_path, "--enable-hicache"])
+    err = capsys.readouterr().err
+    assert code == 2 and not started
+    assert "STANDALONE" in err and "enable_hierarchical_cache" in err
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("backup", [True, False])
 def test_sleep_and_wake_take_the_draft_along(qwen2_path: str, backup: bool) -> None:
     """Sleep frees the draft's weights and KV with the target's; after a wake (and, without a
