@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import random
 
-from rollout_engine.request_builder import RequestBuilder
+from rollout_engine.request_builder import RequestBuilder, RequestLimits
 
 
 def _build(**kw):
     builder = RequestBuilder(tokenizer=None, vocab_size=64, context_len=1000,
-                             rng=random.Random(0))
+                             rng=random.Random(0),
+                             limits=RequestLimits(20, 64, 256, 1024))
     reqs, _ = builder.build(**kw)
     return [(r.rid, r.groups) for r in reqs]
 
