@@ -17,7 +17,7 @@ with --dp-size 1 vs 2 on the same workload, in one run.
 
 Caveat: this machine has 2 cores, so DP=2 splits the same two cores between two replicas;
 it measures the dispatcher's and the frontend's overhead and the batching trade-off, not the
-scaling a GPU per replica would give. A busy machine (other sessions) moves every figure.
+scaling a GPU per replica would give. A busy machine (other processes) moves every figure.
 
     python benchmarks/bench_fleet.py --quick
     python benchmarks/bench_fleet.py

@@ -1,6 +1,6 @@
 """Offline GRPO-shaped rollouts: our Engine vs vLLM's CPU build vs ``transformers``, one run.
 
-Workload (issue 12): P prompts x n=8 samples at batch 64, 128 and 256 (P = 8, 16, 32), 128-token
+Workload: P prompts x n=8 samples at batch 64, 128 and 256 (P = 8, 16, 32), 128-token
 prompts (random ids, seeded), 128 new tokens, temperature 1.0, ``ignore_eos`` (equal lengths),
 the sampled token's logprob returned, on the ~55M tiny qwen2 directory, float32, 2 threads.
 Each engine runs in its own process, one after the other (never two at once), is warmed up with

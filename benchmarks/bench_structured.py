@@ -1,5 +1,5 @@
 """Structured output's cost on the GRPO shape: tok/s with a JSON-schema constraint vs none,
-same engine, same run (issue 13).
+same engine, same run.
 
 Workload: P prompts x n = 8 samples (default P = 8: batch 64), 128-token prompts (random ids,
 seeded), 128 new tokens, temperature 1.0, the sampled token's logprob returned, on the ~55M

@@ -8,7 +8,7 @@ TP=1 ones (logprob difference too).
 
 Caveat: the machine has 2 cores, so TP=2 splits the same two cores between two ranks and adds
 three collectives a layer over loopback gloo; it measures the cost of the TP machinery, not the
-scaling a GPU a rank would give. A busy machine (other sessions) moves every figure.
+scaling a GPU a rank would give. A busy machine (other processes) moves every figure.
 
     python benchmarks/bench_tp.py --quick
     python benchmarks/bench_tp.py

@@ -3,6 +3,7 @@ to its own physical limit measured in the same run, and vLLM CPU's ``reload_weig
 
     python benchmarks/bench_weight_sync.py --quick --repeats 3   # 55M, buckets 16 / 256 MB
     python benchmarks/bench_weight_sync.py --repeats 3           # 55M and ~540M, 16 MB .. 1 GB
+    python benchmarks/bench_weight_sync.py --models 55M --repeats 7 --name bench_weight_sync_55m
 
 A trainer-side ``transformers`` model (the engine's own checkpoint, its parameters copied into
 memory of its own as a trainer's are: transformers leaves them mapped from the file, whose
@@ -325,7 +326,7 @@ def bench_model(name: str, spec: dict[str, Any], args: argparse.Namespace, threa
         limits_of = row.pop("round_limits")
         row["round_ratios"] = [t / lim[key] for t, lim in zip(row["all_seconds"], limits_of)]
         row["median_round_ratio"] = statistics.median(row["round_ratios"])
-        if row["transport"] == "tensor":   # the issue's own wording of the roofline: copy_
+        if row["transport"] == "tensor":   # the goal stated over torch's copy_ as well
             row["ratio_to_torch_copy"] = row["seconds"] / out["memcpy_torch_seconds"]
             row["median_round_ratio_torch_copy"] = statistics.median(
                 t / lim["memcpy_torch_seconds"] for t, lim in zip(row["all_seconds"], limits_of))
@@ -347,6 +348,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-vllm", dest="vllm", action="store_false",
                     help="skip vLLM's reload_weights (its venv: benchmarks/vllm_peer.py)")
+    ap.add_argument("--name", default=None, help="results/<name>.json and .png")
     args = ap.parse_args()
     args.repeats = args.repeats or (1 if args.quick else 3)
     names = (args.models.split(",") if args.models else ["55M"] if args.quick else list(MODELS))
@@ -391,7 +393,7 @@ def main() -> None:
 
     verdicts = [v for res in results for v in verdicts_of(res)]
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    name = "bench_weight_sync" + ("_quick" if args.quick else "")
+    name = args.name or ("bench_weight_sync" + ("_quick" if args.quick else ""))
     png = RESULTS_DIR / f"{name}.png"
     chart(results, png)
     path = save_result(name, {

@@ -1,6 +1,6 @@
 """Shared helpers for the benchmarks: machine description, rooflines, percentiles, JSON results.
 
-Conventions (see /work/shared/BENCHMARKS.md): every speed claim is a ratio measured side by side
+Conventions (docs/BENCHMARKS.md): every speed claim is a ratio measured side by side
 in one run, printed as the last line, and saved with the machine's description.
 """
 

@@ -1,4 +1,4 @@
-"""The whole GPU path in one command, for a session lent a GPU (under 8 minutes on one H200).
+"""The whole GPU path in one command, on a machine with a GPU (under 8 minutes on one H200).
 
     python benchmarks/gpu_check.py                   # CUDA: bf16 engine, real sizes
     python benchmarks/gpu_check.py --cpu-dry-run     # the same plumbing on CPU, tiny sizes

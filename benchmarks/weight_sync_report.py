@@ -1,4 +1,4 @@
-"""The verdicts and chart of `bench_weight_sync.py`: each goal of issue 18 by two statistics."""
+"""The verdicts and chart of `bench_weight_sync.py`: each weight-sync goal by two statistics."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def roofline_of(row: dict[str, Any]) -> str:
 
 
 def verdicts_of(res: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each goal of issue 18 on this model, by two statistics:
+    """Each weight-sync goal (`GOALS`: x each path's own roofline) on this model, by two
+    statistics:
 
     paired (``met``): the median over rounds of each refit over its path's roofline timed
     just before it; for "no slower", that median of the bucketed row over the unbucketed
@@ -40,7 +41,7 @@ def verdicts_of(res: dict[str, Any]) -> list[dict[str, Any]]:
                     "met_best_of": best["ratio_to_roofline"] <= goal})
         if transport == "tensor":   # next to it, the same goal over torch's copy_ alone
             by_copy = min(mine, key=lambda r: r["median_round_ratio_torch_copy"])
-            out.append({"goal": f"tensor <= {goal:g}x torch copy_ (the issue's wording)",
+            out.append({"goal": f"tensor <= {goal:g}x torch copy_",
                         "best": by_copy["label"],
                         "value": round(by_copy["median_round_ratio_torch_copy"], 3),
                         "met": by_copy["median_round_ratio_torch_copy"] <= goal,

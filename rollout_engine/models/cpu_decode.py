@@ -8,14 +8,10 @@ for bit the module path's (tests/rollout_engine/model_runner/test_flat_decode.py
 ``torch.equal``), with the checks made once per step instead of per call: the inputs and
 buffers are the engine's own (float32, contiguous, CPU), the shapes
 follow from the architecture, and every C entry point still checks the values it indexes
-with (slots, the decode plan). Measured in the engine (the GRPO rollout of
-benchmarks/bench_offline.py, decode steps alternating between the two paths, 194 steps
-each): 0.51 / 0.82 / 0.69 ms less a forward at batch 64 / 128 / 256 (paired medians; the
-forward takes ~17.6 / 33.6 / 73 ms). Rope and the KV write are one pass (``rope_store``: k
-rotated straight into its pool slot, v copied there) instead of rope then two ``index_put``
-per layer: 0.45 / 1.06 ms less a forward at batch 64 / 256, measured the same way. The norms, the
-attention output and the activation write one buffer each for the step instead of a fresh
-allocation a layer: 0.04 / 0.24 ms less (paired medians, 194 steps each, 2026-12-06).
+with (slots, the decode plan). Rope and the KV write are one pass (``rope_store``: k rotated
+straight into its pool slot, v copied there), and the norms, the attention output and the
+activation each write one buffer reused for the whole step. What each of these saves a forward
+is in docs/BENCHMARKS.md ("CPU choices, measured in the engine").
 
 It applies (`CpuDecodeForward.create` returns None otherwise, and the module path runs) only
 where every piece has its kernel: float32 on CPU without tensor parallelism, the fused ops and

@@ -17,7 +17,7 @@ address, shape and autograd version, so a swap or an in-place torch op that miss
 is still caught. The copies cost as much memory as the weights they pack; the call drops them
 all (the memory saver makes it before releasing the weights).
 
-``ROLLOUT_ENGINE_PREPACK=0`` turns packing off (products use the plain weight, as before).
+``ROLLOUT_ENGINE_PREPACK=0`` turns packing off (products use the plain weight).
 """
 
 from __future__ import annotations

@@ -16,9 +16,8 @@
 //                member: its queries against table[rows[b], own_start[b]:seq_lens[b]),
 //                starting from the softmax state phase 1 left. The members' own keys are
 //                prefetched by one stream a fixed lead ahead, a few keys per QK tile and
-//                across members (KeyStream: a block's worth at a time, as a row's first
-//                blocks were before, left the loads waiting; 8-layer probe at batch 256,
-//                own 64 / 128: 1.15-1.21 -> 0.96-1.02 / 1.87-1.94 -> 1.50-1.56 ms a layer).
+//                across members (KeyStream; prefetching a row's first blocks a block's
+//                worth at a time left the loads waiting).
 //   lone task:   a row in no chunk: phase 2 over its whole sequence.
 //
 // Phase 2 (attend) handles the G = Hq / Hkv query heads of a KV head together, in tiles of R
