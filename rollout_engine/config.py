@@ -229,7 +229,8 @@ class EngineConfig:
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            # bf16 matmuls are ~300x slower than fp32 on our CPUs: float32 unless on a GPU.
+            # float32 on CPU: the compiled CPU kernels (attention, fused ops, the flat decode
+            # loop, packed weights) are float32 paths; bfloat16 on CUDA
             return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
 

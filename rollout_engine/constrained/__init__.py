@@ -1,4 +1,4 @@
-"""Grammar-constrained generation (issue 13): constraints, the xgrammar backend, masks.
+"""Grammar-constrained generation: constraints, the xgrammar backend, masks.
 
 ``spec`` (what a request asks for, checked without xgrammar), ``backend`` (check and compile,
 off the scheduler loop, cached), ``matcher`` (per-request state, the batch mask and the

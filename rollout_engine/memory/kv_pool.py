@@ -92,8 +92,8 @@ class PageAllocator:
     def rewind(self) -> bool:
         """When every page is free, hand them out from page 0 again (True) instead of in the
         order they came back: a flushed pool's pages return request by request, so without
-        this the next prompts' keys land scattered across the pool instead of consecutive
-        (offline batch 256 +2.4% tok/s, alternating in one engine). False (nothing changed)
+        this the next prompts' keys land scattered across the pool instead of consecutive.
+        False (nothing changed)
         while any page is taken."""
         if len(self._free) != self.num_pages:
             return False

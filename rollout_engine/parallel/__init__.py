@@ -1,4 +1,4 @@
-"""Tensor parallelism (``--tp-size N``): one scheduler process per rank (issue 14 item 1).
+"""Tensor parallelism (``--tp-size N``): one scheduler process per rank.
 
     context.py  what a rank is: its slices of heads, MLP and vocabulary; Shard; WeightCommit
     group.py    the ranks' process group (gloo on CPU, nccl on GPU) and its collectives

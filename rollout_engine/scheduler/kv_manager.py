@@ -6,11 +6,8 @@ request (its pages past ``cached_len``). All transitions live here so the invari
 A decoding request takes its slots ``DECODE_RUN`` tokens at a time (``reserve_next``) while the
 pool has room to spare: with the allocator handing out pages in order, a row's own keys then lie
 in runs of consecutive slots instead of one slot every batch-size slots, and the decode kernel
-reads them faster (``benchmarks/bench_decode_layout.py``: the 8 layers' calls of one GRPO step
-at batch 256, captured from both layouts and timed alternately after evicting the last-level
-cache; 4-6% at sequence 145, 6-10% at 193, 8-13% at 249, over four runs with one outlier at
-193). That is ~1% of a decode step, below what paired rollouts on the 2-core host resolve (four
-A/Bs: +4.6 / +5.9 / -5.2 / -0.3%). ``ROLLOUT_ENGINE_DECODE_RUN=1`` takes one slot at a time.
+reads them faster (figures: docs/BENCHMARKS.md, ``benchmarks/bench_decode_layout.py``).
+``ROLLOUT_ENGINE_DECODE_RUN=1`` takes one slot at a time.
 """
 
 from __future__ import annotations

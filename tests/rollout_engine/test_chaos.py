@@ -321,7 +321,7 @@ def test_engine_state_machine(world: World) -> None:
 
 @pytest.mark.slow
 def test_chaos_soak(world: World) -> None:
-    """Thousands of random examples; RSS must not grow without bound (printed for the README)."""
+    """Thousands of random examples; RSS must not grow without bound (printed for docs/BENCHMARKS.md)."""
     torch.manual_seed(0)
     start = time.monotonic()
     _run(world, max_examples=2000, derandomize=False)

@@ -1,4 +1,4 @@
-"""Frontend hardening (issue 10): streams converge and close cleanly, seeds differ per engine,
+"""Frontend hardening: streams converge and close cleanly, seeds differ per engine,
 and an Engine starts from a script without a main guard."""
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def test_stream_converges_for_other_decoders(kind: str) -> None:
 
 
 def test_rewrite_of_shown_text_does_not_silence_the_stream(rewriting_tokenizer: Any) -> None:
-    """"ear" + "  " shows "ear  "; "!" turns it into "ear !": the stream used to go silent."""
+    """"ear" + "  " shows "ear  "; "!" turns it into "ear !": the stream must not go silent."""
     tok = rewriting_tokenizer
     ids = tok.convert_tokens_to_ids([">", "ear", "ĠĠ", "!", "it", "er", "Ġi"])
     deltas = []

@@ -1,7 +1,7 @@
 """The scheduler process does not keep memory per distinct prompt length.
 
-oneDNN builds and keeps a primitive (~0.7 MB at these shapes) per product shape it sees; every
-prompt length used to be a new row count, so a server seeing arbitrary prompt lengths grew by
+oneDNN builds and keeps a primitive (~0.7 MB at these shapes) per product shape it sees; unbucketed, every
+prompt length is a new row count, so a server seeing arbitrary prompt lengths grew by
 ~9 MB a length (1,030-2,030 tokens) for good. `models.layers.linear` buckets row counts (16 an
 octave), so 60 prompt lengths that fall in 4 buckets cost about 4 lengths' worth.
 """

@@ -1,4 +1,4 @@
-"""RL control plane under racing calls (issue 10): no stale KV after a refit whatever the label,
+"""RL control plane under racing calls: no stale KV after a refit whatever the label,
 no zeroed weights after a partial refit, control calls that honour their timeout, no request
 left waiting forever, a rendezvous that does not stop serving, a bounded weight read."""
 

@@ -1,7 +1,7 @@
-"""The scheduler under KV pressure and the logprob / stop-string edge cases of issue 10.
+"""The scheduler under KV pressure, and logprob / stop-string edge cases.
 
-Each test reproduces a defect that failed (crashed, hung, or returned the wrong result) before the
-fix. Calls that used to hang run in a thread joined with a deadline, so they fail instead. The
+Each test pins a failure mode (a crash, a hang, a wrong result). Calls that could hang run in a
+thread joined with a deadline, so they fail instead. The
 ``make_engine`` fixture proves the KV invariant when each test ends; the tests that drive a
 ``Scheduler`` directly check it themselves.
 """

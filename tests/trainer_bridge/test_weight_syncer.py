@@ -286,7 +286,7 @@ def test_a_trainer_whose_weights_view_one_flat_buffer_refits_again_and_again(
     names; the engine must drop one shm reference per read, not one per view, or its
     unmapping at the next sleep unlinks the file under the trainer and the refit after the
     wake fails ("does not exist"), or, with more views than references, the count never
-    returns to zero and the file outlives everyone (both measured before the fix)."""
+    returns to zero and the file outlives everyone."""
     import copy
 
     trainer = copy.deepcopy(w2.model)

@@ -1,4 +1,4 @@
-"""HTTP resource limits (issue 10): body size (413, enforced while reading; larger for refits),
+"""HTTP resource limits: body size (413, enforced while reading; larger for refits),
 tokenization off the event loop, a bounded number of requests in flight (503), and a warning
 when the server is exposed without an API key."""
 

