@@ -34,8 +34,8 @@ from collections.abc import Iterable
 import torch
 from torch.multiprocessing import reductions
 
-__all__ = ["LENT_STORAGE_GLOBAL", "ShmLease", "lend_storage", "open_lent",
-           "rebuild_lent_storage"]
+__all__ = ["LENT_STORAGE_GLOBAL", "SHM_NAME", "ShmLease", "check_shm_name", "lend_storage",
+           "open_lent", "rebuild_lent_storage"]
 
 SHM_DIR = "/dev/shm"
 SHM_HEADER_BYTES = 64
@@ -44,7 +44,8 @@ SHM_HEADER_BYTES = 64
 LENT_STORAGE_GLOBAL = (__name__, "rebuild_lent_storage")
 """The (module, name) a lent handle pickles as."""
 
-_SHM_NAME = re.compile(r"/torch_[0-9]{1,10}_[0-9]{1,20}_[0-9]{1,20}")
+SHM_NAME = re.compile(r"/torch_[0-9]{1,10}_[0-9]{1,20}_[0-9]{1,20}")
+"""The shm names torch creates (at::NewProcessWideShmHandle)."""
 
 
 class ShmLease:
@@ -87,7 +88,7 @@ def lend_storage(storage: torch.UntypedStorage) -> tuple[bytes, int]:
 def check_shm_name(handle: bytes) -> str:
     """The path of a torch shm file named `handle`; ValueError for any other name."""
     name = handle.decode("ascii", "replace") if isinstance(handle, bytes) else ""
-    if not _SHM_NAME.fullmatch(name):
+    if not SHM_NAME.fullmatch(name):
         raise ValueError(f"shared-memory name {name!r} is not one torch creates "
                          "(/torch_<pid>_<random>_<counter>)")
     return SHM_DIR + name   # "/torch_...": no separator, no "..", checked above

@@ -41,6 +41,7 @@ from rollout_engine.protocol.shm_lease import (
     LENT_STORAGE_GLOBAL,
     SHM_DIR,
     SHM_HEADER_BYTES,
+    SHM_NAME,
     open_lent,
 )
 
@@ -64,7 +65,6 @@ __all__ = [
     "tensor_token",
 ]
 
-_SHM_NAME = re.compile(r"/torch_[0-9]{1,10}_[0-9]{1,20}_[0-9]{1,20}")
 _MANAGER_SOCKET = re.compile(r"(/[A-Za-z0-9._+@,=~-]+)*/torch-shm-dir-[A-Za-z0-9]{6}/manager\.sock")
 _MAX_DIMS = 64
 
@@ -285,7 +285,7 @@ def check_layout(size: Any, stride: Any, offset: Any, dtype: torch.dtype,
 def shm_file_bytes(handle: bytes, what: str) -> int:
     """Data bytes of an existing torch shm file named `handle` (refuses other names)."""
     name = handle.decode("ascii", "replace")
-    if not _SHM_NAME.fullmatch(name):
+    if not SHM_NAME.fullmatch(name):
         raise UnsafePayloadError(f"{what}: shared-memory name {name!r} is not one torch creates "
                                  "(/torch_<pid>_<random>_<counter>)")
     path = SHM_DIR + name   # the name is "/torch_...": no separator, no "..", checked above
