@@ -314,7 +314,9 @@ def lend_named_tensors(payload: object) -> tuple[str, ShmLease]:
     `payload` is any nesting of list/tuple/dict/OrderedDict/str/int/float/bool/None/bytes,
     torch.Tensor (or Parameter), TensorMeta and FlattenedBucket; the receiver refuses anything
     else. CPU tensors are moved into shared memory *in place* and lent by file name; CUDA
-    tensors are sent as CUDA IPC handles (receivable only by another process).
+    tensors are sent as CUDA IPC handles (receivable only by another process). The
+    process-global sharing strategy is left untouched: this pickler overrides the storage
+    reducer on its own dispatch table instead of calling `set_sharing_strategy("file_system")`.
 
     Do not modify the tensors until the receiver answered (CUDA IPC also requires the
     producer's memory to outlive every consumer). A string may be read any number of times,
