@@ -24,7 +24,8 @@ from typing import Any, Optional
 
 import httpx
 
-from rollout_engine.protocol.tensor_payload import serialize_named_tensors
+from rollout_engine.protocol.shm_lease import ShmLease
+from rollout_engine.protocol.tensor_payload import lend_named_tensors
 
 __all__ = ["AsyncRolloutClient", "Rollout", "RolloutClient", "RolloutError", "to_rollouts"]
 
@@ -125,6 +126,11 @@ class _Routes:
     def _send(self, method: str, path: str, body: Optional[dict[str, Any]] = None, *,
               admin: bool = False, parse: Callable[[httpx.Response], Any] = _json,
               accept: Sequence[int] = ()) -> Any:
+        raise NotImplementedError
+
+    def _holding(self, lease: ShmLease, send: Callable[[], Any]) -> Any:
+        """`send()`, `lease` released once it answered or failed (sync: here; async: when the
+        returned coroutine finishes)."""
         raise NotImplementedError
 
     def _headers(self, admin: bool) -> dict[str, str]:
@@ -231,18 +237,21 @@ class _Routes:
         """`named_tensors`: (name, tensor) pairs, FlattenedBucket(s) with
         `load_format="flattened_bucket"`, or already-serialized payload strings (one per TP
         rank). Tensors travel as shared-memory / CUDA IPC handles, so the server must run on
-        this host; keep them alive and unmodified until this returns."""
+        this host; keep them unmodified until this returns. Their shared memory is lent
+        (`shm_lease`) for the request and let go once it is answered, refused or failed."""
+        lease = ShmLease()
         if isinstance(named_tensors, list) and named_tensors and isinstance(named_tensors[0], str):
             serialized = named_tensors
         else:
             if not isinstance(named_tensors, (list, tuple, dict)) and not hasattr(
                     named_tensors, "named_tensors"):
                 named_tensors = list(named_tensors)  # generators do not pickle
-            serialized = [serialize_named_tensors(named_tensors)]
-        return self._send("POST", "/update_weights_from_tensor", {
+            text, lease = lend_named_tensors(named_tensors)
+            serialized = [text]
+        return self._holding(lease, lambda: self._send("POST", "/update_weights_from_tensor", {
             "serialized_named_tensors": serialized, "load_format": load_format,
             "flush_cache": flush_cache, "weight_version": weight_version},
-            admin=True, parse=_update_result)
+            admin=True, parse=_update_result))
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
@@ -286,6 +295,12 @@ class RolloutClient(_Routes):
         response = self.http.request(method, path, json=body, headers=self._headers(admin))
         return self._finish(response, parse, accept)
 
+    def _holding(self, lease: ShmLease, send: Callable[[], Any]) -> Any:
+        try:
+            return send()
+        finally:
+            lease.release()
+
     def wait_healthy(self, timeout: float = 60.0, interval: float = 0.2) -> None:
         """Poll /health until it answers 200; TimeoutError after `timeout` seconds."""
         deadline = time.monotonic() + timeout
@@ -327,6 +342,12 @@ class AsyncRolloutClient(_Routes):
         response = await self.http.request(method, path, json=body,
                                            headers=self._headers(admin))
         return self._finish(response, parse, accept)
+
+    async def _holding(self, lease: ShmLease, send: Callable[[], Any]) -> Any:
+        try:
+            return await send()
+        finally:
+            lease.release()
 
     async def wait_healthy(self, timeout: float = 60.0, interval: float = 0.2) -> None:
         deadline = time.monotonic() + timeout

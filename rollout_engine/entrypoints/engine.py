@@ -15,7 +15,8 @@ from rollout_engine.compat.fields import GENERATE_REQUEST, Treatment
 from rollout_engine.compat.server_args import SGLANG_VERSIONS, server_args_view
 from rollout_engine.config import EngineConfig
 from rollout_engine.protocol.messages import ControlResult
-from rollout_engine.protocol.tensor_payload import serialize_named_tensors
+from rollout_engine.protocol.shm_lease import ShmLease
+from rollout_engine.protocol.tensor_payload import lend_named_tensors
 from rollout_engine.request_state import add_token_text
 from rollout_engine.tokenizer_manager import (
     EngineAsleepError,
@@ -190,12 +191,17 @@ class Engine:
     def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> dict[str, Any]:
         return _raise_for(self._call("resume_memory_occupation", tags=tags))
 
-    def _update(self, method: str, **kwargs: Any) -> tuple[bool, str]:
+    def _update(self, method: str, lease: Optional[ShmLease] = None,
+                **kwargs: Any) -> tuple[bool, str]:
+        """Send `method`; `lease` (the shared memory its payload lends) is released once the
+        call is answered, whatever the answer, or could not be sent."""
+        lease = lease if lease is not None else ShmLease()
         sending = getattr(self._sending, "box", None)
         if sending is not None:        # inside send_call: send now, answer later
-            sending.append(self.tm.start_call(method, **kwargs))
+            sending.append(_releasing(self.tm.start_call(method, **kwargs), lease))
             return True, "sent"
-        return self._update_answer(self._call(method, **kwargs))
+        with lease:
+            return self._update_answer(self._call(method, **kwargs))
 
     @staticmethod
     def _update_answer(r: ControlResult) -> tuple[bool, str]:
@@ -251,16 +257,21 @@ class Engine:
                                    selector: Optional[str] = None) -> tuple[bool, str]:
         """``named_tensors``: (name, tensor) pairs, a FlattenedBucket (or a list of them) for
         ``load_format="flattened_bucket"``, or already-serialized payload strings. Tensors travel
-        as handles (shared memory / CUDA IPC); keep them unmodified until this returns. A
-        floating tensor of another floating dtype is cast into the parameter."""
+        as handles (shared memory / CUDA IPC); keep them unmodified until this returns (with
+        ``send_call``: until its answer). Their shared memory is lent for the call and let go
+        once it is answered, whatever the answer (``protocol/shm_lease.py``). A floating tensor
+        of another floating dtype is cast into the parameter."""
+        lease = ShmLease()
         if isinstance(named_tensors, list) and named_tensors and isinstance(named_tensors[0], str):
             serialized = named_tensors
         else:
             if not isinstance(named_tensors, (list, tuple, dict)) and hasattr(named_tensors,
                                                                              "__iter__"):
                 named_tensors = list(named_tensors)   # e.g. model.named_parameters()
-            serialized = [serialize_named_tensors(named_tensors)]
-        return self._update("update_weights_from_tensor", serialized_named_tensors=serialized,
+            text, lease = lend_named_tensors(named_tensors)
+            serialized = [text]
+        return self._update("update_weights_from_tensor", lease,
+                            serialized_named_tensors=serialized,
                             load_format=load_format, flush_cache=flush_cache,
                             weight_version=weight_version, abort_all_requests=abort_all_requests,
                             disable_draft_model=disable_draft_model,
@@ -351,6 +362,15 @@ def _check_sglang_kwargs(kwargs: dict[str, Any]) -> None:
             raise TypeError(f"generate() got an unexpected keyword argument {name!r}{hint}; "
                             "neither this engine nor SGLang's GenerateReqInput has it")
     GENERATE_REQUEST.check(kwargs, "generate")
+
+
+def _releasing(wait: Callable[[], ControlResult], lease: ShmLease
+               ) -> Callable[[], ControlResult]:
+    """`wait`, `lease` released once it returned or raised."""
+    def wait_then_release() -> ControlResult:
+        with lease:
+            return wait()
+    return wait_then_release
 
 
 def _raise_for(result: ControlResult) -> Any:

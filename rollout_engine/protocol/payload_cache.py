@@ -4,8 +4,8 @@ A trainer whose weights live in shared memory (where the first refit moved them)
 same handles every refit: the same shm files, the same views. So the sender keeps the strings it
 made (`SentPayloads`: ~10 us a tensor of pickling saved) and the receiver keeps what parsing them
 gave (`ParsedPayloads`: ~50 us a tensor of restricted unpickling saved). Neither skips what
-must hold each time: the sender takes each handle's reference for its receiver again, the
-receiver checks each storage again and materializes afresh.
+must hold each time: the sender leases the storages again, the receiver checks each storage
+again and materializes afresh.
 """
 
 from __future__ import annotations
@@ -54,9 +54,8 @@ class SentPayloads:
     stride, requires_grad) of the very same storage, alive: each string keeps a weak reference
     to the storages it names, so a storage freed and another allocated at its address is a
     miss. A storage moved into shared memory keeps its shm file for life, so the string still
-    names the right files and their current contents. What pickling did besides writing the
-    string, taking one shm reference per handle for its receiver (which drops it on opening),
-    is done again on every hit (`_shared_incref`, in the same count).
+    names the right files and their current contents. A hit gives the storages back (alive),
+    for the sender's lease of this send.
     """
 
     SIZE = 256
@@ -84,23 +83,22 @@ class SentPayloads:
                           t.stride(), t.requires_grad, t.untyped_storage()._cdata))
         return (type(payload), *parts)
 
-    def get(self, key: tuple[Any, ...]) -> Optional[str]:
-        """The cached string, its handles' references taken again; None on a miss."""
+    def get(self, key: tuple[Any, ...]) -> Optional[tuple[str, list[torch.UntypedStorage]]]:
+        """The cached string and the storages its handles name; None on a miss."""
         with self._lock:
             hit = self._strings.get(key)
             if hit is None:
                 return None
             text, refs = hit
-            if any(ref.expired() for ref in refs):
+            storages = [torch.UntypedStorage._new_with_weak_ptr(ref.cdata) for ref in refs]
+            if any(s is None for s in storages):   # freed (no strong reference left)
                 del self._strings[key]
                 return None
             self._strings.move_to_end(key)
-            for ref in refs:
-                torch.UntypedStorage._new_with_weak_ptr(ref.cdata)._shared_incref()
-            return text
+            return text, storages
 
     def put(self, key: tuple[Any, ...], text: str, shared: list[torch.UntypedStorage]) -> None:
-        """Keep `text`; `shared`: the storages pickling took a reference of, once each time."""
+        """Keep `text`; `shared`: the storages its handles name."""
         refs = [StorageWeakRef(s) for s in shared]
         with self._lock:
             self._strings[key] = (text, refs)
@@ -114,7 +112,7 @@ class SentPayloads:
 
 def recording(reduce: Callable[[torch.UntypedStorage], Any], into: list[torch.UntypedStorage]
               ) -> Callable[[torch.UntypedStorage], Any]:
-    """`reduce`, noting each storage it reduced (and so took a reference of) in `into`."""
+    """`reduce`, noting each storage it reduced in `into`."""
     def reduce_and_record(storage: torch.UntypedStorage) -> Any:
         out = reduce(storage)
         into.append(storage)

@@ -15,6 +15,12 @@ The forms admitted are the ones torch itself creates (torch 2.x, Linux):
                     is /dev/shm/torch_..., 64 header bytes + the storage (RefcountedMapAllocator)
     manager socket  <tmp>/torch-shm-dir-XXXXXX/manager.sock    torch_shm_manager (mkdtemp)
 
+A shm storage comes in two forms. A lent one (`shm_lease.rebuild_lent_storage`, what our
+sender emits) is mapped here directly: no reference of the sender's is dropped and nothing
+connects to the sender's torch_shm_manager (the sender's lease owns the file). One pickled by
+torch's own reducer (`rebuild_storage_filename`, e.g. SGLang's serializer) carries a reference
+taken for this reader, dropped when torch opens it.
+
 A payload can only *name* classes (UntypedStorage, Tensor, ...): they arrive as `ClassToken`s,
 which cannot be called, so `UntypedStorage(1 << 40)` is refused rather than allocated.
 """
@@ -26,14 +32,23 @@ import os
 import re
 import stat
 from collections.abc import Callable
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, NamedTuple, Optional
 
 import torch
 from torch.multiprocessing import reductions
 
+from rollout_engine.protocol.shm_lease import (
+    LENT_STORAGE_GLOBAL,
+    SHM_DIR,
+    SHM_HEADER_BYTES,
+    SHM_NAME,
+    open_lent,
+)
+
 __all__ = [
     "ClassToken",
     "Lazy",
+    "OpenedShm",
     "PayloadBudget",
     "ReadContext",
     "Reconstructor",
@@ -50,11 +65,6 @@ __all__ = [
     "tensor_token",
 ]
 
-SHM_DIR = "/dev/shm"
-SHM_HEADER_BYTES = 64
-"""RefcountedMapAllocator's header before the data in every torch shm file."""
-
-_SHM_NAME = re.compile(r"/torch_[0-9]{1,10}_[0-9]{1,20}_[0-9]{1,20}")
 _MANAGER_SOCKET = re.compile(r"(/[A-Za-z0-9._+@,=~-]+)*/torch-shm-dir-[A-Za-z0-9]{6}/manager\.sock")
 _MAX_DIMS = 64
 
@@ -90,39 +100,57 @@ class PayloadBudget:
         self.used += num_bytes
 
 
+class OpenedShm(NamedTuple):
+    """One shm storage a read opened: its file (path, header + data bytes), and whether it was
+    lent (the sender kept every reference) or carried a reference the open dropped."""
+
+    storage: torch.UntypedStorage
+    path: str
+    file_bytes: int
+    lent: bool
+
+
 class ReadContext:
     """What reconstructors and records see while one payload is read."""
 
     def __init__(self, budget: PayloadBudget, tp_rank: int, depth: int,
                  read_nested: Callable[[Any, ReadContext], Any],
                  restore_references: bool = False,
-                 opened_log: Optional[list[torch.UntypedStorage]] = None) -> None:
+                 opened_log: Optional[list[OpenedShm]] = None) -> None:
         self.budget = budget
         self.tp_rank = tp_rank
         self.depth = depth
         self._read_nested = read_nested
         # one payload read by several processes (every rank of a tensor-parallel engine):
-        # the sender took one reference per storage, for one reader; the others give back
-        # the one their open drops
+        # a sender using torch's protocol took one reference per storage, for one reader; the
+        # others give back the one their open drops (lent storages carry none)
         self.restore_references = restore_references
         self.shm_storages: list[ShmStorage] = []   # every shm storage the payload names
         self.managers_checked: set[bytes] = set()
         self._opened: dict[int, torch.UntypedStorage] = {}
-        # every shm storage opened (each open dropped one sender reference), nested reads too
+        # every shm storage opened, nested reads too
         self.opened_log = opened_log
 
     def open_once(self, storage: ShmStorage | EmptyStorage) -> torch.UntypedStorage:
-        """`storage.open()`, once per storage per read however many tensors view it: the
-        sender took one shm reference per storage it pickled, and each open drops one (two
-        views of one storage opened twice would unlink the file under the live sender)."""
+        """`storage.open()`, once per storage per read however many tensors view it: a sender
+        using torch's protocol took one shm reference per storage it pickled, and each open
+        drops one (two views of one storage opened twice would unlink the file under the live
+        sender)."""
         opened = self._opened.get(id(storage))
         if opened is None:
             opened = self._opened[id(storage)] = storage.open()
-            if self.restore_references and isinstance(storage, ShmStorage):
+            if not isinstance(storage, ShmStorage):
+                return opened
+            if self.restore_references and not storage.lent:
                 opened._shared_incref()
-            if self.opened_log is not None and isinstance(storage, ShmStorage):
-                self.opened_log.append(opened)
+            if self.opened_log is not None:
+                self.opened_log.append(OpenedShm(opened, SHM_DIR + storage.handle.decode(),
+                                                 SHM_HEADER_BYTES + storage.num_bytes,
+                                                 storage.lent))
         return opened
+
+    def was_opened(self, storage: ShmStorage | EmptyStorage) -> bool:
+        return id(storage) in self._opened
 
     def read_nested(self, data: Any) -> Any:
         """Read a payload embedded in this one, with the same restrictions and byte budget.
@@ -257,7 +285,7 @@ def check_layout(size: Any, stride: Any, offset: Any, dtype: torch.dtype,
 def shm_file_bytes(handle: bytes, what: str) -> int:
     """Data bytes of an existing torch shm file named `handle` (refuses other names)."""
     name = handle.decode("ascii", "replace")
-    if not _SHM_NAME.fullmatch(name):
+    if not SHM_NAME.fullmatch(name):
         raise UnsafePayloadError(f"{what}: shared-memory name {name!r} is not one torch creates "
                                  "(/torch_<pid>_<random>_<counter>)")
     path = SHM_DIR + name   # the name is "/torch_...": no separator, no "..", checked above
@@ -291,20 +319,25 @@ def _check_manager_socket(manager: bytes) -> None:
 
 
 class ShmStorage(Lazy):
-    """A CPU storage in POSIX shared memory: `rebuild_storage_filename`'s arguments, vetted."""
+    """A CPU storage in POSIX shared memory, vetted: lent (`shm_lease`; `manager` None) or
+    pickled by torch (`rebuild_storage_filename`'s arguments)."""
 
-    def __init__(self, manager: bytes, handle: bytes, num_bytes: int) -> None:
+    def __init__(self, manager: Optional[bytes], handle: bytes, num_bytes: int) -> None:
         self.manager, self.handle, self.num_bytes = manager, handle, num_bytes
+
+    @property
+    def lent(self) -> bool:
+        return self.manager is None
 
     def check(self, ctx: ReadContext) -> None:
         """What must hold each time the storage is opened: within the payload's byte budget,
-        the sender's manager socket there, the shm file at least this long (mapping past its
-        end would grow it, or fault on access)."""
-        what = "rebuild_storage_filename"
+        the sender's manager socket there (torch's form), the shm file at least this long
+        (mapping past its end would grow it, or fault on access)."""
+        what = "rebuild_lent_storage" if self.lent else "rebuild_storage_filename"
         ctx.budget.charge(("shm", self.handle), self.num_bytes,
                           lambda: f"shared memory {self.handle!r}")
-        if self.manager not in ctx.managers_checked:   # one sender: one socket for all
-            _check_manager_socket(self.manager)
+        if self.manager is not None and self.manager not in ctx.managers_checked:
+            _check_manager_socket(self.manager)   # one sender: one socket for all
             ctx.managers_checked.add(self.manager)
         available = shm_file_bytes(self.handle, what)
         if self.num_bytes > available:
@@ -317,6 +350,8 @@ class ShmStorage(Lazy):
         raise UnsafePayloadError("tensor payload holds a bare storage; send tensors")
 
     def open(self) -> torch.UntypedStorage:
+        if self.manager is None:
+            return open_lent(self.handle, self.num_bytes)
         return reductions.rebuild_storage_filename(torch.UntypedStorage, self.manager,
                                                    self.handle, self.num_bytes)
 
@@ -398,6 +433,17 @@ def _rebuild_storage_filename(ctx: ReadContext, cls: Any, manager: Any, handle: 
     return storage if dtype is None else TypedStorage(storage, dtype)  # type: ignore[return-value]
 
 
+def _rebuild_lent_storage(ctx: ReadContext, handle: Any, size: Any) -> ShmStorage:
+    what = "rebuild_lent_storage"
+    handle = as_bytes(handle, f"{what}: name")
+    if not is_int(size) or size < 0:
+        raise UnsafePayloadError(f"{what}: size must be a non-negative int, got {size!r}")
+    storage = ShmStorage(None, handle, size)
+    storage.check(ctx)
+    ctx.shm_storages.append(storage)
+    return storage
+
+
 def _rebuild_storage_empty(ctx: ReadContext, cls: Any) -> EmptyStorage:
     storage_token(cls, "rebuild_storage_empty")
     return EmptyStorage()
@@ -431,6 +477,7 @@ _R = "torch.multiprocessing.reductions"
 TORCH_RECONSTRUCTORS: dict[tuple[str, str], Any] = {
     (_R, "rebuild_storage_filename"): Reconstructor(f"{_R}.rebuild_storage_filename",
                                                     _rebuild_storage_filename),
+    LENT_STORAGE_GLOBAL: Reconstructor(".".join(LENT_STORAGE_GLOBAL), _rebuild_lent_storage),
     (_R, "rebuild_storage_empty"): Reconstructor(f"{_R}.rebuild_storage_empty",
                                                  _rebuild_storage_empty),
     (_R, "rebuild_typed_storage"): Reconstructor(f"{_R}.rebuild_typed_storage",
@@ -446,4 +493,5 @@ TORCH_RECONSTRUCTORS: dict[tuple[str, str], Any] = {
     ("torch.nn.parameter", "Parameter"): ClassToken("torch.nn.parameter.Parameter",
                                                     torch.nn.Parameter),
 }
-"""What ForkingPickler emits for CPU tensors ("file_system" sharing); CUDA: cuda_handles.py."""
+"""What ForkingPickler emits for CPU tensors ("file_system" sharing), and our lent handles;
+CUDA: cuda_handles.py."""

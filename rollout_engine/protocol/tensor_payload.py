@@ -1,12 +1,14 @@
 """Tensor payloads: pickled tensor *handles*, base64 encoded (SGLang's update_weights_from_tensor).
 
     sender                                         receiver (another process, e.g. over HTTP)
-    serialize_named_tensors(obj) -> base64 str ->  deserialize_named_tensors(str) -> obj
-      CPU tensor  -> moved to POSIX shm, sent as      rebuild_storage_filename maps the same shm
-                     (manager socket, shm file name)
+    lend_named_tensors(obj) -> (base64 str, lease) deserialize_named_tensors(str) -> obj
+      CPU tensor  -> moved to POSIX shm, lent by      shm_lease.open_lent maps the same shm
+                     shm file name (shm_lease.py)
       CUDA tensor -> CUDA IPC handle                  rebuild_cuda_tensor opens the IPC handle
 
 No tensor bytes travel in the string, so the receiver sees the sender's memory, not a copy.
+No shared-memory reference travels either: the sender's `ShmLease` owns them until the call is
+answered (`shm_lease.py`), so a refused, cancelled or failed call leaks nothing.
 
 The receiver reads with a restricted unpickler (pickle's Python implementation, opcode by
 opcode) that executes nothing it does not know:
@@ -35,17 +37,19 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, Optional
 
 import torch
-from torch.multiprocessing import reductions  # importing it registers torch's reducers
+from torch.multiprocessing import reductions  # noqa: F401 - registers torch's reducers
 
 from rollout_engine.compat.sglang_types import SGLANG_GLOBALS
 from rollout_engine.protocol.bucket import FlattenedBucket, TensorMeta
 from rollout_engine.protocol.cuda_handles import CUDA_RECONSTRUCTORS
 from rollout_engine.protocol.payload_cache import ParsedPayloads, SentPayloads, recording
+from rollout_engine.protocol.shm_lease import ShmLease, lend_storage, rebuild_lent_storage
 from rollout_engine.protocol.tensor_handles import (
     TORCH_RECONSTRUCTORS,
     ClassToken,
     CpuTensor,
     Lazy,
+    OpenedShm,
     PayloadBudget,
     ReadContext,
     Reconstructor,
@@ -58,6 +62,8 @@ __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "UnsafePayloadError",
     "deserialize_named_tensors",
+    "drop_unread_references",
+    "lend_named_tensors",
     "serialize_named_tensors",
 ]
 
@@ -291,52 +297,54 @@ def _materialize(root: Any, ctx: ReadContext) -> Any:
         convert = None  # type: ignore[assignment]  # noqa: F841
 
 
-def _reduce_storage_by_filename(storage: torch.UntypedStorage):
-    """torch's `reduce_storage`, "file_system" branch, without the global sharing strategy.
-
-    Moves the storage into POSIX shared memory in place (like `Tensor.share_memory_()`) and
-    returns (rebuild_storage_filename, (cls, manager socket, shm name, size)): a name that any
-    process on the host can open, unlike the "file_descriptor" strategy's fd.
-    """
-    if storage.device.type != "cpu":
-        raise ValueError(f"cannot send a bare {storage.device} storage; send a tensor instead")
-    metadata = storage._share_filename_cpu_()
-    storage._shared_incref()  # released by the receiver's rebuild_storage_filename
-    reductions.shared_cache[metadata[1]] = reductions.StorageWeakRef(storage)
-    return (reductions.rebuild_storage_filename, (type(storage), *metadata))
+def _lend_storage(storage: torch.UntypedStorage):
+    """A CPU storage as a lent handle: moved into POSIX shared memory in place (like
+    `Tensor.share_memory_()`, torch's "file_system" strategy without changing the global
+    strategy) and sent by a name any process on the host can open, unlike the
+    "file_descriptor" strategy's fd. No shm reference is taken: the sender's lease holds the
+    storage until the call is answered."""
+    return (rebuild_lent_storage, lend_storage(storage))
 
 
-def serialize_named_tensors(payload: object) -> str:
-    """Pickle `payload` with tensors as handles and base64 encode it.
+def lend_named_tensors(payload: object) -> tuple[str, ShmLease]:
+    """Pickle `payload` with tensors as handles and base64 encode it; the lease holds every
+    CPU storage the string names. Release it once the receiver answered (any answer), failed
+    or timed out: until then the handles can be opened even if the caller drops its tensors.
 
     `payload` is any nesting of list/tuple/dict/OrderedDict/str/int/float/bool/None/bytes,
     torch.Tensor (or Parameter), TensorMeta and FlattenedBucket; the receiver refuses anything
-    else. CPU tensors are moved into shared memory *in place* and sent by file name; CUDA tensors
-    are sent as CUDA IPC handles (receivable only by another process).
-
-    The process-global sharing strategy is left untouched: this pickler overrides the storage
+    else. CPU tensors are moved into shared memory *in place* and lent by file name; CUDA
+    tensors are sent as CUDA IPC handles (receivable only by another process). The
+    process-global sharing strategy is left untouched: this pickler overrides the storage
     reducer on its own dispatch table instead of calling `set_sharing_strategy("file_system")`.
 
-    Lifetime: keep the tensors alive, and do not modify them, until the receiver has rebuilt
-    them and reported back (CUDA IPC requires the producer's memory to outlive every consumer).
-    Deserialize each string once: each CPU handle carries one shm reference for its receiver.
-    A list of (name, tensor) pairs whose every view and storage were serialized before gives
-    the same string again without pickling (`payload_cache.SentPayloads`).
+    Do not modify the tensors until the receiver answered (CUDA IPC also requires the
+    producer's memory to outlive every consumer). A string may be read any number of times,
+    by any number of processes, while its storages live. A list of (name, tensor) pairs whose
+    every view and storage were serialized before gives the same string again without
+    pickling (`payload_cache.SentPayloads`).
     """
     key = SentPayloads.key(payload)
     if key is not None:
         cached = _SENT.get(key)
         if cached is not None:
-            return cached
+            text, storages = cached
+            return text, ShmLease(storages)
     buf = io.BytesIO()
     pickler = ForkingPickler(buf, _PROTOCOL)
     shared: list[torch.UntypedStorage] = []
-    pickler.dispatch_table[torch.UntypedStorage] = recording(_reduce_storage_by_filename, shared)
+    pickler.dispatch_table[torch.UntypedStorage] = recording(_lend_storage, shared)
     pickler.dump(payload)
     text = base64.b64encode(buf.getvalue()).decode("ascii")
     if key is not None:
         _SENT.put(key, text, shared)
-    return text
+    return text, ShmLease(shared)
+
+
+def serialize_named_tensors(payload: object) -> str:
+    """`lend_named_tensors` without the lease: the caller keeps the tensors alive (and
+    unmodified) until the receiver answered, which keeps their shm files named."""
+    return lend_named_tensors(payload)[0]
 
 
 def _check_opcodes(data: bytes) -> None:
@@ -377,27 +385,70 @@ def _read(data: Any, ctx: ReadContext) -> Any:
     raw = _decode(data)
     key = (raw, ctx.budget.max_bytes, ctx.tp_rank, ctx.depth)
     hit = _PARSED.get(key)
+    storages = ctx.shm_storages if hit is None else hit[1]
     try:
         if hit is None:
             _check_opcodes(raw)
             tree = _RestrictedUnpickler(io.BytesIO(raw), ctx).load()
         else:
-            tree, storages = hit
+            tree = hit[0]
             for storage in storages:
                 storage.check(ctx)
         out = _materialize(tree, ctx)
-    except ValueError:  # UnsafePayloadError included
-        raise
     except Exception as exc:
+        if not ctx.restore_references:   # refused part way: what it did not open, dropped
+            _drop_unopened(storages, ctx)
+        if isinstance(exc, ValueError):  # UnsafePayloadError included
+            raise
         raise ValueError(f"could not rebuild tensor payload: {type(exc).__name__}: {exc}") from exc
     if hit is None:
         _PARSED.put(key, tree, list(ctx.shm_storages))
     return out
 
 
+def _drop_unopened(storages: list[Any], ctx: ReadContext) -> int:
+    """Drop the reference a sender using torch's protocol took for this reader on each of
+    `storages` the read did not open, by opening it as the read would have (the mapping is
+    closed as soon as it is let go). Lent storages carry none. Returns how many."""
+    dropped = 0
+    for storage in storages:
+        if storage.lent or ctx.was_opened(storage):
+            continue
+        try:
+            storage.open()
+        except Exception:  # noqa: BLE001 - gone already (the sender died): nothing to drop
+            continue
+        dropped += 1
+    return dropped
+
+
+def drop_unread_references(data: Any, *, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+                           tp_rank: int = 0) -> int:
+    """A payload its receiver refuses without reading it (the engine asleep, a flag refused):
+    drop the shm references a sender using torch's protocol took for it, as reading it would
+    have; lent handles carry none, so our own payloads need nothing. Only handles the
+    restricted reader admits are opened (those it parsed before a refusal included); a payload
+    that cannot be decoded names none. Nested payloads (a rank's value) are not reached.
+    Returns how many references were dropped."""
+    try:
+        raw = _decode(data)
+    except ValueError:
+        return 0
+    ctx = ReadContext(PayloadBudget(max_bytes), tp_rank, 0, _read)
+    hit = _PARSED.get((raw, max_bytes, tp_rank, 0))
+    if hit is not None:
+        return _drop_unopened(hit[1], ctx)
+    try:
+        _check_opcodes(raw)
+        _RestrictedUnpickler(io.BytesIO(raw), ctx).load()
+    except Exception:  # noqa: BLE001 - what was admitted before the refusal is still dropped
+        pass
+    return _drop_unopened(ctx.shm_storages, ctx)
+
+
 def deserialize_named_tensors(data: str | bytes, *, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
                               tp_rank: int = 0, read_by_others: bool = False,
-                              opened: Optional[list[torch.UntypedStorage]] = None) -> object:
+                              opened: Optional[list[OpenedShm]] = None) -> object:
     """Decode a tensor payload string (ours, or one SGLang's trainers build), rebuilding tensors
     from their handles.
 
@@ -405,8 +456,11 @@ def deserialize_named_tensors(data: str | bytes, *, max_bytes: int = DEFAULT_MAX
     payload, nested payloads included, may map. `tp_rank` picks the rank's entry of an SGLang
     `LocalSerializedTensor`. `read_by_others`: this very string is also read by another
     process (one payload for every rank of a tensor-parallel engine), which drops the one shm
-    reference the sender took for each storage; this reader gives back the one it drops, so
-    the sender's file is not unlinked under it once the ranks unmap.
+    reference a sender using torch's protocol took for each storage; this reader gives back
+    the one it drops, so the sender's file is not unlinked under it once the ranks unmap.
+    Lent storages (our sender's) carry no reference: any number of readers just map them.
+    A read refused part way drops the references of what it did not open (unless
+    `read_by_others`), so a refusal leaks none.
 
     Raises UnsafePayloadError (a ValueError) for any global, opcode or handle outside the
     rules in the module docstring, before anything is mapped or executed. Malformed base64,
@@ -417,8 +471,8 @@ def deserialize_named_tensors(data: str | bytes, *, max_bytes: int = DEFAULT_MAX
     sender's own children, is meaningless for a process reached over HTTP, and admitting it
     would let a payload make this process open connections. Our sender never emits it.
 
-    `opened`: a list that receives every shared-memory storage the read opened, once per open
-    (each open dropped one of the sender's references), nested payloads included.
+    `opened`: a list that receives an `OpenedShm` for every shared-memory storage the read
+    opened, once per open, nested payloads included.
     """
     if not isinstance(tp_rank, int) or tp_rank < 0:
         raise ValueError(f"tp_rank: must be a non-negative int, got {tp_rank!r}")

@@ -243,12 +243,19 @@ class RLControl(BroadcastRefits):
                                        **sglang_flags: Any) -> dict[str, Any]:
         """``sglang_flags``: disable_draft_model (no draft model here), pp_rank.
         ``read_by_others`` (set by the data-parallel host, not a client): another replica
-        reads the same payload and drops the sender's shm references."""
-        self._refuse_while_receiving("update_weights_from_tensor")
+        reads the same payload and drops the sender's shm references. A call refused before
+        its payload is read drops the references a sender using torch's protocol took for
+        it (our own senders lend theirs and keep them: ``protocol/shm_lease.py``)."""
         model = self.s.runner.model
-        self._before_update(abort_all_requests, weight_version=weight_version,
-                            flush_cache=flush_cache, torch_empty_cache=torch_empty_cache,
-                            **sglang_flags)
+        try:
+            self._refuse_while_receiving("update_weights_from_tensor")
+            self._before_update(abort_all_requests, weight_version=weight_version,
+                                flush_cache=flush_cache, torch_empty_cache=torch_empty_cache,
+                                **sglang_flags)
+        except Exception:
+            if not read_by_others:
+                refit.drop_unread(model, serialized_named_tensors)
+            raise
         if self.mapped is None:     # sized from the model once: its weights never change size
             self.mapped = refit.MappedStorages.for_model(model)
         return self._apply(lambda: refit.refit_from_serialized(

@@ -15,9 +15,14 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from rollout_engine.compat.payloads import named_tensors_from_sglang, read_refit_payload
+from rollout_engine.compat.payloads import (
+    named_tensors_from_sglang,
+    read_refit_payload,
+    refit_payload_cap,
+)
 from rollout_engine.protocol.bucket import FlattenedBucket
-from rollout_engine.protocol.tensor_handles import SHM_DIR, SHM_HEADER_BYTES
+from rollout_engine.protocol.tensor_handles import OpenedShm
+from rollout_engine.protocol.tensor_payload import drop_unread_references
 from rollout_engine.weights.disk_reader import load_checkpoint
 from rollout_engine.weights.loader import LoadPlan, LoadReport
 from rollout_engine.weights.update_groups import (  # the broadcast side, reachable from here
@@ -72,8 +77,10 @@ class MappedStorages:
     handle cache returns it, so a refit maps nothing and takes no page faults (as SGLang
     caches imported CUDA IPC handles). Every new handle is vetted first by the restricted
     unpickler. Content is never stale: the mapping is the trainer's own memory, read during
-    the update call. What is kept stays mapped (and its shm file alive) until pushed out by
-    later payloads or `clear` (the scheduler clears it when the weights are released).
+    the update call. What is kept stays mapped until pushed out by later payloads or `clear`
+    (the scheduler clears it when the weights are released). A lent handle's mapping holds no
+    reference of the trainer's: its file is unlinked when the trainer frees the storage or
+    dies, and only the mapped memory stays until then.
 
     It also keeps what recent payloads read to (`remember`), so the very same payload string
     sent again (a trainer whose weights live in shm sends identical handles every refit) is
@@ -90,11 +97,9 @@ class MappedStorages:
         self.max_bytes = max_bytes
         self._lru: OrderedDict[int, torch.UntypedStorage] = OrderedDict()
         self.num_bytes = 0
-        # payload key -> (named tensors, the shm storages its read opened, their keys, each
-        # one's shm file and the bytes it must hold)
+        # payload key -> (named tensors, the shm storages its read opened, their keys)
         self._payloads: OrderedDict[Any, tuple[list[tuple[str, torch.Tensor]],
-                                               list[torch.UntypedStorage], frozenset[int],
-                                               list[tuple[str, int]]]] = OrderedDict()
+                                               list[OpenedShm], frozenset[int]]] = OrderedDict()
         self._plans: dict[Any, LoadPlan] = {}   # payload key -> the plan that applied it
 
     @classmethod
@@ -125,48 +130,46 @@ class MappedStorages:
             self.num_bytes -= storage.nbytes()
             evicted = True
         if evicted:
-            for k in [k for k, (_, _, keys, _) in self._payloads.items()
+            for k in [k for k, (_, _, keys) in self._payloads.items()
                       if not keys <= self._lru.keys()]:
                 self._forget(k)
 
     def remember(self, key: Any, named_tensors: list[tuple[str, torch.Tensor]],
-                 opened: list[torch.UntypedStorage]) -> None:
+                 opened: list[OpenedShm]) -> None:
         """After `keep(named_tensors)`: `key`'s payload read to `named_tensors`, opening
         `opened` (one entry per open). Kept only when every storage opened is one of those
         tensors' (so kept mapped here), which makes all of them CPU shared memory."""
-        keys = frozenset(s._cdata for s in opened)
+        keys = frozenset(o.storage._cdata for o in opened)
         if not keys or not keys <= self._lru.keys() or \
                 keys != {t.untyped_storage()._cdata for _, t in named_tensors if t.numel()}:
             return
-        files = []
-        for storage in dict.fromkeys(opened):
-            _manager, handle, _size = storage._share_filename_cpu_()   # its existing name
-            files.append((SHM_DIR + handle.decode(), SHM_HEADER_BYTES + storage.nbytes()))
-        self._payloads[key] = (named_tensors, opened, keys, files)
+        self._payloads[key] = (named_tensors, opened, keys)
         self._plans.pop(key, None)   # a plan of an earlier read of this key read other tensors
         while len(self._payloads) > self.PAYLOADS:
             self._forget(next(iter(self._payloads)))
 
     def reread(self, key: Any) -> Optional[list[tuple[str, torch.Tensor]]]:
         """The tensors `key`'s payload read to last time, or None; its storages are marked
-        most recent (as `keep` would mark them). The sender took one shm reference per
-        storage for this read, as each time; opening the storage would drop it, so it is
-        dropped here."""
+        most recent (as `keep` would mark them). Each shm file must still exist (a sender
+        that freed it can no longer be sending it) and be long enough. A sender using torch's
+        protocol took one shm reference per storage for this read, as each time; opening the
+        storage would drop it, so it is dropped here (lent storages carry none)."""
         hit = self._payloads.get(key)
         if hit is None:
             return None
-        named_tensors, opened, keys, files = hit
-        for path, num_bytes in files:
+        named_tensors, opened, keys = hit
+        for o in opened:
             try:
-                if os.stat(path).st_size < num_bytes:
+                if os.stat(o.path).st_size < o.file_bytes:
                     return None   # read it again: that read refuses it, naming the file
             except OSError:
                 return None
         self._payloads.move_to_end(key)
         for k in keys:
             self._lru.move_to_end(k)
-        for storage in opened:
-            storage._shared_decref()
+        for o in opened:
+            if not o.lent:
+                o.storage._shared_decref()
         return named_tensors
 
     def plan_of(self, key: Any) -> Optional[LoadPlan]:
@@ -222,6 +225,8 @@ def refit_from_serialized(model: nn.Module, serialized: list[str], load_format: 
         raise ValueError("serialized_named_tensors: must be a non-empty list of strings "
                          "(one per tensor-parallel rank)")
     # one rank here: rank 0's payload is ours
+    if not read_by_others:
+        drop_unread(model, serialized, first=1)
     key = (serialized[0], load_format)
     named_tensors = (mapped.reread(key) if mapped is not None and not read_by_others
                      and isinstance(serialized[0], (str, bytes)) else None)
@@ -230,7 +235,7 @@ def refit_from_serialized(model: nn.Module, serialized: list[str], load_format: 
         if plan is not None and plan.model is model and plan.valid:
             plan.apply()
             return plan.report
-    opened: list[torch.UntypedStorage] = []
+    opened: list[OpenedShm] = []
     if named_tensors is None:
         payload = read_refit_payload(serialized[0], model,   # byte cap from the model's size
                                      read_by_others=read_by_others, opened=opened)
@@ -248,6 +253,20 @@ def refit_from_serialized(model: nn.Module, serialized: list[str], load_format: 
     return plan.report
 
 
+def drop_unread(model: nn.Module, serialized: Any, first: int = 0) -> None:
+    """The payload strings of `serialized` from `first` on, which this engine will not read
+    (the call was refused, or they are for ranks it does not have): drop the shm references a
+    sender using torch's protocol took for their reader (`drop_unread_references`). Our lent
+    payloads carry none. The ranks of a tensor-parallel engine read their own strings, so
+    nothing is dropped for one."""
+    if getattr(model, "tp", None) is not None or not isinstance(serialized, list):
+        return
+    for data in serialized[first:]:
+        if isinstance(data, (str, bytes)):
+            drop_unread_references(data, max_bytes=refit_payload_cap(model))
+
+
 __all__ = ["LOAD_FORMATS", "MappedStorages", "Receipt", "STAGING_ALIGN", "StagingBuffer",
-           "WeightUpdateGroups", "aligned_layout", "declared_dtype", "named_tensors_from_payload",
-           "refit_from_disk", "refit_from_serialized", "weight_bytes"]
+           "WeightUpdateGroups", "aligned_layout", "declared_dtype", "drop_unread",
+           "named_tensors_from_payload", "refit_from_disk", "refit_from_serialized",
+           "weight_bytes"]

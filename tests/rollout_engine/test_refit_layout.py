@@ -37,7 +37,8 @@ def test_refit_keeps_layout_and_copies_exactly():
         assert torch.equal(p, fresh[name]), name
 
     refit.refit_from_disk(runner.model, w1)
-    payload = serialize_named_tensors(list(iter_safetensors(w2)))
+    tensors = list(iter_safetensors(w2))   # alive until the refit read them
+    payload = serialize_named_tensors(tensors)
     refit.refit_from_serialized(runner.model, [payload], None)
     assert _layout(runner.model) == before
     for name, p in runner.model.named_parameters():

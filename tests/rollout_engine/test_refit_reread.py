@@ -1,6 +1,6 @@
 """A repeated refit payload is not read again: `MappedStorages` keeps what the same string read
-to while its storages stay mapped (the shm references the sender took are still dropped, the
-files still checked), and `plan_targets` checks a repeated (name, shape, dtype) list once but
+to while its storages stay mapped (the files still checked; a lent payload's reread takes and
+drops no shm reference), and `plan_targets` checks a repeated (name, shape, dtype) list once but
 always writes through the parameters' current storage. A read leaves nothing in a reference
 cycle that would keep the sender's shared memory mapped until the next garbage collection."""
 
@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from torch import nn
 
 from rollout_engine.protocol.bucket import FlattenedBucket, pack_buckets
-from rollout_engine.protocol.tensor_handles import ReadContext
+from rollout_engine.protocol.tensor_handles import OpenedShm, ReadContext
 from rollout_engine.protocol.tensor_payload import (
     deserialize_named_tensors,
     serialize_named_tensors,
@@ -39,7 +39,7 @@ def _read(mapped: MappedStorages, text: str) -> list[tuple[str, torch.Tensor]]:
     key = (text, None)
     named = mapped.reread(key)
     if named is None:
-        opened: list[torch.UntypedStorage] = []
+        opened: list[OpenedShm] = []
         named = deserialize_named_tensors(text, opened=opened)
         mapped.keep(named)
         mapped.remember(key, named, opened)
@@ -57,12 +57,12 @@ def test_a_repeated_payload_is_reread_with_current_values_and_balanced_reference
     counts = [_shm_refcount(t) for _, t in weights]
     for step in range(5):
         weights[0][1].add_(1)                        # an optimizer step, in place
-        again = serialize_named_tensors(weights)     # the sender takes its references again
+        again = serialize_named_tensors(weights)     # the same storages: the same string
         assert again == text
         named = _read(mapped, again)
         assert named is first                        # not parsed or rebuilt
         assert torch.equal(named[0][1], torch.arange(6.0) + step + 1)
-        # each reread dropped the sender's reference, as opening the storage does
+        # the sender lends its storages: a reread neither takes nor drops a reference
         assert [_shm_refcount(t) for _, t in weights] == counts
 
 
@@ -72,7 +72,8 @@ def test_a_payload_is_forgotten_once_its_storages_are_pushed_out():
     text = serialize_named_tensors(old)
     _read(mapped, text)
     assert mapped.num_payloads == 1
-    _read(mapped, serialize_named_tensors([("b", torch.zeros(256))]))   # 2 KiB kept: over
+    new = [("b", torch.zeros(256))]
+    _read(mapped, serialize_named_tensors(new))   # 2 KiB kept: over
     assert mapped.num_storages == 1 and mapped.num_payloads == 1
     assert mapped.reread((text, None)) is None
     mapped.clear()
@@ -91,15 +92,16 @@ def test_a_shrunk_shm_file_sends_the_payload_back_to_the_full_read(monkeypatch):
 
     monkeypatch.setattr(refit.os, "stat", lambda p: Short() if "torch_" in str(p)
                         else real_stat(p))
-    serialize_named_tensors(weights)   # the sender's reference for this read
+    assert serialize_named_tensors(weights) == text   # sent again
     assert mapped.reread((text, None)) is None
     monkeypatch.undo()
-    deserialize_named_tensors(text)    # drops it (the full read the refit falls back to)
+    deserialize_named_tensors(text)    # the full read the refit falls back to
 
 
 def test_a_read_leaves_no_reference_cycle_holding_shared_memory():
     bucket = next(iter(pack_buckets([("a", torch.arange(8.0)), ("b", torch.ones(3))], 1 << 20)))
-    payloads = [serialize_named_tensors(bucket), serialize_named_tensors({"x": torch.zeros(4)})]
+    x = {"x": torch.zeros(4)}
+    payloads = [serialize_named_tensors(bucket), serialize_named_tensors(x)]
     gc.collect()
     gc.disable()
     try:

@@ -8,6 +8,7 @@ import os
 import pickle
 import threading
 import time
+from typing import Any
 
 import psutil
 import pytest
@@ -195,16 +196,17 @@ def _malicious_payload(marker: str) -> str:
     return base64.b64encode(pickle.dumps([("model.norm.weight", Evil())])).decode()
 
 
-def _truncated_bucket(tensors) -> str:
+def _truncated_bucket(tensors) -> tuple[str, Any]:
     """A bucket whose buffer is shorter than its metadata says, built past the constructor's
-    checks (as a hostile or buggy sender could) and serialized."""
-    from rollout_engine.protocol.tensor_payload import serialize_named_tensors
+    checks (as a hostile or buggy sender could) and serialized; with the lease that keeps its
+    shared memory until the engine answered."""
+    from rollout_engine.protocol.tensor_payload import lend_named_tensors
 
     bucket = next(pack_buckets(tensors, bucket_bytes=1 << 30))
     short = object.__new__(type(bucket))
     object.__setattr__(short, "buffer", bucket.buffer[:bucket.metas[-1].offset].clone())
     object.__setattr__(short, "metas", bucket.metas)
-    return serialize_named_tensors(short)
+    return lend_named_tensors(short)
 
 
 def test_failed_refits_change_nothing(w1_w2, w1_engine, tmp_path):
@@ -225,8 +227,9 @@ def test_failed_refits_change_nothing(w1_w2, w1_engine, tmp_path):
     for why, payload in cases.items():
         ok, msg = engine.update_weights_from_tensor(payload)
         assert not ok, why
-    ok, msg = engine.update_weights_from_tensor([_truncated_bucket(list(w2.items())[:3])],
-                                                load_format="flattened_bucket")
+    truncated, lease = _truncated_bucket(list(w2.items())[:3])
+    with lease:
+        ok, msg = engine.update_weights_from_tensor([truncated], load_format="flattened_bucket")
     assert not ok and "truncated" in msg, msg
     ok, msg = engine.update_weights_from_tensor([_malicious_payload(str(marker))])
     assert not ok and "system" in msg, msg

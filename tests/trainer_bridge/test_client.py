@@ -4,7 +4,10 @@ with API.md's body, parses the answer, and turns error statuses into RolloutErro
 from __future__ import annotations
 
 import asyncio
+import gc
+import glob
 import json
+import os
 from typing import Any
 
 import httpx
@@ -129,6 +132,53 @@ def test_update_weights_from_tensor_sends_handles():
     got = deserialize_named_tensors(payload)
     assert [n for n, _ in got] == ["a", "b"]
     assert all(torch.equal(g, t) for (_, g), (_, t) in zip(got, tensors))
+
+
+def _shm_files() -> set[str]:
+    """The torch shared-memory files this process created that still have a name."""
+    return set(glob.glob(f"/dev/shm/torch_{os.getpid()}_*"))
+
+
+class Unread:
+    """A server that never reads the payload: it notes the shm files alive while the request
+    is in flight, then refuses it (409) or fails it before any answer (connection reset)."""
+
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+        self.in_flight: list[set[str]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.in_flight.append(_shm_files())
+        if self.fail:
+            raise httpx.ReadError("connection reset", request=request)
+        return httpx.Response(409, json={"error": {"message": "the engine is asleep"}})
+
+
+@pytest.mark.parametrize("fail,error", [(False, RolloutError), (True, httpx.ReadError)],
+                         ids=["refused", "failed"])
+def test_a_tensor_update_lets_go_of_its_shared_memory_whatever_the_answer(fail, error):
+    """The client lends the tensors' shared memory for the request only: the handles stay
+    valid while it is in flight (even for tensors nobody else holds), and once it is refused
+    or failed nothing of them is left in /dev/shm, sync and async."""
+    before = _shm_files()
+    server = Unread(fail)
+    with _client(server) as client, pytest.raises(error):
+        client.update_weights_from_tensor((f"w{i}", torch.full((64,), float(i)))
+                                          for i in range(3))
+    gc.collect()
+    assert len(server.in_flight[-1] - before) == 3
+    assert _shm_files() - before == set()
+
+    async def run() -> Any:
+        async with AsyncRolloutClient("http://rollout:30000",
+                                      transport=httpx.MockTransport(server)) as client:
+            return await client.update_weights_from_tensor(
+                [("w", torch.full((64,), 7.0))])
+    with pytest.raises(error):
+        asyncio.run(run())
+    gc.collect()
+    assert len(server.in_flight[-1] - before) == 1
+    assert _shm_files() - before == set()
 
 
 def test_generate_batch_returns_rollouts():

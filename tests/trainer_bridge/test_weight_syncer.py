@@ -233,15 +233,26 @@ def test_a_bucket_refused_mid_pipeline_leaves_the_buffers_reusable(engine_on_w1,
         assert_same_rollouts(rollouts(engine_on_w1), w1.expected)
 
 
+def _mapped_by(pid: int, path: str) -> bool:
+    """Whether process `pid` maps the shm file at `path` (named still, or unlinked)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return any(path in line for line in f)
+
+
 def test_releasing_the_weights_unmaps_the_trainers_shared_memory(engine_on_w1, w1, w2):
-    """The engine keeps resent shm mapped across refits, but a sleeping engine pins none."""
+    """The engine keeps resent shm mapped across refits, but a sleeping engine maps none. Its
+    mapping holds no reference of the trainer's: the files are unlinked as soon as the trainer
+    lets go of them, and only the memory stays mapped until the release."""
     with WeightSyncer(engine_on_w1, PACKED()) as syncer:
         syncer.sync(w2.model, version="w2")
         paths = [_shm_path(b) for b in syncer.transport.buffers.buffers()]
     gc.collect()
-    assert all(os.path.exists(p) for p in paths)     # still mapped by the engine
+    scheduler = engine_on_w1.tm.host.pid
+    assert scheduler != os.getpid()                  # the engine reads from another process
+    assert all(_mapped_by(scheduler, p) for p in paths)   # still mapped by the engine
+    assert not any(os.path.exists(p) for p in paths)      # ... but no name is left
     engine_on_w1.release_memory_occupation(["weights"])
-    assert not any(os.path.exists(p) for p in paths)
+    assert not any(_mapped_by(scheduler, p) for p in paths)
     engine_on_w1.resume_memory_occupation(["weights"])
     ok, message = engine_on_w1.update_weights_from_disk(w1.path, weight_version="w1")
     assert ok, message

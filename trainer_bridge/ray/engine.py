@@ -22,7 +22,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Optional
 
-from rollout_engine.protocol.tensor_payload import serialize_named_tensors
+from rollout_engine.protocol.shm_lease import ShmLease
+from rollout_engine.protocol.tensor_payload import lend_named_tensors
 
 __all__ = ["ENGINE_METHODS", "WEIGHTS", "EngineActor", "EngineActorDiedError", "RayEngine"]
 
@@ -131,26 +132,41 @@ class RayEngine:
 
         def remote_call(*args: Any, **kwargs: Any) -> Any:
             timeout = None if name == "generate" else self.timeout_s
-            return self.result(self.submit(name, *args, **kwargs), name, timeout)
+            ref, lease = self._submit(name, args, kwargs)
+            with lease:
+                return self.result(ref, name, timeout)
         return remote_call
 
     def submit(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Start `method` on the actor; returns its ObjectRef (`result` waits for it)."""
+        """Start `method` on the actor; returns its ObjectRef (`result` waits for it). The
+        caller keeps an update's tensors alive until then (their handles are lent)."""
+        return self._submit(method, args, kwargs)[0]
+
+    def _submit(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+                ) -> tuple[Any, ShmLease]:
+        """`submit`, with the lease on the shared memory the call's payload lends (to be
+        released once the call answered, whatever the answer)."""
+        lease = ShmLease()
         if method == "update_weights_from_tensor":
-            args, kwargs = _serialized(args, kwargs)
+            args, kwargs, lease = _serialized(args, kwargs)
         if method not in WEIGHT_METHODS:
-            return self.actor.call.remote(method, args, kwargs)
+            return self.actor.call.remote(method, args, kwargs), lease
         with self.numbering:
             return self.actor.call_in_order.options(concurrency_group=WEIGHTS).remote(
-                self.sender, next(self.seq), self.timeout_s or 600.0, method, args, kwargs)
+                self.sender, next(self.seq), self.timeout_s or 600.0, method, args,
+                kwargs), lease
 
     def send_call(self, method: str, *args: Any, **kwargs: Any) -> Callable[[], Any]:
         """Send `method` now and return the wait for its answer: calls sent one after another
         from one thread reach the actor in that order (the transports send a refit's calls
         so, `transports.base.start_call`; a thread per call could reorder them)."""
-        ref = self.submit(method, *args, **kwargs)
+        ref, lease = self._submit(method, args, kwargs)
         timeout = None if method == "generate" else self.timeout_s
-        return lambda: self.result(ref, method, timeout)
+
+        def answer() -> Any:
+            with lease:
+                return self.result(ref, method, timeout)
+        return answer
 
     def result(self, ref: Any, method: str, timeout: Optional[float]) -> Any:
         import ray
@@ -183,15 +199,18 @@ class RayEngine:
 
 
 def _serialized(args: tuple[Any, ...], kwargs: dict[str, Any]
-                ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                ) -> tuple[tuple[Any, ...], dict[str, Any], ShmLease]:
     """update_weights_from_tensor's tensors as handles (shared memory / CUDA IPC strings), so
-    only the handles cross Ray, never the bytes; the engine must be on this host."""
+    only the handles cross Ray, never the bytes; the engine must be on this host. The lease
+    holds the shared memory they lend."""
     tensors = args[0] if args else kwargs.pop("named_tensors")
+    lease = ShmLease()
     if not (isinstance(tensors, list) and tensors and isinstance(tensors[0], str)):
         if not isinstance(tensors, (list, tuple, dict)) and not hasattr(tensors, "named_tensors"):
             tensors = list(tensors)
-        tensors = [serialize_named_tensors(tensors)]
-    return (tensors, *args[1:]), kwargs
+        text, lease = lend_named_tensors(tensors)
+        tensors = [text]
+    return (tensors, *args[1:]), kwargs, lease
 
 
 def _first_line(error: BaseException) -> str:

@@ -104,7 +104,8 @@ class BucketBuffers:
         return list(self._slots.values())
 
     def release(self) -> None:
-        """Drop every slot; CPU shared memory is unlinked once no engine maps it any more."""
+        """Drop every slot; its CPU shared memory is unlinked (an engine that still maps one
+        keeps only its memory, until it lets go)."""
         self._slots.clear()
 
 

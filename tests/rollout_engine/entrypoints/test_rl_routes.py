@@ -4,6 +4,8 @@ and asleep statuses, pause / continue, versions, the admin key, malicious payloa
 from __future__ import annotations
 
 import base64
+import gc
+import glob
 import os
 import pickle
 import threading
@@ -104,6 +106,42 @@ def test_malicious_payload_is_refused(rl_server, tmp_path):
         r = c.post("/update_weights_from_disk", json={})
         assert r.status_code == 400 and "model_path" in r.json()["error"]["message"]
         assert _gen(c).json()["output_ids"] == before
+
+
+def _shm_files() -> set[str]:
+    """The torch shared-memory files this process (the trainer here) created, still named."""
+    return set(glob.glob(f"/dev/shm/torch_{os.getpid()}_*"))
+
+
+def test_refused_refits_over_http_leave_no_shared_memory(rl_server):
+    """Refits the server refuses (asleep: 409; a field the route does not take: 400 before
+    the scheduler sees it), sent by the trainer's client or by hand: once answered and the
+    trainer lets go of its tensors, nothing of them is left in /dev/shm."""
+    from trainer_bridge import RolloutClient, RolloutError
+
+    url, w1, w2 = rl_server
+    before = _shm_files()
+    weights = list(iter_safetensors(w2))[:2]
+    with _client(url) as c, RolloutClient(url, admin_api_key=ADMIN) as client:
+        assert c.post("/release_memory_occupation", json={"tags": ["weights"]}).status_code == 200
+        try:
+            with pytest.raises(RolloutError) as refused:
+                client.update_weights_from_tensor((n, t.clone()) for n, t in weights)
+            assert refused.value.status == 409, refused.value
+            del refused   # its traceback holds the client's frames, and so the tensors
+            sent = [(n, t.clone()) for n, t in weights]
+            body = {"serialized_named_tensors": [serialize_named_tensors(sent)]}
+            assert c.post("/update_weights_from_tensor", json=body).status_code == 409
+            r = c.post("/update_weights_from_tensor", json={**body, "colour": "red"})
+            assert r.status_code == 400, r.text
+            del sent
+        finally:
+            assert c.post("/resume_memory_occupation", json={"tags": ["weights"]}
+                          ).status_code == 200
+            r = c.post("/update_weights_from_disk", json={"model_path": w1})
+            assert r.status_code == 200, r.text
+    gc.collect()
+    assert _shm_files() - before == set()
 
 
 def _start_long_request(url: str, max_new_tokens: int) -> tuple[threading.Thread, dict]:

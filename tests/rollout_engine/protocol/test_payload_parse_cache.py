@@ -45,7 +45,8 @@ def test_a_repeat_is_parsed_once_and_reads_the_current_values(parses):
 
 
 def test_another_cap_parses_again_and_is_enforced(parses):
-    payload = serialize_named_tensors([("w", torch.zeros(256))])   # 1 KiB
+    weights = [("w", torch.zeros(256))]   # 1 KiB
+    payload = serialize_named_tensors(weights)
     deserialize_named_tensors(payload)
     with pytest.raises(UnsafePayloadError, match="over this receiver's cap of 512"):
         deserialize_named_tensors(payload, max_bytes=512)

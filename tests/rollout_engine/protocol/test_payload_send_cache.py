@@ -1,7 +1,7 @@
 """The sender's cache of serialized (name, tensor) lists (`payload_cache.SentPayloads`): a repeat
-of the same views of the same storages is the same string without pickling, every handle's
-shm reference is taken again on each send (a receiver in another process drops one on each
-open), and anything else that changed is serialized afresh."""
+of the same views of the same storages is the same string without pickling, lent again (a
+receiver in another process maps it, taking and dropping no reference of the sender's), and
+anything else that changed is serialized afresh."""
 
 from __future__ import annotations
 
@@ -91,8 +91,8 @@ def test_repeats_are_one_pickling_and_keep_the_shm_references_balanced(dumps):
         assert len(dumps) == 1 and len(set(texts)) == 1
         paths = {_shm_path(t) for _, t in weights}
         assert len(paths) == 2
-        # the reader opened and closed the files four times: a reference missing from a
-        # repeat would have taken them to zero (unlinked) under the live sender
+        # the reader opened and closed the files four times: a reference dropped by a read
+        # would have taken them to zero (unlinked) under the live sender
         assert all(os.path.exists(p) for p in paths)
     weights.clear()
     gc.collect()
@@ -128,8 +128,9 @@ def test_a_freed_storage_is_never_mistaken_for_a_new_one_at_its_address():
     old = torch.full((1024,), 3.0)
     key = SentPayloads.key([("w", old)])
     cache.put(key, "text", [old.untyped_storage()])
-    assert cache.get(key) == "text"
-    del old
+    text, storages = cache.get(key)
+    assert text == "text" and storages[0].data_ptr() == old.data_ptr()
+    del old, storages
     gc.collect()
     assert cache.get(key) is None   # as a new storage at the same address would look it up
 
@@ -143,9 +144,8 @@ def test_other_payloads_are_not_kept():
 
 def test_views_of_one_storage_drop_one_reference_per_read(dumps):
     """Two names viewing one storage (a fused projection sent as its q / k / v slices): the
-    sender takes one reference for the storage, so the reader must drop one per read, not one
-    per view. Dropping two unlinked the file under the live sender and the second refit failed
-    ("does not exist")."""
+    reader maps the storage once a read and drops no reference for any view (a drop per view
+    unlinked the file under the live sender and the second refit failed: "does not exist")."""
     fused = torch.arange(12.0)
     weights = [("q", fused[:6]), ("k", fused[6:9]), ("v", fused[9:])]
     with _reader_process() as parent:
