@@ -329,7 +329,7 @@ def _penaliser(req: _Req, eos: frozenset[int]):
 def test_tokens_and_logprobs_equal_the_reference_on_every_option(penalties, cached):
     """Every combination of T, top_k, top_p and min_p, with and without penalties (frequency,
     presence, repetition, min_new_tokens banning EOS), over several decode steps of fixed seeds:
-    the same tokens as the float64 reference with the same uniforms, logprobs within 1e-6
+    the same tokens as the float64 reference with the same uniforms, logprobs within 4e-6
     (relative past 1).
     Penalty counts are kept incrementally by ``PenaltyCounts``; the reference recounts.
     ``cached``: the rows' parameters and what ``sample`` derives from them are kept across the
@@ -370,8 +370,9 @@ def test_tokens_and_logprobs_equal_the_reference_on_every_option(penalties, cach
                                     uniform_for(req.seed, len(req.output_ids)),
                                     _penaliser(req, eos))
             assert out.token_ids[i] == want[0], (p, i)
-            # float32 log_softmax: 1e-6, relative past |logprob| = 1 (its ulp at 13 is 1e-6)
-            tol = 1e-6 * max(1.0, abs(want[1]))
+            # float32 log_softmax: a few ulps of the log-sum-exp (its ulp at 13 is 1e-6; the
+            # kernel's AVX-512 and AVX2 builds sum in different orders), relative past 1
+            tol = 4e-6 * max(1.0, abs(want[1]))
             assert abs(out.logprobs[i] - want[1]) < tol, (p, out.logprobs[i], want[1])
             total += 1
         rows = [(r.penalty_row, t) for r, t in zip(reqs, out.token_ids) if r.penalty_row is not None]

@@ -32,8 +32,10 @@ PROMPTS = ["Answer in JSON:", "Answer in JSON:"]   # twice: the second hits the 
 def engine(tiny_dir: str) -> Iterator[Any]:
     # compact JSON (SGLang's --constrained-json-disable-any-whitespace): under greedy decoding
     # the random model given any whitespace emits it forever
+    # top logprobs over the whole (tiny) vocabulary: the masked-logprob test reads them all
     yield from thread_engine(tiny_dir, context_length=1024,
-                             constrained_json_disable_any_whitespace=True)
+                             constrained_json_disable_any_whitespace=True,
+                             max_top_logprobs_num=1024)
 
 
 def _params(greedy: bool, seed: int, **kw: Any) -> dict[str, Any]:
