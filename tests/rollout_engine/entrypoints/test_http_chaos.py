@@ -259,15 +259,7 @@ class Chaos:
                 r = self.post("/update_weights_from_disk", {
                     "model_path": self.world["paths"][ckpt], "weight_version": self.version})
             else:
-                from rollout_engine.protocol.tensor_payload import serialize_named_tensors
-
-                # fresh storages each time, as a trainer's new weights are: what a refit
-                # shares must be gone from /dev/shm once both sides are done with it
-                named = [(n, t.clone()) for n, t in self.world["tensors"][ckpt]]
-                payload = serialize_named_tensors(named)
-                r = self.post("/update_weights_from_tensor", {
-                    "serialized_named_tensors": [payload], "weight_version": self.version})
-                del named, payload
+                r = self._post_tensors(ckpt, self.version)
             if r.status_code == 200:
                 self.weights = ckpt
                 self.tally.count("refit")
@@ -276,6 +268,18 @@ class Chaos:
             self.tally.count(f"refit:{r.status_code}")
             assert r.status_code in (409, 504), r.text
         raise AssertionError(f"a {how} refit did not succeed in 5 tries: {r.text}")
+
+    def _post_tensors(self, ckpt: str, version: str) -> httpx.Response:
+        """A refit by shared-memory handles of fresh storages, as a trainer's new weights are:
+        what it lends must be gone from /dev/shm once both sides are done with it."""
+        from rollout_engine.protocol.tensor_payload import serialize_named_tensors
+
+        named = [(n, t.clone()) for n, t in self.world["tensors"][ckpt]]
+        payload = serialize_named_tensors(named)   # the storages stay alive until answered
+        r = self.post("/update_weights_from_tensor", {
+            "serialized_named_tensors": [payload], "weight_version": version})
+        del named, payload
+        return r
 
     def _check_probe(self, where: str) -> None:
         got = _probe(self.post)
@@ -306,6 +310,10 @@ class Chaos:
             self.tally.count("release:409")
         if released:
             self.tally.count("released")
+            # a tensor refit while asleep is refused: what it lent must not stay in /dev/shm
+            r = self._post_tensors(rng.choice(["w1", "w2"]), "refused")
+            assert r.status_code == 409, r.text
+            self.tally.count("refit_refused")
             assert self.post("/resume_memory_occupation").status_code == 200
         assert self.post("/continue_generation").status_code == 200
         if released:   # weights released without a CPU backup: stale until a refit
