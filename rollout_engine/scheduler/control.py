@@ -56,6 +56,12 @@ class ControlHandlers:
             return ControlResult(msg.call_id, False, message=f"unknown control call {msg.method!r}",
                                  status=400)
         if msg.deadline is not None and time.time() > msg.deadline:
+            if msg.method == "update_weights_from_tensor" and not msg.kwargs.get(
+                    "read_by_others"):
+                # never read: drop the references a torch-protocol sender took for its reader
+                from rollout_engine.weights.refit import drop_unread
+
+                drop_unread(self.s.runner.model, msg.kwargs.get("serialized_named_tensors"))
             return ControlResult(msg.call_id, False, status=504, cancelled=True,
                                  message=f"{msg.method} cancelled: its caller's timeout passed "
                                          "before the scheduler reached it; nothing was changed")

@@ -92,11 +92,18 @@ def test_a_refit_refused_while_asleep_leaves_no_shared_memory(engine, model_path
     assert _leftover(before) == set()
 
 
-def test_a_refit_cancelled_by_its_deadline_leaves_no_shared_memory(engine, norm):
+@pytest.mark.parametrize("sender", ["ours", "torch's reducer"])
+def test_a_refit_cancelled_by_its_deadline_leaves_no_shared_memory(engine, norm, sender):
+    from tests.rollout_engine.compat.sglang_fakes import file_system_sharing, mp_serialize
+
     before = shm_files(os.getpid())
     cancelled = engine.tm.control_stats["cancelled_after_timeout"]
     weights = [(NORM, norm.clone())]
-    text = serialize_named_tensors(weights)
+    if sender == "ours":
+        text = serialize_named_tensors(weights)
+    else:
+        with file_system_sharing():
+            text = mp_serialize(weights, output_str=True)
     assert shm_files(os.getpid()) - before   # the tensor lives in shared memory now
     # a deadline already past when the scheduler takes the call: cancelled, never read
     result = engine.tm.call("update_weights_from_tensor", timeout=-1.0,
