@@ -34,9 +34,10 @@ sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 
 import common  # noqa: E402
 import torch  # noqa: E402
+from rollout_engine_kernels.cpu import build  # noqa: E402
+from rollout_engine_kernels.cpu import paged_decode as cpu_paged  # noqa: E402
 
 from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool  # noqa: E402
-from rollout_engine.model_runner.attention import cpu_kernels  # noqa: E402
 from rollout_engine.model_runner.attention.torch_native import TorchNativeBackend  # noqa: E402
 from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 
@@ -60,17 +61,24 @@ class BaselineOp:
         import tempfile
         from pathlib import Path
 
-        rel = cpu_kernels.SOURCE.relative_to(Path(_HERE).parent)
-        text = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=os.path.dirname(_HERE),
-                              check=True, capture_output=True, text=True).stdout
+        # the source's path at that revision (it moved out of the engine package)
+        for rel in ("kernels/cpu/paged_decode.cpp",
+                    "rollout_engine/model_runner/attention/csrc/paged_decode.cpp"):
+            shown = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=os.path.dirname(_HERE),
+                                   capture_output=True, text=True)
+            if shown.returncode == 0:
+                break
+        else:
+            raise SystemExit(f"--baseline {rev}: no paged decode source at that revision")
+        text = shown.stdout
         src = Path(tempfile.mkdtemp()) / "paged_decode_baseline.cpp"
         src.write_text(text)
-        path = cpu_kernels.build_library(src, "rollout_engine_paged_decode_baseline")
+        path = build.build_library(src, "rollout_engine_paged_decode_baseline")
         lib = ctypes.CDLL(path)
         self.abi = lib.rollout_engine_paged_decode_abi() if hasattr(
             lib, "rollout_engine_paged_decode_abi") else 1
-        if self.abi == cpu_kernels.PagedDecodeOp.ABI:
-            self._op = cpu_kernels.PagedDecodeOp(path)
+        if self.abi == cpu_paged.PagedDecodeOp.ABI:
+            self._op = cpu_paged.PagedDecodeOp(path)
             return
         if self.abi != 1:
             raise SystemExit(f"--baseline {rev}: kernel ABI {self.abi} is not supported here")
@@ -182,7 +190,7 @@ def main() -> None:
     reps = 10 if args.quick else 40
 
     t0 = time.perf_counter()
-    op = cpu_kernels.load_paged_decode()
+    op = cpu_paged.load_paged_decode()
     load_s = time.perf_counter() - t0
     if op is None:
         sys.exit("the paged decode kernel did not build; nothing to compare")

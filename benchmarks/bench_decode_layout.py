@@ -55,7 +55,7 @@ def capture(model_dir: str, run: int, step: int) -> list[tuple[Any, ...]]:
                                            "temperature": 1.0, "sampling_seed": 1234 + j})
             s.handle(GenerateReq(rid=f"r{p}-{j}", input_ids=prompt, seed=j, sampling_params=sp))
     calls: list[tuple[Any, ...]] = []
-    kernel = torch_native.cpu_kernels.paged_decode
+    kernel = torch_native.cpu_paged.paged_decode
     recording = False
 
     def record(op, q, kbuf, vbuf, table, plan, scale):
@@ -63,7 +63,7 @@ def capture(model_dir: str, run: int, step: int) -> list[tuple[Any, ...]]:
             calls.append((op, q.clone(), kbuf, vbuf, table.clone(), plan, scale))
         return kernel(op, q, kbuf, vbuf, table, plan, scale)
 
-    torch_native.cpu_kernels.paged_decode = record
+    torch_native.cpu_paged.paged_decode = record
     try:
         decoded = 0
         while decoded <= step:
@@ -72,7 +72,7 @@ def capture(model_dir: str, run: int, step: int) -> list[tuple[Any, ...]]:
             s.step()
             decoded += decoding
     finally:
-        torch_native.cpu_kernels.paged_decode = kernel
+        torch_native.cpu_paged.paged_decode = kernel
     return calls
 
 
@@ -99,7 +99,7 @@ def main() -> None:
                 evict.add_(1.0)
                 t0 = time.perf_counter()
                 for op, *rest in calls[name]:
-                    torch_native.cpu_kernels.paged_decode(op, *rest)
+                    torch_native.cpu_paged.paged_decode(op, *rest)
                 times[name].append(time.perf_counter() - t0)
         med = {name: statistics.median(v) * 1e3 for name, v in times.items()}
         best = {name: min(v) * 1e3 for name, v in times.items()}

@@ -105,11 +105,22 @@ def parity(ctx: Ctx) -> Section:
 
 def kernel_errors(ctx: Ctx, dtype: torch.dtype) -> dict[str, tuple[float, float]]:
     """Max abs error of each Triton kernel against its ``*_ref`` on random inputs."""
-    from rollout_kernels.decode_attention import decode_attention, decode_attention_ref
-    from rollout_kernels.extend_attention import extend_attention, extend_attention_ref
-    from rollout_kernels.logprob_gather import logprob_gather, logprob_gather_ref
-    from rollout_kernels.rmsnorm import rmsnorm, rmsnorm_ref
-    from rollout_kernels.rotary import build_cos_sin_cache, compute_inv_freq, rotary, rotary_ref
+    from rollout_engine_kernels.triton.decode_attention import (
+        decode_attention,
+        decode_attention_ref,
+    )
+    from rollout_engine_kernels.triton.extend_attention import (
+        extend_attention,
+        extend_attention_ref,
+    )
+    from rollout_engine_kernels.triton.logprob_gather import logprob_gather, logprob_gather_ref
+    from rollout_engine_kernels.triton.rmsnorm import rmsnorm, rmsnorm_ref
+    from rollout_engine_kernels.triton.rotary import (
+        build_cos_sin_cache,
+        compute_inv_freq,
+        rotary,
+        rotary_ref,
+    )
 
     dev, dry = ctx.device, ctx.dry
     g = torch.Generator().manual_seed(1)

@@ -139,7 +139,7 @@ def make_pool(lens: list[int], hkv: int, d: int, dtype: torch.dtype, dev: str, s
 
 # -- bandwidth ------------------------------------------------------------------------------------
 def bandwidth(ctx: Ctx) -> Section:
-    from rollout_kernels.decode_attention import decode_attention
+    from rollout_engine_kernels.triton.decode_attention import decode_attention
 
     sec = Section()
     dev = ctx.device

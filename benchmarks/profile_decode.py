@@ -229,11 +229,13 @@ class StepRecorder:
 
 
 def instrument(rec: StepRecorder) -> contextlib.ExitStack:
+    from rollout_engine_kernels.cpu import paged_decode as cpu_paged
+    from rollout_engine_kernels.cpu import small_gemm
+
     from rollout_engine.memory.kv_pool import KVPool
-    from rollout_engine.model_runner.attention import cpu_kernels
     from rollout_engine.model_runner.attention.torch_native import TorchNativeBackend
     from rollout_engine.model_runner.model_runner import ModelRunner
-    from rollout_engine.models import cpu_gemm, layers, llama
+    from rollout_engine.models import layers, llama
     from rollout_engine.scheduler import scheduler as sched_mod
     try:
         from rollout_engine.models import cpu_decode
@@ -257,10 +259,10 @@ def instrument(rec: StepRecorder) -> contextlib.ExitStack:
         if attr in owner.__dict__:
             plan.append((owner, attr, labelled(label)))
     # the small-GEMM kernel (a ctypes call, invisible to the profiler): labelled by shape
-    plan.append((cpu_gemm.SmallGemm, "__call__", functools.partial(gemm_labelled, rec)))
+    plan.append((small_gemm.SmallGemm, "__call__", functools.partial(gemm_labelled, rec)))
     # the flat decode loop (models/cpu_decode.py) calls the C functions itself: its instance's
     # functions are labelled at its first call; the K/V write and the kernel are attention
-    plan += [(cpu_kernels.PagedDecodeOp, "prepared", prepared_labelled),
+    plan += [(cpu_paged.PagedDecodeOp, "prepared", prepared_labelled),
              (KVPool, "set_kv", labelled("attention"))]
     if cpu_decode is not None:
         plan.append((cpu_decode.CpuDecodeForward, "__call__",

@@ -73,7 +73,7 @@ def vllm_env(threads: int = 2) -> dict[str, str]:
                VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="all",
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
-    # our checkout must not shadow vLLM's packages (top-level ``rollout_kernels/`` and others)
+    # our checkout's top-level folders must not shadow vLLM's packages
     env.pop("PYTHONPATH", None)
     # vLLM idles its OpenMP threads its own way, whatever a benchmark set for itself
     env.pop("OMP_WAIT_POLICY", None)

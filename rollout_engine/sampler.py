@@ -27,9 +27,9 @@ from typing import Any, Optional, Union
 
 import numpy as np
 import torch
+from rollout_engine_kernels.cpu.fused_ops import load_fused_ops
 
 from rollout_engine.constrained.matcher import TokenMask, masked_logprobs, masked_top_logprobs
-from rollout_engine.model_runner.attention.cpu_fused import load_fused_ops
 from rollout_engine.penalties import Penalties, PenaltyCounts
 from rollout_engine.sampling_filters import sample_plain, sample_truncated
 

@@ -16,7 +16,7 @@ import torch
 from rollout_engine.config import EngineConfig
 from rollout_engine.memory import huge_pages
 from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool, row_width
-from rollout_engine.model_runner.attention.base import create_attention_backend
+from rollout_engine.model_runner.attention import create_attention_backend
 from rollout_engine.model_runner.attention.torch_native import KernelDecodeMeta
 from rollout_engine.model_runner.cuda_graph import create_decode_graphs
 from rollout_engine.model_runner.forward_batch import ForwardBatch

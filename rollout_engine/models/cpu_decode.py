@@ -28,11 +28,11 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
+from rollout_engine_kernels.cpu.fused_ops import FusedOps, load_fused_ops
+from rollout_engine_kernels.cpu.small_gemm import SmallGemm, load_small_gemm, use_small_gemm
 
-from rollout_engine.model_runner.attention.cpu_fused import FusedOps, load_fused_ops
 from rollout_engine.model_runner.forward_batch import ForwardBatch
 from rollout_engine.models import layers, weight_packs
-from rollout_engine.models.cpu_gemm import SmallGemm, load_small_gemm, use_small_gemm
 
 FLAT_DECODE_ENV = "ROLLOUT_ENGINE_FLAT_DECODE"
 

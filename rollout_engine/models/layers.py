@@ -9,16 +9,17 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+from rollout_engine_kernels.cpu.fused_ops import FusedOps, load_fused_ops
+from rollout_engine_kernels.cpu.small_gemm import load_small_gemm, use_small_gemm
 from torch import nn
 
-from rollout_engine.model_runner.attention.cpu_fused import FusedOps, load_fused_ops
 from rollout_engine.models import weight_packs
-from rollout_engine.models.cpu_gemm import load_small_gemm, use_small_gemm
 
 
 def fused_ops_for(x: torch.Tensor) -> Optional[FusedOps]:
-    """The compiled CPU ops (``cpu_fused``) when they apply to ``x`` (float32 on CPU), else
-    None: the PyTorch ops below are then used (and stay the reference for the fused ones)."""
+    """The compiled CPU ops (``rollout_engine_kernels.cpu.fused_ops``) when they apply to ``x``
+    (float32 on CPU), else None: the PyTorch ops below are then used (and stay the reference
+    for the fused ones)."""
     if not x.is_cpu or x.dtype is not torch.float32:
         return None
     return load_fused_ops()
@@ -73,7 +74,7 @@ def onednn_rows(rows: int) -> int:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
            ) -> torch.Tensor:
     """``F.linear``; float32 on CPU without autograd by the small-GEMM kernel at the row
-    counts where it is faster (a decode step's: ``cpu_gemm.use_small_gemm``), else by oneDNN
+    counts where it is faster (a decode step's: ``small_gemm.use_small_gemm``), else by oneDNN
     (see ``_onednn_linear_ok``) on the weight's packed copy (``weight_packs``: made once,
     redone after the weight is written), at a bucketed row count (`onednn_rows`: the input
     padded with zero rows, the output a view of its first rows).

@@ -15,8 +15,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
-
-from rollout_engine.protocol.stream_copy import load_stream_copy
+from rollout_engine_kernels.cpu.stream_copy import load_stream_copy
 
 __all__ = ["CopyPlan", "copy_all", "copy_into"]
 

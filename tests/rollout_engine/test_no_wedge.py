@@ -17,7 +17,7 @@ from rollout_engine.protocol.messages import AbortReq
 
 ROOTS = [pathlib.Path(rollout_engine.__file__).parent,
          pathlib.Path(rollout_engine.__file__).parent.parent / "trainer_bridge",
-         pathlib.Path(rollout_engine.__file__).parent.parent / "rollout_kernels"]
+         pathlib.Path(rollout_engine.__file__).parent.parent / "kernels"]
 
 # What a finalizer may call: recording into a container, reading attributes. Anything else
 # (a send, a join, a lock, a close, a log line) belongs in ordinary code that drains the record.

@@ -11,8 +11,9 @@ import threading
 import numpy as np
 import pytest
 import torch
+from rollout_engine_kernels.cpu import build, stream_copy
 
-from rollout_engine.protocol import byte_copy, stream_copy
+from rollout_engine.protocol import byte_copy
 
 
 def _pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -145,12 +146,11 @@ def test_without_the_kernel_copies_stay_exact(monkeypatch, caplog):
         assert stream_copy.load_stream_copy() is None
         stream_copy.load_stream_copy.cache_clear()
         monkeypatch.delenv(stream_copy.STREAM_COPY_ENV)
-        from rollout_engine.model_runner.attention import cpu_kernels
 
         def broken(*args, **kwargs):
             raise RuntimeError("no compiler")
 
-        monkeypatch.setattr(cpu_kernels, "build_library", broken)
+        monkeypatch.setattr(build, "build_library", broken)
         with caplog.at_level(logging.WARNING):
             assert stream_copy.load_stream_copy() is None
         assert "streaming copy unavailable" in caplog.text and "no compiler" in caplog.text

@@ -9,8 +9,8 @@ import math
 
 import pytest
 import torch
+from rollout_engine_kernels.cpu.fused_ops import load_fused_ops
 
-from rollout_engine.model_runner.attention.cpu_fused import load_fused_ops
 from rollout_engine.penalties import Penalties
 from rollout_engine.sampler import SamplingBatch, sample, sample_reference, uniform_for
 

@@ -30,16 +30,3 @@ class AttentionBackend(ABC):
         sees every earlier position of b (cached prefix and new tokens up to itself).
         """
 
-
-def create_attention_backend(name: str, kv_pool: KVPool, req_to_token: ReqToTokenPool
-                             ) -> AttentionBackend:
-    if name == "torch_native":
-        from rollout_engine.model_runner.attention.torch_native import TorchNativeBackend
-        return TorchNativeBackend(kv_pool, req_to_token)
-    if name == "triton":
-        from rollout_engine.model_runner.attention.triton_backend import TritonBackend
-        return TritonBackend(kv_pool, req_to_token)
-    if name == "flashinfer":
-        from rollout_engine.model_runner.attention.flashinfer_backend import FlashInferBackend
-        return FlashInferBackend(kv_pool, req_to_token)
-    raise ValueError(f"unknown attention backend {name!r}")

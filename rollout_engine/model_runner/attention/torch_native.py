@@ -1,5 +1,6 @@
 """Attention in PyTorch (SDPA over gathered slots), the CPU default; decode uses the C++ paged
-kernel of ``cpu_kernels`` (K/V read in place, shared prefixes read once) where it can.
+kernel of ``rollout_engine_kernels.cpu.paged_decode`` (K/V read in place, shared prefixes read
+once) where it can.
 
 The PyTorch decode path stays as the reference: ``use_kernel=False`` or the environment variable
 ``ROLLOUT_ENGINE_ATTN_KERNEL=0`` forces it, and it is taken whenever the kernel cannot be built
@@ -15,9 +16,9 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from rollout_engine_kernels.cpu import paged_decode as cpu_paged
 
 from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool
-from rollout_engine.model_runner.attention import cpu_kernels
 from rollout_engine.model_runner.attention.base import AttentionBackend
 from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
 
@@ -35,7 +36,7 @@ class _DecodeMeta:
 
 @dataclass
 class KernelDecodeMeta:
-    plan: cpu_kernels.DecodePlan    # rows, lengths and shared-prefix groups for the kernel
+    plan: cpu_paged.DecodePlan    # rows, lengths and shared-prefix groups for the kernel
 
 
 @dataclass
@@ -103,7 +104,7 @@ class _ExtendMeta:
 
     fresh: list[_FreshRun]
     single_tokens: Optional[torch.Tensor]           # [S] token index of each single request
-    single_plan: Optional[cpu_kernels.DecodePlan]
+    single_plan: Optional[cpu_paged.DecodePlan]
     gathered: list[_GatheredGroup]
 
 
@@ -116,14 +117,14 @@ class TorchNativeBackend(AttentionBackend):
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool,
                  use_kernel: Optional[bool] = None,
-                 min_shared_len: Optional[int] = cpu_kernels.DEFAULT_MIN_SHARED_LEN) -> None:
+                 min_shared_len: Optional[int] = cpu_paged.DEFAULT_MIN_SHARED_LEN) -> None:
         super().__init__(kv_pool, req_to_token)
         if use_kernel is None:
             use_kernel = os.environ.get(KERNEL_ENV, "1") != "0"
-        supported = cpu_kernels.kernel_supports(kv_pool.dtype, kv_pool.device, kv_pool.shape[2])
-        self.decode_kernel = cpu_kernels.load_paged_decode() if use_kernel and supported else None
+        supported = cpu_paged.kernel_supports(kv_pool.dtype, kv_pool.device, kv_pool.shape[2])
+        self.decode_kernel = cpu_paged.load_paged_decode() if use_kernel and supported else None
         self.min_shared_len = min_shared_len
-        self._last_plan: Optional[tuple[int, cpu_kernels.DecodePlan]] = None
+        self._last_plan: Optional[tuple[int, cpu_paged.DecodePlan]] = None
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         table = self.req_to_token.table
@@ -144,7 +145,7 @@ class TorchNativeBackend(AttentionBackend):
             return
         fb.attn_metadata = self._plan_extend(fb)
 
-    def _decode_plan(self, table: torch.Tensor, fb: ForwardBatch) -> cpu_kernels.DecodePlan:
+    def _decode_plan(self, table: torch.Tensor, fb: ForwardBatch) -> cpu_paged.DecodePlan:
         """``plan_decode``, or the last step's plan with this step's lengths when the batch has
         the same rows and none of their slots changed since (``ReqToTokenPool.generation``): a
         decode step only appends a fresh slot to each row, which leaves every shared prefix
@@ -155,7 +156,7 @@ class TorchNativeBackend(AttentionBackend):
                                                                       fb.req_pool_indices):
             plan = dataclasses.replace(last[1], seq_lens=fb.seq_lens.to(torch.int64).contiguous())
         else:
-            plan = cpu_kernels.plan_decode(table, fb.req_pool_indices, fb.seq_lens,
+            plan = cpu_paged.plan_decode(table, fb.req_pool_indices, fb.seq_lens,
                                            max(fb.seq_lens_list), self.min_shared_len)
         self._last_plan = (generation, plan)
         return plan
@@ -186,7 +187,7 @@ class TorchNativeBackend(AttentionBackend):
         if singles:
             idx = torch.tensor(singles, dtype=torch.int64)
             lens = fb.seq_lens.index_select(0, idx.to(fb.seq_lens.device)).cpu()
-            plan = cpu_kernels.plan_decode(table, fb.req_pool_indices.cpu()[idx], lens,
+            plan = cpu_paged.plan_decode(table, fb.req_pool_indices.cpu()[idx], lens,
                                            int(lens.max()), self.min_shared_len)
             tokens = torch.tensor(single_tokens, dtype=torch.int64)
         groups = [self._plan_group(table, g) for g in _split_groups(gathered)]
@@ -227,7 +228,7 @@ class TorchNativeBackend(AttentionBackend):
         meta = fb.attn_metadata
         if isinstance(meta, KernelDecodeMeta):
             assert self.decode_kernel is not None
-            return cpu_kernels.paged_decode(self.decode_kernel, q, kbuf, vbuf,
+            return cpu_paged.paged_decode(self.decode_kernel, q, kbuf, vbuf,
                                             self.req_to_token.table, meta.plan, scaling)
         if isinstance(meta, _DecodeMeta):
             # index_select into per-forward scratch: no fresh 10-100 MB allocation (page faults)
@@ -270,7 +271,7 @@ class TorchNativeBackend(AttentionBackend):
         if meta.single_tokens is not None:
             assert self.decode_kernel is not None and meta.single_plan is not None
             rows = q.index_select(0, meta.single_tokens)
-            res = cpu_kernels.paged_decode(self.decode_kernel, rows, kbuf, vbuf,
+            res = cpu_paged.paged_decode(self.decode_kernel, rows, kbuf, vbuf,
                                            self.req_to_token.table, meta.single_plan, scaling)
             out.index_copy_(0, meta.single_tokens, res)
         for group in meta.gathered:

@@ -1,4 +1,5 @@
-"""Attention through the Triton kernels in ``rollout_kernels/`` (CUDA; on CPU under TRITON_INTERPRET=1).
+"""Attention through the Triton kernels of ``rollout_engine_kernels.triton`` (CUDA; on CPU
+under TRITON_INTERPRET=1).
 
 The kernels read K/V straight from the paged pool through ``req_to_token``, so no per-request
 gather is materialised: decode uses the split-K flash-decoding kernel, extend the prefix-aware
@@ -24,8 +25,8 @@ class TritonBackend(AttentionBackend):
     def __init__(self, kv_pool, req_to_token) -> None:
         super().__init__(kv_pool, req_to_token)
         # imported here: the interpreter flag must be set before triton sees the kernels
-        from rollout_kernels.decode_attention import decode_attention
-        from rollout_kernels.extend_attention import extend_attention
+        from rollout_engine_kernels.triton.decode_attention import decode_attention
+        from rollout_engine_kernels.triton.extend_attention import extend_attention
 
         self._decode = decode_attention
         self._extend = extend_attention

@@ -146,7 +146,7 @@ def _causal_reference(q, k, v, n: int, scale: float) -> torch.Tensor:
                                           (5, 33, 6, 2, 16), (1, 300, 4, 1, 128),
                                           (2, 31, 2, 1, 256)])
 def test_causal_kernel_matches_reference(n: int, e: int, hq: int, hkv: int, d: int) -> None:
-    from rollout_engine.model_runner.attention.cpu_kernels import load_paged_decode
+    from rollout_engine_kernels.cpu.paged_decode import load_paged_decode
 
     op = load_paged_decode()
     assert op is not None and op.has_prefill_causal
@@ -158,7 +158,7 @@ def test_causal_kernel_matches_reference(n: int, e: int, hq: int, hkv: int, d: i
 
 
 def test_causal_kernel_refuses_bad_shapes() -> None:
-    from rollout_engine.model_runner.attention.cpu_kernels import load_paged_decode
+    from rollout_engine_kernels.cpu.paged_decode import load_paged_decode
 
     op = load_paged_decode()
     q, k, v = _fused_views(torch.Generator().manual_seed(0), 12, 4, 2, 32)

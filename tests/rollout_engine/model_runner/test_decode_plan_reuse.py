@@ -12,9 +12,9 @@ import random
 
 import pytest
 import torch
+from rollout_engine_kernels.cpu import paged_decode as cpu_paged
 
 from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool
-from rollout_engine.model_runner.attention import cpu_kernels
 from rollout_engine.model_runner.attention.torch_native import TorchNativeBackend
 from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
 
@@ -36,14 +36,14 @@ def _decode_batch(rows: list[int], lens: list[int]) -> ForwardBatch:
 @pytest.mark.parametrize("seed", range(6))
 def test_the_reused_plan_equals_a_fresh_one_at_every_step(seed, monkeypatch):
     rng = random.Random(seed)
-    if cpu_kernels.load_paged_decode() is None:
+    if cpu_paged.load_paged_decode() is None:
         pytest.fail("the CPU paged decode kernel did not build")
     pool = KVPool(ROWS * MAX_LEN * 2, 1, 1, 64, torch.float32, torch.device("cpu"))
     rtt = ReqToTokenPool(ROWS, MAX_LEN, torch.device("cpu"))
     backend = TorchNativeBackend(pool, rtt)
     planned = []
-    real_plan = cpu_kernels.plan_decode
-    monkeypatch.setattr(cpu_kernels, "plan_decode",
+    real_plan = cpu_paged.plan_decode
+    monkeypatch.setattr(cpu_paged, "plan_decode",
                         lambda *a, **k: planned.append(1) or real_plan(*a, **k))
     fresh_slots = iter(range(pool.num_slots))
     prompts = [[next(fresh_slots) for _ in range(PROMPT)] for _ in range(4)]

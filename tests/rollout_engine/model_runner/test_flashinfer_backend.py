@@ -14,7 +14,7 @@ import torch
 import rollout_engine.config as config_module
 from rollout_engine.config import EngineConfig
 from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool
-from rollout_engine.model_runner.attention.base import create_attention_backend
+from rollout_engine.model_runner.attention import create_attention_backend
 from rollout_engine.model_runner.attention.flashinfer_backend import kv_indices_from_table
 from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from rollout_engine_kernels.cpu.small_gemm import load_small_gemm
 
 from rollout_engine.models import layers, weight_packs
-from rollout_engine.models.cpu_gemm import load_small_gemm
 
 
 @pytest.mark.parametrize("rows", [0, 1, 5, 256])

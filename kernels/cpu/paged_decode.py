@@ -17,35 +17,27 @@ m = max_j s_j, l = sum_j e^{s_j - m}, acc = sum_j e^{s_j - m} v_j. Two states me
 log-sum-exp: m = max(m1, m2), l = l1 e^{m1 - m} + l2 e^{m2 - m}, acc likewise, out = acc / l.
 So the prefix part of every member of a group (n rows x G query heads per KV head) is computed
 as one batched product against the prefix keys, read once instead of n times, and each row then
-continues from that state over its own suffix. The kernel (``csrc/paged_decode.cpp``) does both
+continues from that state over its own suffix. The kernel (``paged_decode.cpp``) does both
 phases; ``paged_decode_ref`` below does the same in PyTorch, for tests.
 
-The kernel is compiled at first use with ``torch.utils.cpp_extension`` (ninja) into
-``$ROLLOUT_ENGINE_CACHE/torch_extensions`` (torch's default extensions directory when unset), so
-later processes only load it. If it cannot be built, ``load_paged_decode`` logs one warning and
-returns None, and the caller keeps its PyTorch path.
+Built and loaded by ``build`` (compiled at first use, cached); if it cannot be built,
+``load_paged_decode`` logs one warning and returns None, and the caller keeps its PyTorch path.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, TypeVar
+from typing import Optional
 
 import numpy as np
 import torch
+from rollout_engine_kernels.cpu import build
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
+SOURCE = Path(__file__).resolve().parent / "paged_decode.cpp"
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 DEFAULT_MIN_SHARED_LEN = 16     # shorter shared prefixes are not worth a separate pass
 MAX_CHUNK_ROWS = 16             # group members per prefix task: bounds the task's scratch
@@ -59,7 +51,7 @@ class PagedDecodeOp:
     ABI = 2   # rollout_engine_paged_decode_abi() of the source these signatures describe
 
     def __init__(self, library_path: str) -> None:
-        self._lib = open_library(library_path, "rollout_engine_paged_decode_abi", self.ABI)
+        self._lib = build.open_library(library_path, "rollout_engine_paged_decode_abi", self.ABI)
         fn = self._lib.rollout_engine_paged_decode_f32
         fn.restype = ctypes.c_int
         fn.argtypes = ([ctypes.c_void_p] * 10 + [ctypes.c_int64] * 10
@@ -175,91 +167,9 @@ def _rows_strided(q: torch.Tensor) -> bool:
         (b <= 1 or q.stride(0) >= h * d)
 
 
-def _cpu_tag() -> str:
-    """Short hash of what the compiled code depends on: torch, Python, the CPU (-march=native)."""
-    cpu = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu += "".join(line for line in f if line.startswith(("model name", "flags")))
-    except OSError:
-        pass
-    key = f"{torch.__version__}|{platform.python_version()}|{cpu}"
-    return hashlib.sha1(key.encode()).hexdigest()[:10]
-
-
-def open_library(library_path: str, abi_symbol: str, abi: int) -> ctypes.CDLL:
-    """Load a built library whose ``abi_symbol()`` must return `abi` (the version of the C
-    signatures its Python wrapper describes); a stale build raises."""
-    lib = ctypes.CDLL(library_path)
-    fn = getattr(lib, abi_symbol, None)
-    found = fn() if fn is not None else None
-    if found != abi:
-        raise RuntimeError(f"{library_path} has ABI {found}, expected {abi} (a stale build: "
-                           "delete it to rebuild)")
-    return lib
-
-
-def _kernel_name(stem: str = "rollout_engine_paged_decode") -> str:
-    return f"{stem}_{_cpu_tag()}"
-
-
-def _build_directory(name: str) -> str:
-    """``$ROLLOUT_ENGINE_CACHE/torch_extensions/<name>``, else torch's default
-    (``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions/<py>_cpu/<name>``)."""
-    root = os.environ.get("ROLLOUT_ENGINE_CACHE")
-    if not root:
-        from torch.utils import cpp_extension
-
-        return cpp_extension._get_build_directory(name, False)
-    path = Path(root) / "torch_extensions" / name
-    path.mkdir(parents=True, exist_ok=True)
-    return str(path)
-
-
-@contextlib.contextmanager
-def _build_lock(build_dir: str) -> Iterator[None]:
-    """Serialise our loaders on an flock, which the OS drops when its holder dies.
-
-    torch's own lock is a plain file (``<build_dir>/lock``): a process killed mid-build leaves
-    it behind and every later loader waits on it forever. Under our flock no other loader of
-    ours is building, so a leftover torch lock is stale and is removed.
-    """
-    try:
-        import fcntl
-    except ImportError:     # not POSIX: torch's lock alone
-        yield
-        return
-    with open(Path(build_dir) / "rollout_engine.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            (Path(build_dir) / "lock").unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def build_library(source: Path, stem: str, extra_flags: tuple[str, ...] = ()) -> str:
-    """Compile (or, when up to date, just load) ``source`` into a shared library named
-    ``<stem>_<cpu tag>`` under ``_build_directory``; its path. Raises on any failure."""
-    from torch.utils import cpp_extension
-
-    name = _kernel_name(stem)
-    build_dir = _build_directory(name)
-    flags = ["-O3", "-fopenmp", *extra_flags]
-    if platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64"):
-        flags.append("-march=native")
-    # -fopenmp: at::parallel_for is OpenMP inline code under torch's OpenMP backend; the
-    # library links libgomp.so.1, the soname torch already loaded, so one runtime runs both.
-    with _build_lock(build_dir):
-        path = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags,
-                                  extra_ldflags=["-fopenmp"], build_directory=build_dir,
-                                  is_python_module=False, verbose=False)
-    return str(path)
-
-
 def _build() -> PagedDecodeOp:
     """Compile (or, when up to date, just load) the kernel; raises on any failure."""
-    return PagedDecodeOp(build_library(SOURCE, "rollout_engine_paged_decode"))
+    return PagedDecodeOp(build.build_library(SOURCE, "rollout_engine_paged_decode"))
 
 
 @functools.cache
@@ -268,25 +178,9 @@ def load_paged_decode() -> Optional[PagedDecodeOp]:
     return _load(_build)
 
 
-def _load(build: Callable[[], PagedDecodeOp]) -> Optional[PagedDecodeOp]:
-    return load_or_warn(build, "CPU paged decode attention kernel", "using the PyTorch path")
-
-
-T = TypeVar("T")
-
-
-def load_or_warn(build: Callable[[], T], what: str, instead: str,
-                 off_env: Optional[str] = None) -> Optional[T]:
-    """``build()``, or None: when ``$off_env`` is "0" (silently), or after one warning naming
-    `what` and what happens `instead` when building or loading it fails in any way."""
-    if off_env is not None and os.environ.get(off_env, "1") == "0":
-        return None
-    try:
-        return build()
-    except Exception as e:  # noqa: BLE001 - any build/import failure means the fallback
-        logger.warning("%s unavailable (%s: %s); %s", what, type(e).__name__,
-                       str(e).strip().splitlines()[-1:], instead)
-        return None
+def _load(builder: Callable[[], PagedDecodeOp]) -> Optional[PagedDecodeOp]:
+    return build.load_or_warn(builder, "CPU paged decode attention kernel",
+                              "using the PyTorch path")
 
 
 def kernel_supports(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:

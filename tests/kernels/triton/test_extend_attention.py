@@ -8,8 +8,11 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from rollout_kernels.decode_attention import decode_attention_ref  # noqa: E402
-from rollout_kernels.extend_attention import extend_attention, extend_attention_ref  # noqa: E402
+from rollout_engine_kernels.triton.decode_attention import decode_attention_ref  # noqa: E402
+from rollout_engine_kernels.triton.extend_attention import (  # noqa: E402
+    extend_attention,
+    extend_attention_ref,
+)
 
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-4}  # fp32 inputs, fp32 math (IEEE dots) on both sides
 LOW_PRECISION_TOL = {"atol": 2e-2, "rtol": 2e-2}  # bf16/fp16 on CUDA

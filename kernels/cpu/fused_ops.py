@@ -1,9 +1,9 @@
-"""Fused elementwise ops of the decoder on CPU (``csrc/fused_ops.cpp``): RMSNorm, residual add +
+"""Fused elementwise ops of the decoder on CPU (``fused_ops.cpp``): RMSNorm, residual add +
 RMSNorm, rotary embedding in place on q and k, SiLU(gate) * up; and the sampler's one-pass
 rows (next token and its logprob without a ``[B, V]`` output, ``rollout_engine.sampler``).
 
-Built and loaded like the paged decode kernel (``cpu_kernels.build_library``: compiled at first
-use, cached, one warning and None when it cannot be built). The PyTorch versions in
+Built and loaded by ``build`` like every CPU kernel (compiled at first use, cached, one warning
+and None when it cannot be built). The PyTorch versions in
 ``rollout_engine.models.layers`` stay the reference and the fallback: ``layers`` uses these only
 for contiguous float32 CPU tensors, and ``ROLLOUT_ENGINE_FUSED_OPS=0`` turns them off.
 """
@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from rollout_engine_kernels.cpu import build
 
-from rollout_engine.model_runner.attention import cpu_kernels
-
-SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_ops.cpp"
+SOURCE = Path(__file__).resolve().parent / "fused_ops.cpp"
 FUSED_ENV = "ROLLOUT_ENGINE_FUSED_OPS"
 
 _I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -33,7 +32,7 @@ class FusedOps:
     ABI = 4   # rollout_engine_fused_ops_abi() of the source these signatures describe
 
     def __init__(self, library_path: str) -> None:
-        lib = cpu_kernels.open_library(library_path, "rollout_engine_fused_ops_abi", self.ABI)
+        lib = build.open_library(library_path, "rollout_engine_fused_ops_abi", self.ABI)
         sig = {"rmsnorm": [_P, _P, _P, _I64, _I64, _I64, _F32],
                "add_rmsnorm": [_P, _P, _P, _P, _I64, _I64, _F32],
                "rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64],
@@ -197,6 +196,6 @@ class FusedOps:
 def load_fused_ops() -> Optional[FusedOps]:
     """The compiled ops, or None (after one warning) when they cannot be built or are turned
     off by ``ROLLOUT_ENGINE_FUSED_OPS=0``."""
-    return cpu_kernels.load_or_warn(
-        lambda: FusedOps(cpu_kernels.build_library(SOURCE, "rollout_engine_fused_ops")),
+    return build.load_or_warn(
+        lambda: FusedOps(build.build_library(SOURCE, "rollout_engine_fused_ops")),
         "CPU fused ops", "using the PyTorch ops", FUSED_ENV)

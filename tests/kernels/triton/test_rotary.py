@@ -7,7 +7,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from rollout_kernels.rotary import build_cos_sin_cache, compute_inv_freq, rotary, rotary_ref  # noqa: E402
+from rollout_engine_kernels.triton.rotary import (  # noqa: E402
+    build_cos_sin_cache,
+    compute_inv_freq,
+    rotary,
+    rotary_ref,
+)
 
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-4}  # fp32 q/k, fp32 math on both sides
 FREQ_TOL = {"atol": 0.0, "rtol": 1e-6}  # same fp32 formula as transformers

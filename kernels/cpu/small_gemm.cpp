@@ -20,7 +20,7 @@
 //
 // Threads (torch's intra-op pool, at::parallel_for) split the transpose by k and the product by
 // ranges of weight rows. Plain C entry points over raw pointers, called through ctypes (which
-// releases the GIL); the Python side (models/cpu_gemm.py) checks shapes and strides. Fast where
+// releases the GIL); the Python side (small_gemm.py) checks shapes and strides. Fast where
 // AVX-512 is there (32 vector registers of 16 lanes, the sizes below); elsewhere the same code
 // runs on 8-lane vectors, correct but not faster than oneDNN, and fast() says 0 so the caller
 // keeps oneDNN.

@@ -1,4 +1,4 @@
-"""The C++ paged decode kernel (cpu_kernels) against the PyTorch reference decode path.
+"""The C++ paged decode kernel (paged_decode) against the PyTorch reference decode path.
 
 Batches are built the way the scheduler lays them out: page-aligned slot pages, GRPO-style
 groups whose members share their prompt's pages (the radix cache's doing), ragged lengths, and
@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from rollout_engine_kernels.cpu import build
+from rollout_engine_kernels.cpu import paged_decode as cpu_paged
 
 from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool
-from rollout_engine.model_runner.attention import cpu_kernels
 from rollout_engine.model_runner.attention.torch_native import KERNEL_ENV, TorchNativeBackend
 from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
 
@@ -27,8 +28,8 @@ MAX_LEN = 300
 
 
 @pytest.fixture(scope="module")
-def kernel() -> cpu_kernels.PagedDecodeOp:
-    op = cpu_kernels.load_paged_decode()
+def kernel() -> cpu_paged.PagedDecodeOp:
+    op = cpu_paged.load_paged_decode()
     if op is None:
         pytest.fail("the CPU paged decode kernel did not build (see the warning logged above)")
     return op
@@ -138,14 +139,14 @@ def test_strided_queries_are_read_in_place(kernel) -> None:
     fb, table = case.fb, case.req_to_token.table
     qkv = torch.randn(fb.batch_size, (8 + 2 * 2) * 64, generator=gen)
     q = qkv[:, :8 * 64].view(-1, 8, 64)
-    assert not q.is_contiguous() and cpu_kernels._rows_strided(q)
+    assert not q.is_contiguous() and cpu_paged._rows_strided(q)
     k, v = case.pool.k_buffers[0], case.pool.v_buffers[0]
-    plan = cpu_kernels.plan_decode(table, fb.req_pool_indices, fb.seq_lens, max(fb.seq_lens_list))
-    out = cpu_kernels.paged_decode(kernel, q, k, v, table, plan, 0.125)
+    plan = cpu_paged.plan_decode(table, fb.req_pool_indices, fb.seq_lens, max(fb.seq_lens_list))
+    out = cpu_paged.paged_decode(kernel, q, k, v, table, plan, 0.125)
     torch.testing.assert_close(
-        out, cpu_kernels.paged_decode(kernel, q.contiguous(), k, v, table, plan, 0.125),
+        out, cpu_paged.paged_decode(kernel, q.contiguous(), k, v, table, plan, 0.125),
         atol=0, rtol=0)
-    torch.testing.assert_close(out, cpu_kernels.paged_decode_ref(q, k, v, table, plan, 0.125),
+    torch.testing.assert_close(out, cpu_paged.paged_decode_ref(q, k, v, table, plan, 0.125),
                                atol=TOL, rtol=0)
     with pytest.raises(ValueError, match="contiguous"):      # heads not contiguous
         kernel(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, table, plan.rows,
@@ -158,18 +159,18 @@ def test_kernel_without_avx512_matches_reference(tmp_path, monkeypatch) -> None:
     compiler, whatever the machine: the source compiled with -mno-avx512f (every development
     and CI machine has AVX2 and gcc, so a failed build fails the test)."""
     monkeypatch.setenv("ROLLOUT_ENGINE_CACHE", str(tmp_path))
-    path = cpu_kernels.build_library(cpu_kernels.SOURCE, "paged_decode_avx2", ("-mno-avx512f",))
-    op = cpu_kernels.PagedDecodeOp(path)
+    path = build.build_library(cpu_paged.SOURCE, "paged_decode_avx2", ("-mno-avx512f",))
+    op = cpu_paged.PagedDecodeOp(path)
     for hq, hkv in [(8, 2), (6, 2), (3, 1)]:
         gen = torch.Generator().manual_seed(hq)
         case = make_case(gen, MIXED, hq=hq, hkv=hkv, d=64, page_size=1)
         fb, table = case.fb, case.req_to_token.table
         k, v = case.pool.k_buffers[0], case.pool.v_buffers[0]
-        for min_shared in (None, cpu_kernels.DEFAULT_MIN_SHARED_LEN):
-            plan = cpu_kernels.plan_decode(table, fb.req_pool_indices, fb.seq_lens,
+        for min_shared in (None, cpu_paged.DEFAULT_MIN_SHARED_LEN):
+            plan = cpu_paged.plan_decode(table, fb.req_pool_indices, fb.seq_lens,
                                            max(fb.seq_lens_list), min_shared)
-            out = cpu_kernels.paged_decode(op, case.q, k, v, table, plan, 0.125)
-            ref = cpu_kernels.paged_decode_ref(case.q, k, v, table, plan, 0.125)
+            out = cpu_paged.paged_decode(op, case.q, k, v, table, plan, 0.125)
+            ref = cpu_paged.paged_decode_ref(case.q, k, v, table, plan, 0.125)
             torch.testing.assert_close(out, ref, atol=TOL, rtol=0)
 
 
@@ -181,7 +182,7 @@ def test_shared_prefix_is_whole_sequence(kernel, page_size: int) -> None:
     assert_kernel_matches(case)
 
 
-@pytest.mark.parametrize("d", cpu_kernels.SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("d", cpu_paged.SUPPORTED_HEAD_DIMS)
 def test_every_supported_head_dim(kernel, d: int) -> None:
     gen = torch.Generator().manual_seed(d)
     assert_kernel_matches(make_case(gen, [(4, 48), (1, 0), (1, 0)], hq=4, hkv=1, d=d,
@@ -202,19 +203,19 @@ def test_reference_plan_math_matches_kernel(kernel) -> None:
     gen = torch.Generator().manual_seed(11)
     case = make_case(gen, MIXED, hq=8, hkv=2, d=64, page_size=16)
     fb, table = case.fb, case.req_to_token.table
-    plan = cpu_kernels.plan_decode(table, fb.req_pool_indices, fb.seq_lens, max(fb.seq_lens_list))
+    plan = cpu_paged.plan_decode(table, fb.req_pool_indices, fb.seq_lens, max(fb.seq_lens_list))
     k, v = case.pool.k_buffers[0], case.pool.v_buffers[0]
-    out = cpu_kernels.paged_decode(kernel, case.q, k, v, table, plan, 0.125)
-    ref = cpu_kernels.paged_decode_ref(case.q, k, v, table, plan, 0.125)
+    out = cpu_paged.paged_decode(kernel, case.q, k, v, table, plan, 0.125)
+    ref = cpu_paged.paged_decode_ref(case.q, k, v, table, plan, 0.125)
     torch.testing.assert_close(out, ref, atol=TOL, rtol=0)
 
 
 def _plan(groups: list[tuple[int, int]], page_size: int = 1, **kwargs
-          ) -> tuple[cpu_kernels.DecodePlan, Case]:
+          ) -> tuple[cpu_paged.DecodePlan, Case]:
     gen = torch.Generator().manual_seed(5)
     case = make_case(gen, groups, hq=2, hkv=2, d=32, page_size=page_size)
     fb = case.fb
-    plan = cpu_kernels.plan_decode(case.req_to_token.table, fb.req_pool_indices, fb.seq_lens,
+    plan = cpu_paged.plan_decode(case.req_to_token.table, fb.req_pool_indices, fb.seq_lens,
                                    max(fb.seq_lens_list), **kwargs)
     return plan, case
 
@@ -249,7 +250,7 @@ def test_plan_splits_an_outer_prefix_off_inner_groups() -> None:
             slot += own
             lens.append(128 + own)
     rows, seq_lens = torch.arange(24), torch.tensor(lens)
-    plan = cpu_kernels.plan_decode(rtt.table, rows, seq_lens, max(lens))
+    plan = cpu_paged.plan_decode(rtt.table, rows, seq_lens, max(lens))
     assert plan.chunk_lens.tolist() == [128, 128, 128]
     assert sorted(plan.own_start.tolist()) == [128] * 24
 
@@ -264,15 +265,15 @@ def test_plan_without_sharing() -> None:
 
 
 def test_fallback_when_the_kernel_cannot_build(monkeypatch, caplog) -> None:
-    def broken() -> cpu_kernels.PagedDecodeOp:
+    def broken() -> cpu_paged.PagedDecodeOp:
         raise RuntimeError("compiler exploded")
 
     # load_paged_decode as it is, over a builder that fails (the real cache stays untouched)
-    monkeypatch.setattr(cpu_kernels, "load_paged_decode",
-                        functools.cache(lambda: cpu_kernels._load(broken)))
+    monkeypatch.setattr(cpu_paged, "load_paged_decode",
+                        functools.cache(lambda: cpu_paged._load(broken)))
     gen = torch.Generator().manual_seed(1)
     case = make_case(gen, [(4, 64), (1, 0)], hq=8, hkv=2, d=64, page_size=1)
-    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+    with caplog.at_level(logging.WARNING, logger=build.__name__):
         backend = TorchNativeBackend(case.pool, case.req_to_token)
         assert backend.decode_kernel is None
         TorchNativeBackend(case.pool, case.req_to_token)        # warns once, not twice
@@ -296,19 +297,20 @@ def test_reference_forced_by_env_and_unsupported_pools(kernel, monkeypatch) -> N
 
 def test_build_directory_follows_the_cache_env(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("ROLLOUT_ENGINE_CACHE", str(tmp_path))
-    assert cpu_kernels._build_directory("x").startswith(str(tmp_path))
+    assert build._build_directory("x").startswith(str(tmp_path))
     monkeypatch.delenv("ROLLOUT_ENGINE_CACHE")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch"))
-    assert cpu_kernels._build_directory("x").startswith(str(tmp_path / "torch"))
+    assert build._build_directory("x").startswith(str(tmp_path / "torch"))
 
 
 def test_a_stale_build_lock_does_not_hang_the_next_loader(kernel, monkeypatch, tmp_path) -> None:
     """A process killed mid-build leaves torch's lock file; the next load must still finish.
     (A fresh cache directory: a real build, ~4 s, and no other process's build to meet.)"""
     monkeypatch.setenv("ROLLOUT_ENGINE_CACHE", str(tmp_path))
-    lock = Path(cpu_kernels._build_directory(cpu_kernels._kernel_name())) / "lock"
+    name = build._kernel_name("rollout_engine_paged_decode")
+    lock = Path(build._build_directory(name)) / "lock"
     lock.touch()
-    code = ("from rollout_engine.model_runner.attention import cpu_kernels as c; "
+    code = ("from rollout_engine_kernels.cpu import paged_decode as c; "
             "assert c.load_paged_decode() is not None")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300,
                    cwd=Path(__file__).resolve().parents[3])

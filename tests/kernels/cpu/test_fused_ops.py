@@ -1,13 +1,14 @@
-"""The fused CPU ops (cpu_fused, csrc/fused_ops.cpp) against their PyTorch references in
-models/layers.py, on decode and prefill sizes and odd shapes (row lengths and half head dims that
-are not multiples of the 8-float vectors, strided rows, one token), and the fallback."""
+"""The fused CPU ops (fused_ops.py, fused_ops.cpp) against their PyTorch references in
+rollout_engine.models.layers, on decode and prefill sizes and odd shapes (row lengths and half
+head dims that are not multiples of the 8-float vectors, strided rows, one token), and the
+fallback."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from rollout_engine_kernels.cpu import build, fused_ops, paged_decode
 
-from rollout_engine.model_runner.attention import cpu_fused, cpu_kernels
 from rollout_engine.models import layers
 from rollout_engine.models.layers import RotaryEmbedding, rms_norm_ref, silu_mul_ref
 
@@ -15,8 +16,8 @@ TOKENS = [1, 3, 256, 4096]
 
 
 @pytest.fixture(scope="module")
-def ops() -> cpu_fused.FusedOps:
-    op = cpu_fused.load_fused_ops()
+def ops() -> fused_ops.FusedOps:
+    op = fused_ops.load_fused_ops()
     if op is None:
         pytest.fail("the CPU fused ops did not build (see the warning logged above)")
     return op
@@ -156,6 +157,6 @@ def test_layers_take_the_fused_path(ops) -> None:
 def test_a_library_of_another_abi_is_refused():
     """A stale build (here: a library without the ABI marker) is never called with this
     source's signatures."""
-    other = cpu_kernels.build_library(cpu_kernels.SOURCE, "rollout_engine_paged_decode")
+    other = build.build_library(paged_decode.SOURCE, "rollout_engine_paged_decode")
     with pytest.raises(RuntimeError, match="ABI None, expected"):
-        cpu_fused.FusedOps(other)
+        fused_ops.FusedOps(other)

@@ -1,5 +1,5 @@
 // Fused elementwise ops of the decoder on CPU (float32), each one pass over its rows instead of
-// the 4-8 separate torch ops (and temporaries) of the reference in models/layers.py:
+// the 4-8 separate torch ops (and temporaries) of the reference (rollout_engine/models/layers):
 //
 //   rmsnorm          out[t] = w * x[t] / sqrt(mean(x[t]^2) + eps)
 //   add_rmsnorm      residual[t] += x[t]; out[t] = rmsnorm(residual[t])   (vLLM's fused_add_rms_norm)
@@ -109,7 +109,7 @@ inline void rotate_head(const float* x, const float* c, const float* s, int64_t 
 
 extern "C" {
 
-// Bumped whenever an entry point's arguments change: cpu_fused.py refuses a library built from
+// Bumped whenever an entry point's arguments change: fused_ops.py refuses a library built from
 // another version (a stale cache) instead of calling it with the wrong arguments.
 int rollout_engine_fused_ops_abi() { return 4; }
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
+from rollout_engine_kernels.triton._utils import kernel_device_ok, next_power_of_2
+
 import triton
 import triton.language as tl
-
-from rollout_kernels._utils import kernel_device_ok, next_power_of_2
 
 __all__ = ["rmsnorm", "rmsnorm_ref"]
 

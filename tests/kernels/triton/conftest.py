@@ -1,8 +1,9 @@
 """Kernel test setup: run Triton in its CPU interpreter when there is no GPU.
 
 ``TRITON_INTERPRET`` is read when a ``@triton.jit`` function is defined, so it is set here,
-before any test module imports ``rollout_kernels.*``. (A conftest higher up that imports the kernels
-first would defeat this; the launchers then raise a ValueError naming the device mismatch.)
+before any test module imports ``rollout_engine_kernels.triton.*``. (A conftest higher up that
+imports the kernels first would defeat this; the launchers then raise a ValueError naming the
+device mismatch.)
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-
-from rollout_kernels._utils import interpret_mode  # noqa: E402
+from rollout_engine_kernels.triton._utils import interpret_mode  # noqa: E402
 
 RESERVED_SLOT = 0  # never allocated; its K/V are poisoned so a stray read shows up
 

@@ -13,10 +13,10 @@ The new tokens' K/V are already in the pool, so keys come from one place: row
 from __future__ import annotations
 
 import torch
+from rollout_engine_kernels.triton._utils import kernel_device_ok, next_power_of_2
+
 import triton
 import triton.language as tl
-
-from rollout_kernels._utils import kernel_device_ok, next_power_of_2
 
 __all__ = ["extend_attention", "extend_attention_ref"]
 

@@ -14,10 +14,10 @@ import math
 from typing import Any, Optional
 
 import torch
+from rollout_engine_kernels.triton._utils import kernel_device_ok, next_power_of_2
+
 import triton
 import triton.language as tl
-
-from rollout_kernels._utils import kernel_device_ok, next_power_of_2
 
 __all__ = ["build_cos_sin_cache", "compute_inv_freq", "rotary", "rotary_ref"]
 

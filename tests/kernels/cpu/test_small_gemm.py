@@ -1,4 +1,4 @@
-"""The small-GEMM kernel (models/csrc/small_gemm.cpp) against a float64 reference, and where
+"""The small-GEMM kernel (kernels/cpu/small_gemm.cpp) against a float64 reference, and where
 `linear` uses it."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from rollout_engine_kernels.cpu import small_gemm
 
-from rollout_engine.models import cpu_gemm
 from rollout_engine.models.layers import linear
 
 
@@ -21,7 +21,7 @@ def _has_avx512() -> bool:
 
 @pytest.fixture(scope="module")
 def op():
-    got = cpu_gemm.load_small_gemm()
+    got = small_gemm.load_small_gemm()
     assert got is not None, "the small GEMM kernel did not build"
     # the fast build exactly where the compiler targets AVX-512 (-march=native); elsewhere the
     # same code on 8-lane vectors, tested here all the same
@@ -87,8 +87,8 @@ def test_bad_shapes_are_refused(op):
 
 def test_linear_uses_it_only_where_it_is_fast(op, monkeypatch):
     calls = []
-    real = cpu_gemm.SmallGemm.__call__
-    monkeypatch.setattr(cpu_gemm.SmallGemm, "__call__",
+    real = small_gemm.SmallGemm.__call__
+    monkeypatch.setattr(small_gemm.SmallGemm, "__call__",
                         lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a))
     with torch.inference_mode():
         linear(torch.randn(64, 32), torch.randn(48, 32))
@@ -96,11 +96,11 @@ def test_linear_uses_it_only_where_it_is_fast(op, monkeypatch):
 
 
 def test_which_products_it_takes():
-    assert cpu_gemm.use_small_gemm(64, 768) and cpu_gemm.use_small_gemm(32, 512)
-    assert cpu_gemm.use_small_gemm(128, 32000) and cpu_gemm.use_small_gemm(16, 32000)
-    assert cpu_gemm.use_small_gemm(128, 768) and not cpu_gemm.use_small_gemm(129, 768)
-    assert not cpu_gemm.use_small_gemm(256, 32000)   # and faster here
-    assert not cpu_gemm.use_small_gemm(8, 32000)
+    assert small_gemm.use_small_gemm(64, 768) and small_gemm.use_small_gemm(32, 512)
+    assert small_gemm.use_small_gemm(128, 32000) and small_gemm.use_small_gemm(16, 32000)
+    assert small_gemm.use_small_gemm(128, 768) and not small_gemm.use_small_gemm(129, 768)
+    assert not small_gemm.use_small_gemm(256, 32000)   # and faster here
+    assert not small_gemm.use_small_gemm(8, 32000)
 
 
 @pytest.mark.parametrize("rows", [8, 40, 64, 100, 128, 300])

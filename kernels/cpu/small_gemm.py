@@ -1,4 +1,4 @@
-"""Float32 linear layers of a decode step's few rows on CPU (``csrc/small_gemm.cpp``).
+"""Float32 linear layers of a decode step's few rows on CPU (``small_gemm.cpp``).
 
 oneDNN reorders a plain ``[N, K]`` weight on every call, which 32-64 rows (a decode batch)
 cannot amortize; the kernel reads the weight in place and vectorizes over the rows instead
@@ -9,10 +9,10 @@ calls: 64 rows +9-37% over oneDNN (the LM head, 32000 x 512, 290 -> 395 GFLOP/s)
 which spares it the reorder) only 32-64 rows stay here. `use_small_gemm` encodes both; each
 computes an output as one sequential sum over k at these shapes (equal bit for bit at K = 512).
 
-Built and loaded like the other CPU kernels (``cpu_kernels.build_library``: at first use,
-cached, one warning and None when it cannot be built). Where the compiler does not target
-AVX-512 it is built on 8-lane vectors, correct (and tested) but not faster, and ``fast`` is
-False: `linear` keeps oneDNN there. ``ROLLOUT_ENGINE_SMALL_GEMM=0`` turns it off.
+Built and loaded like the other CPU kernels (``build``: at first use, cached, one warning and
+None when it cannot be built). Where the compiler does not target AVX-512 it is built on 8-lane
+vectors, correct (and tested) but not faster, and ``fast`` is False: `linear` keeps oneDNN
+there. ``ROLLOUT_ENGINE_SMALL_GEMM=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from rollout_engine_kernels.cpu import build
 
-from rollout_engine.model_runner.attention import cpu_kernels
-
-SOURCE = Path(__file__).resolve().parent / "csrc" / "small_gemm.cpp"
+SOURCE = Path(__file__).resolve().parent / "small_gemm.cpp"
 SMALL_GEMM_ENV = "ROLLOUT_ENGINE_SMALL_GEMM"
 
 MIN_ROWS, MAX_ROWS = 32, 128           # every product
@@ -60,7 +59,7 @@ class SmallGemm:
     ABI = 2
 
     def __init__(self, library_path: str) -> None:
-        lib = cpu_kernels.open_library(library_path, "rollout_engine_small_gemm_abi", self.ABI)
+        lib = build.open_library(library_path, "rollout_engine_small_gemm_abi", self.ABI)
         # an AVX-512 build: faster than oneDNN where use_small_gemm says; elsewhere correct only
         self.fast = bool(lib.rollout_engine_small_gemm_fast())
         fn = lib.rollout_engine_small_gemm_f32
@@ -102,6 +101,6 @@ class SmallGemm:
 def load_small_gemm() -> Optional[SmallGemm]:
     """The compiled kernel, or None: turned off or not buildable (one warning); ``linear``
     uses it only where it is ``fast``."""
-    return cpu_kernels.load_or_warn(
-        lambda: SmallGemm(cpu_kernels.build_library(SOURCE, "rollout_engine_small_gemm")),
+    return build.load_or_warn(
+        lambda: SmallGemm(build.build_library(SOURCE, "rollout_engine_small_gemm")),
         "CPU small GEMM kernel", "using oneDNN", SMALL_GEMM_ENV)

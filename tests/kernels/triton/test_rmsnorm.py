@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from rollout_kernels.rmsnorm import rmsnorm, rmsnorm_ref  # noqa: E402
+from rollout_engine_kernels.triton.rmsnorm import rmsnorm, rmsnorm_ref  # noqa: E402
 
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-4}  # fp32 in and out
 # bf16/fp16 on CUDA: same rounding points as HF, so at most one ulp apart (sum order differs).

@@ -513,7 +513,7 @@ void attend_rows(const float* Q, int64_t nh, int64_t nq, const int64_t* slots, i
   }
 }
 
-// Raw arguments of one call (see paged_decode in cpu_kernels.py for their meaning).
+// Raw arguments of one call (see paged_decode in paged_decode.py for their meaning).
 struct Args {
   const float *q, *k, *v;
   const int64_t *table, *rows, *seq_lens, *own_start, *members, *chunk_offsets, *chunk_lens;
@@ -757,7 +757,7 @@ int guarded(char* err, int64_t err_len, const Body& body) {
 
 }  // namespace
 
-// Bumped whenever the entry point's arguments change: cpu_kernels.py refuses a library built
+// Bumped whenever the entry point's arguments change: paged_decode.py refuses a library built
 // from another version (a stale cache) instead of calling it with the wrong arguments.
 extern "C" int rollout_engine_paged_decode_abi() { return 2; }
 

@@ -12,10 +12,10 @@ chunks. Splitting lets short batches still fill the GPU when contexts are long.
 from __future__ import annotations
 
 import torch
+from rollout_engine_kernels.triton._utils import kernel_device_ok, next_power_of_2
+
 import triton
 import triton.language as tl
-
-from rollout_kernels._utils import kernel_device_ok, next_power_of_2
 
 __all__ = ["decode_attention", "decode_attention_ref"]
 

@@ -7,7 +7,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from rollout_kernels.logprob_gather import logprob_gather, logprob_gather_ref  # noqa: E402
+from rollout_engine_kernels.triton.logprob_gather import (  # noqa: E402
+    logprob_gather,
+    logprob_gather_ref,
+)
 
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-4}  # fp32 logits
 LOW_PRECISION_TOL = {"atol": 2e-2, "rtol": 2e-2}  # bf16 logits on CUDA (math is fp32 in both)

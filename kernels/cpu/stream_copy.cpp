@@ -6,7 +6,7 @@
 // write whole lines straight to memory: two transfers. On a 2-core EPYC this copies 221 MB in
 // 8-12 ms where torch's copy_ takes 10-19 ms and glibc's memcpy 18 ms (both threads busy).
 //
-// Built and loaded like the attention kernels (cpu_kernels.build_library), called through
+// Built and loaded like the attention kernels (build.build_library), called through
 // ctypes, which releases the GIL; rollout_engine_copy_ranges below shares many ranges between
 // the calling thread and helper threads of its own (copy_all's path for large copies).
 

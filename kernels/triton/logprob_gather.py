@@ -8,10 +8,10 @@ One program per row streams the vocabulary once with an online max / sum-exp:
 from __future__ import annotations
 
 import torch
+from rollout_engine_kernels.triton._utils import kernel_device_ok
+
 import triton
 import triton.language as tl
-
-from rollout_kernels._utils import kernel_device_ok
 
 __all__ = ["logprob_gather", "logprob_gather_ref"]
 

@@ -1,6 +1,6 @@
-"""Large byte copies with streaming stores (``csrc/stream_copy.cpp``), for `byte_copy.copy_all`.
+"""Large byte copies with streaming stores (``stream_copy.cpp``), for `byte_copy.copy_all`.
 
-Compiled at first use like the attention kernels (``cpu_kernels.build_library``, cached under
+Compiled at first use like every CPU kernel (``build``, cached under
 ``$ROLLOUT_ENGINE_CACHE/torch_extensions``). If it cannot be built, or
 ``ROLLOUT_ENGINE_STREAM_COPY=0``, `load_stream_copy` logs one warning (none when turned off)
 and returns None, and copies stay numpy's memcpy.
@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+from rollout_engine_kernels.cpu import build
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "stream_copy.cpp"
+SOURCE = Path(__file__).resolve().parent / "stream_copy.cpp"
 STREAM_COPY_ENV = "ROLLOUT_ENGINE_STREAM_COPY"
 
 
@@ -27,9 +28,7 @@ class StreamCopy:
     ABI = 2
 
     def __init__(self, library_path: str) -> None:
-        from rollout_engine.model_runner.attention import cpu_kernels
-
-        lib = cpu_kernels.open_library(library_path, "rollout_engine_stream_copy_abi", self.ABI)
+        lib = build.open_library(library_path, "rollout_engine_stream_copy_abi", self.ABI)
         self.streams = bool(lib.rollout_engine_stream_copy_streams())
         fn = lib.rollout_engine_stream_copy
         fn.restype = None
@@ -69,8 +68,6 @@ class StreamCopy:
 @functools.cache
 def load_stream_copy() -> Optional[StreamCopy]:
     """The compiled copy, or None (after one warning) when it cannot be built."""
-    from rollout_engine.model_runner.attention import cpu_kernels
-
-    return cpu_kernels.load_or_warn(
-        lambda: StreamCopy(cpu_kernels.build_library(SOURCE, "rollout_engine_stream_copy")),
+    return build.load_or_warn(
+        lambda: StreamCopy(build.build_library(SOURCE, "rollout_engine_stream_copy")),
         "streaming copy", "copies use numpy's memcpy", STREAM_COPY_ENV)
