@@ -30,7 +30,7 @@ from rollout_engine.protocol.messages import (
 )
 from rollout_engine.request_builder import RequestBuilder, RequestLimits, grammar_check_for
 from rollout_engine.request_state import ChunkStream, RequestState, SchedulerDeadError
-from rollout_engine.scheduler.loop import SchedulerHost, start_scheduler
+from rollout_engine.runtime.loop import SchedulerHost, start_scheduler
 
 logger = logging.getLogger(__name__)
 

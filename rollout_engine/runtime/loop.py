@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 # put the working directory first).
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _CHILD_BOOT = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
-               "from rollout_engine.scheduler.child import main; sys.exit(main())")
+               "from rollout_engine.runtime.child import main; sys.exit(main())")
 
 
 @dataclass
@@ -238,7 +238,7 @@ class ThreadHost(SchedulerHost):
 
 
 class ProcessHost(SchedulerHost):
-    """The loop in a child process running ``rollout_engine.scheduler.child``.
+    """The loop in a child process running ``rollout_engine.runtime.child``.
 
     A fresh interpreter, not multiprocessing's spawn: spawn re-imports the caller's main module,
     so a script without an ``if __name__ == "__main__":`` guard would start a second Engine in
@@ -248,7 +248,7 @@ class ProcessHost(SchedulerHost):
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        from rollout_engine.scheduler.child import ChildStart
+        from rollout_engine.runtime.child import ChildStart
 
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
@@ -304,7 +304,7 @@ def start_scheduler(config: EngineConfig) -> SchedulerHost:
     """One scheduler (a thread or a child process), or ``dp_size`` of them behind one
     channel (rollout_engine/dp)."""
     if config.dp_size > 1:
-        from rollout_engine.dp.host import DataParallelHost
+        from rollout_engine.runtime.dp_host import DataParallelHost
 
         return DataParallelHost(config)
     return ThreadHost(config) if config.scheduler_mode == "thread" else ProcessHost(config)

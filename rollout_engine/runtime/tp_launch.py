@@ -29,10 +29,10 @@ import torch.distributed as dist
 from rollout_engine.config import EngineConfig
 from rollout_engine.parallel.context import TPContext, installed
 from rollout_engine.parallel.group import TPGroup, join_tp_group
-from rollout_engine.parallel.leader import Leader, LeaderCommit, TPLeaderChannel
+from rollout_engine.runtime.tp_leader import Leader, LeaderCommit, TPLeaderChannel
 from rollout_engine.protocol.messages import SchedulerDied
-from rollout_engine.scheduler import loop
-from rollout_engine.scheduler.loop import Channel, run_loop
+from rollout_engine.runtime import loop
+from rollout_engine.runtime.loop import Channel, run_loop
 
 __all__ = ["RankProcess", "TPStart", "rank_device", "run_leader", "run_worker"]
 
@@ -54,7 +54,7 @@ class RankProcess:
     talking to rank 0 over an inherited socket pair; the environment is rank 0's own."""
 
     def __init__(self, config: EngineConfig, start: TPStart) -> None:
-        from rollout_engine.scheduler.child import ChildStart
+        from rollout_engine.runtime.child import ChildStart
 
         ours, theirs = socket.socketpair()
         try:
@@ -152,7 +152,7 @@ def _stop(leader: Optional[Leader], workers: list[RankProcess]) -> None:
 
 def run_worker(config: EngineConfig, conn: Connection, start: TPStart) -> int:
     """Rank > 0: join the group, build the shard, serve rank 0 until it stops (or goes)."""
-    from rollout_engine.parallel.worker import TPWorker, crash_report
+    from rollout_engine.runtime.tp_worker import TPWorker, crash_report
 
     group: Optional[TPGroup] = None
     try:

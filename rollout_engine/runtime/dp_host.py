@@ -35,7 +35,7 @@ from rollout_engine.protocol.messages import (
     SchedulerDied,
     SchedulerReady,
 )
-from rollout_engine.scheduler.loop import Channel, SchedulerHost, Shutdown, start_scheduler
+from rollout_engine.runtime.loop import Channel, SchedulerHost, Shutdown, start_scheduler
 
 __all__ = ["DataParallelChannel", "DataParallelHost"]
 

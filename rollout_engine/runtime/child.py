@@ -60,15 +60,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0   # the parent went away before it sent anything
     sys.path.extend(p for p in start.sys_path if p not in sys.path)
     logging.basicConfig(level=start.config.log_level.upper())
-    from rollout_engine.scheduler.loop import PipeChannel, run_loop
+    from rollout_engine.runtime.loop import PipeChannel, run_loop
 
     if start.tp is not None:   # tensor-parallel rank > 0, a child of rank 0
-        from rollout_engine.parallel.launch import run_worker
+        from rollout_engine.runtime.tp_launch import run_worker
 
         return run_worker(start.config, conn, start.tp)
     try:
         if start.config.tp_size > 1:   # rank 0: starts the other ranks (rollout_engine/parallel)
-            from rollout_engine.parallel.launch import run_leader
+            from rollout_engine.runtime.tp_launch import run_leader
 
             run_leader(start.config, PipeChannel(conn))
         else:
