@@ -72,7 +72,7 @@ from typing import Any, Optional
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 
-# in-process runs (--profile) need what the engine's child process gets (scheduler/loop.py)
+# in-process runs (--profile) need what the engine's child process gets (runtime/spawn.py)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
 

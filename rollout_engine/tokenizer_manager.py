@@ -12,7 +12,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from transformers import AutoTokenizer
 
@@ -30,7 +30,9 @@ from rollout_engine.protocol.messages import (
 )
 from rollout_engine.request_builder import RequestBuilder, RequestLimits, grammar_check_for
 from rollout_engine.request_state import ChunkStream, RequestState, SchedulerDeadError
-from rollout_engine.scheduler.loop import SchedulerHost, start_scheduler
+
+if TYPE_CHECKING:
+    from rollout_engine.runtime.hosts import SchedulerHost
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +56,10 @@ RECEIVE_TICK_S = 0.2   # the receiver's longest wait: how late a dropped stream'
 
 
 class TokenizerManager:
-    def __init__(self, config: EngineConfig) -> None:
+    """The frontend over a started scheduler host (``runtime.start.start_scheduler``): waits
+    for its SchedulerReady, then talks to it through ``host.chan``; ``shutdown`` stops it."""
+
+    def __init__(self, config: EngineConfig, host: SchedulerHost) -> None:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path)
         self.decode_traits = DecodeTraits.of(self.tokenizer)
@@ -81,7 +86,7 @@ class TokenizerManager:
         self.dropped: deque[str] = deque()
         self.orphaned = False
         self.weights_stale = False
-        self.host: SchedulerHost = start_scheduler(config)
+        self.host: SchedulerHost = host
         ready = self._wait_ready(timeout=config.watchdog_timeout)
         self.server_info: dict[str, Any] = ready.info
         self.vocab_size: int = ready.info["vocab_size"]

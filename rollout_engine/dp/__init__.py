@@ -1,2 +1,2 @@
-"""Data parallelism in one server: replicas behind one frontend (host.py), the dispatcher
-that picks a replica per request (dispatch.py), merged control answers (merge.py)."""
+"""Data parallelism's policy: the dispatcher that picks a replica per request (dispatch.py)
+and merged control answers (merge.py). The replicas' host is ``runtime/dp_host.py``."""

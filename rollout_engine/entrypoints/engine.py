@@ -1,5 +1,6 @@
-"""The in-process Python ``Engine`` (SGLang's method names); the scheduler runs in a child
-process (or a thread with ``scheduler_mode="thread"``)."""
+"""The in-process Python ``Engine`` (SGLang's method names): it starts the scheduler host
+(``runtime.start_scheduler``: a child process, or a thread with ``scheduler_mode="thread"``)
+and hands it to the frontend (``TokenizerManager``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from rollout_engine.protocol.messages import ControlResult
 from rollout_engine.protocol.shm_lease import ShmLease
 from rollout_engine.protocol.tensor_payload import lend_named_tensors
 from rollout_engine.request_state import add_token_text
+from rollout_engine.runtime.start import start_scheduler
 from rollout_engine.tokenizer_manager import (
     EngineAsleepError,
     EngineBusyError,
@@ -46,7 +48,12 @@ class Engine:
 
     def __init__(self, **kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(**kwargs)
-        self.tm = TokenizerManager(self.config)
+        host = start_scheduler(self.config)
+        try:
+            self.tm = TokenizerManager(self.config, host)
+        except BaseException:
+            host.stop(timeout=5)   # no frontend (tokenizer, readiness): stopping twice is harmless
+            raise
         self.tokenizer = self.tm.tokenizer
         self._sending = threading.local()   # send_call's collector of sent calls
 

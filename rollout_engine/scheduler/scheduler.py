@@ -2,7 +2,7 @@
 
 It owns the model runner, the KV memory and every request's state. It is transport-agnostic:
 ``handle`` takes a typed message, ``step`` runs one batch and returns the outputs to send; the
-loop in ``scheduler/loop.py`` moves messages in and out of a thread or a process.
+loop in ``runtime/loop.py`` moves messages in and out of a thread or a process.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def test_a_failing_control_call_returns_no_traceback(client, tmp_path, caplog):
 
 
 def test_a_crashed_tensor_parallel_rank_reports_its_error_without_a_traceback():
-    from rollout_engine.parallel.worker import crash_report
+    from rollout_engine.runtime.tp_worker import crash_report
 
     try:
         raise OSError("the shard file is gone")

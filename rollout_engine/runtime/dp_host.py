@@ -35,7 +35,9 @@ from rollout_engine.protocol.messages import (
     SchedulerDied,
     SchedulerReady,
 )
-from rollout_engine.scheduler.loop import Channel, SchedulerHost, Shutdown, start_scheduler
+from rollout_engine.runtime.channels import Channel
+from rollout_engine.runtime.hosts import SchedulerHost, start_host
+from rollout_engine.runtime.loop import Shutdown
 
 __all__ = ["DataParallelChannel", "DataParallelHost"]
 
@@ -214,7 +216,7 @@ class DataParallelHost(SchedulerHost):
         self.replicas: list[SchedulerHost] = []
         try:
             for _ in range(config.dp_size):
-                self.replicas.append(start_scheduler(replica))
+                self.replicas.append(start_host(replica))
         except BaseException:
             self._stop_all(timeout=5)
             raise

@@ -33,7 +33,7 @@ from rollout_engine.protocol.messages import (
     SchedulerReady,
     WeightSlice,
 )
-from rollout_engine.scheduler.loop import Channel
+from rollout_engine.runtime.channels import Channel
 
 __all__ = ["Leader", "LeaderCommit", "TPLeaderChannel", "TPRankDied"]
 

@@ -15,9 +15,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import os
-import socket
-import subprocess
 import sys
 import threading
 from multiprocessing.connection import Connection
@@ -29,10 +26,11 @@ import torch.distributed as dist
 from rollout_engine.config import EngineConfig
 from rollout_engine.parallel.context import TPContext, installed
 from rollout_engine.parallel.group import TPGroup, join_tp_group
-from rollout_engine.parallel.leader import Leader, LeaderCommit, TPLeaderChannel
 from rollout_engine.protocol.messages import SchedulerDied
-from rollout_engine.scheduler import loop
-from rollout_engine.scheduler.loop import Channel, run_loop
+from rollout_engine.runtime.channels import Channel
+from rollout_engine.runtime.loop import run_loop
+from rollout_engine.runtime.spawn import ChildStart, spawn_child
+from rollout_engine.runtime.tp_leader import Leader, LeaderCommit, TPLeaderChannel
 
 __all__ = ["RankProcess", "TPStart", "rank_device", "run_leader", "run_worker"]
 
@@ -49,22 +47,12 @@ class TPStart:
 
 
 class RankProcess:
-    """Rank ``start.rank`` in a child process of rank 0: the scheduler child's entry point in
-    a fresh interpreter (``scheduler/loop.py``'s boot line, which ``ProcessHost`` uses too),
-    talking to rank 0 over an inherited socket pair; the environment is rank 0's own."""
+    """Rank ``start.rank`` in a child process of rank 0 (``spawn_child``, as the frontend
+    starts rank 0), talking to rank 0 over an inherited socket pair; the environment is rank
+    0's own."""
 
     def __init__(self, config: EngineConfig, start: TPStart) -> None:
-        from rollout_engine.scheduler.child import ChildStart
-
-        ours, theirs = socket.socketpair()
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", loop._CHILD_BOOT, loop._PACKAGE_ROOT,
-                 str(theirs.fileno()), str(os.getpid())], pass_fds=[theirs.fileno()],
-                stdin=subprocess.DEVNULL)
-        finally:
-            theirs.close()
-        self.conn = Connection(ours.detach())
+        self.proc, self.conn = spawn_child()
         self.pid = self.proc.pid
         try:
             self.conn.send(ChildStart(config, list(sys.path), start))
@@ -152,7 +140,7 @@ def _stop(leader: Optional[Leader], workers: list[RankProcess]) -> None:
 
 def run_worker(config: EngineConfig, conn: Connection, start: TPStart) -> int:
     """Rank > 0: join the group, build the shard, serve rank 0 until it stops (or goes)."""
-    from rollout_engine.parallel.worker import TPWorker, crash_report
+    from rollout_engine.runtime.tp_worker import TPWorker, crash_report
 
     group: Optional[TPGroup] = None
     try:

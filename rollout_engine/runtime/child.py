@@ -1,9 +1,10 @@
 """Entry point of the scheduler process: ``main([FD, PPID])``.
 
-``ProcessHost`` runs ``main`` in a fresh interpreter (never importing the caller's ``__main__``,
-as multiprocessing's spawn does), hands it one end of a socket pair as file descriptor ``FD``,
-and sends ``ChildStart`` as the first message. The process exits when the
-parent does: on end-of-file of that socket, or when process ``PPID`` is gone.
+``spawn_child`` (runtime/spawn.py) runs ``main`` in a fresh interpreter (never importing the
+caller's ``__main__``, as multiprocessing's spawn does), hands it one end of a socket pair as
+file descriptor ``FD``, and the parent sends ``ChildStart`` as the first message. The process
+exits when the parent does: on end-of-file of that socket, or when process ``PPID`` is gone.
+It runs the scheduler loop, TP rank 0 (``run_leader``) or a TP rank > 0 (``run_worker``).
 """
 
 from __future__ import annotations
@@ -15,20 +16,10 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Optional
+from typing import Optional
 
-from rollout_engine.config import EngineConfig
-
-
-@dataclass
-class ChildStart:
-    """The first message to the child: what to run and the parent's import path."""
-
-    config: EngineConfig
-    sys_path: list[str]
-    tp: Any = None   # a tensor-parallel rank > 0: parallel.launch.TPStart
+__all__ = ["exit_with_parent", "main"]
 
 
 def exit_with_parent(parent_pid: int) -> threading.Thread:
@@ -55,20 +46,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     exit_with_parent(int(ppid_arg))
     conn = Connection(int(fd_arg))
     try:
-        start = conn.recv()
+        start = conn.recv()   # spawn.ChildStart
     except (EOFError, OSError):
         return 0   # the parent went away before it sent anything
     sys.path.extend(p for p in start.sys_path if p not in sys.path)
     logging.basicConfig(level=start.config.log_level.upper())
-    from rollout_engine.scheduler.loop import PipeChannel, run_loop
+    from rollout_engine.runtime.channels import PipeChannel
+    from rollout_engine.runtime.loop import run_loop
 
     if start.tp is not None:   # tensor-parallel rank > 0, a child of rank 0
-        from rollout_engine.parallel.launch import run_worker
+        from rollout_engine.runtime.tp_launch import run_worker
 
         return run_worker(start.config, conn, start.tp)
     try:
-        if start.config.tp_size > 1:   # rank 0: starts the other ranks (rollout_engine/parallel)
-            from rollout_engine.parallel.launch import run_leader
+        if start.config.tp_size > 1:   # rank 0: starts the other ranks (tp_launch.py)
+            from rollout_engine.runtime.tp_launch import run_leader
 
             run_leader(start.config, PipeChannel(conn))
         else:
