@@ -16,6 +16,8 @@ from transformers import AutoTokenizer
 
 from rollout_engine.config import EngineConfig
 from rollout_engine.constrained.scheduling import GrammarScheduling
+from rollout_engine.control.dispatch import ControlHandlers
+from rollout_engine.control.rl_control import RLControl
 from rollout_engine.memory.hicache import create_prefix_cache
 from rollout_engine.memory.kv_pool import PageAllocator
 from rollout_engine.memory.memory_saver import create_memory_saver
@@ -38,10 +40,8 @@ from rollout_engine.scheduler.batch import (
     ScheduleBatch,
     build_sampling_batch,
 )
-from rollout_engine.scheduler.control import ControlHandlers
 from rollout_engine.scheduler.kv_manager import KVManager
 from rollout_engine.scheduler.request import InFlight, Req, ReqState
-from rollout_engine.scheduler.rl_control import RLControl
 from rollout_engine.scheduler.stop import StopChecker, eos_token_ids
 from rollout_engine.weights.refit import WeightUpdateGroups
 

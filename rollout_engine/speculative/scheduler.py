@@ -30,6 +30,7 @@ import logging
 from typing import Optional
 
 from rollout_engine.config import EngineConfig
+from rollout_engine.control.draft_refit import DraftRLControl
 from rollout_engine.model_runner.forward_batch import ForwardMode
 from rollout_engine.protocol.messages import ControlResult, GenerateReq, SpecDecodeCounts
 from rollout_engine.sampler import sample
@@ -37,7 +38,6 @@ from rollout_engine.scheduler.batch import ScheduleBatch, build_sampling_batch, 
 from rollout_engine.scheduler.request import Req
 from rollout_engine.scheduler.scheduler import Message, Scheduler
 from rollout_engine.speculative.draft import DraftModel, SaverWithDraft, TargetWithDraft
-from rollout_engine.speculative.draft_refit import DraftRLControl
 from rollout_engine.speculative.gate import AcceptanceGate
 from rollout_engine.speculative.ngram import NgramProposer
 from rollout_engine.speculative.options import SpecOptions

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from rollout_engine.control.dispatch import BusyError
 from rollout_engine.protocol.bucket import SUPPORTED_DTYPES, str_to_dtype
 from rollout_engine.protocol.weight_broadcast import (
     GroupIncompleteError,
@@ -27,7 +28,6 @@ from rollout_engine.protocol.weight_broadcast import (
     join_update_group,
     unflatten,
 )
-from rollout_engine.scheduler.control import BusyError
 
 
 def declared_dtype(name: Any) -> torch.dtype:

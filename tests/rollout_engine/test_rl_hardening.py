@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 
+from rollout_engine.control import rl_control
+from rollout_engine.control.dispatch import ControlHandlers
 from rollout_engine.memory.prefix_cache import CacheNamespace
 from rollout_engine.memory.radix_cache import RadixCache
 from rollout_engine.protocol.bucket import pack_buckets
-from rollout_engine.scheduler import rl_control
-from rollout_engine.scheduler.control import ControlHandlers
 from rollout_engine.tokenizer_manager import EngineAsleepError
 from rollout_engine.weights.loader import iter_safetensors
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from rollout_engine.scheduler.control import BusyError, Deferred
+from rollout_engine.control.dispatch import BusyError, Deferred
 from rollout_engine.weights import refit
 from rollout_engine.weights.loader import LoadReport, load_weights
 from rollout_engine.weights.shadow import InPlacePlan, ShadowWeights

@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from rollout_engine.control.dispatch import BusyError
+from rollout_engine.control.rl_broadcast import BroadcastRefits
 from rollout_engine.memory.memory_saver import TAGS
 from rollout_engine.protocol.messages import AbortReq, WeightSlice
-from rollout_engine.scheduler.control import BusyError
 from rollout_engine.scheduler.request import ReqState
-from rollout_engine.scheduler.rl_broadcast import BroadcastRefits
 from rollout_engine.speculative.selector import check_target_only
 from rollout_engine.weights import refit
 from rollout_engine.weights.disk_reader import PartialLoadError

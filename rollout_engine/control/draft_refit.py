@@ -36,9 +36,9 @@ import torch
 from torch import nn
 
 from rollout_engine.compat.payloads import read_refit_payload
+from rollout_engine.control.dispatch import BusyError
+from rollout_engine.control.rl_control import MAX_TRUNCATE_ROWS, MAX_WEIGHT_ELEMENTS, RLControl
 from rollout_engine.protocol.messages import WeightSlice
-from rollout_engine.scheduler.control import BusyError
-from rollout_engine.scheduler.rl_control import MAX_TRUNCATE_ROWS, MAX_WEIGHT_ELEMENTS, RLControl
 from rollout_engine.speculative.selector import DRAFT_PREFIX, resolve_selector
 from rollout_engine.weights import refit
 from rollout_engine.weights.disk_reader import PartialLoadError, load_checkpoint, read_header
