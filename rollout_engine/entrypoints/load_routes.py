@@ -23,9 +23,9 @@ from typing import Any, Optional
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from rollout_engine.control.dispatch import LoadReport
 from rollout_engine.entrypoints.engine import Engine, rollout_engine_version
 from rollout_engine.entrypoints.http_utils import HTTPError, json_response
+from rollout_engine.protocol.messages import LoadReport
 
 SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
 

@@ -18,8 +18,8 @@ from typing import Any, Optional
 
 import torch
 
-from rollout_engine.control.dispatch import BusyError
 from rollout_engine.protocol.bucket import SUPPORTED_DTYPES, str_to_dtype
+from rollout_engine.protocol.messages import BusyError
 from rollout_engine.protocol.weight_broadcast import (
     GroupIncompleteError,
     StoreUnreachableError,

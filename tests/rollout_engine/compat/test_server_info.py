@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from rollout_engine.compat.server_args import SGLANG_VERSIONS
-from rollout_engine.control.dispatch import ThroughputMeter
+from rollout_engine.control.introspection import ThroughputMeter
 from rollout_engine.entrypoints.engine import rollout_engine_version
 from tests.rollout_engine.compat.test_server_args import slime_kwargs
 from tests.rollout_engine.entrypoints.conftest import bound_socket
