@@ -9,7 +9,7 @@ to. The scheduler never learns that any of this exists: a request or an abort go
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Optional, Union
 
 from rollout_engine.control.dispatch import Canceller, ControlDispatcher, Handler
@@ -55,8 +55,8 @@ class ControlPlane:
     the handler table. ``finished`` yields the answers of deferred calls that have ended;
     ``wake`` (set by the loop) is called when one ends."""
 
-    def __init__(self, scheduler: Scheduler, handlers: dict[str, Handler],
-                 cancellers: dict[str, Canceller]) -> None:
+    def __init__(self, scheduler: Scheduler, handlers: Mapping[str, Handler],
+                 cancellers: Mapping[str, Canceller]) -> None:
         self.scheduler = scheduler
         self.handlers = handlers
         self.dispatcher = ControlDispatcher(handlers, cancellers)

@@ -65,7 +65,7 @@ def _check_flags(*, weight_version: Optional[str] = None, is_async: bool = False
                  **flags: Any) -> None:
     """Refuse, naming the field, an SGLang update flag this engine cannot honour; ``flags`` are
     booleans that are all honoured (or trivially true here). ``selector`` / ``draft_model_path``
-    reach here only without a draft model (``speculative/draft_refit.py`` routes them)."""
+    reach here only without a draft model (``draft_refit.py`` routes them)."""
     check_target_only(selector, draft_model_path)
     if weight_version is not None and not isinstance(weight_version, str):
         raise ValueError(f"weight_version: must be a string or null, got {weight_version!r}")
