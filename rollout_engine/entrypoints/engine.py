@@ -245,7 +245,7 @@ class Engine:
                                  draft_model_path: Optional[str] = None) -> tuple[bool, str]:
         """Reload every weight from a checkpoint directory; ``weight_version`` is left
         unchanged unless given (SGLang). ``selector`` / ``draft_model_path``: a STANDALONE
-        draft's refit (``speculative/draft_refit.py``)."""
+        draft's refit (``control/draft_refit.py``)."""
         return self._update("update_weights_from_disk", model_path=model_path,
                             load_format=load_format, weight_version=weight_version,
                             flush_cache=flush_cache, abort_all_requests=abort_all_requests,

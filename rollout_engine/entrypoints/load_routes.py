@@ -25,7 +25,7 @@ from starlette.responses import Response
 
 from rollout_engine.entrypoints.engine import Engine, rollout_engine_version
 from rollout_engine.entrypoints.http_utils import HTTPError, json_response
-from rollout_engine.scheduler.control import LoadReport
+from rollout_engine.protocol.messages import LoadReport
 
 SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
 

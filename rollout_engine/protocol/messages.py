@@ -42,15 +42,21 @@ class AbortReq:
 
 @dataclass
 class ControlReq:
-    """A control call run between batches, in arrival order. ``method`` names a scheduler
-    ``rpc_*`` handler; ``call_id`` pairs it with its ``ControlResult``. ``deadline``
-    (``time.time()``): when the caller stops waiting; a call not started by then is cancelled
-    (answered ``cancelled``), never run behind the caller's back."""
+    """A control call run between batches, in arrival order. ``method`` names a control call
+    (the control plane's handler table, ``control/handlers.py``); ``call_id`` pairs it with its
+    ``ControlResult``. ``deadline`` (``time.time()``): when the caller stops waiting; a call
+    not started by then is cancelled (answered ``cancelled``), never run behind the caller's
+    back."""
 
     method: str
     kwargs: dict[str, Any] = field(default_factory=dict)
     call_id: int = 0
     deadline: Optional[float] = None
+
+
+class BusyError(RuntimeError):
+    """A control call that cannot run in the engine's present state (requests in flight, a
+    weight update being received, weights released): answered with HTTP 409, nothing changed."""
 
 
 # -- scheduler -> frontend -------------------------------------------------------------------
@@ -127,6 +133,38 @@ class ControlResult:
     message: str = ""
     status: int = 200   # the HTTP status the frontend should answer with
     cancelled: bool = False   # not run: it reached the scheduler after its deadline
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """One scheduler's load (SGLang's per-DP-rank load; we have one rank, 0)."""
+
+    num_running_reqs: int              # incl. the one being prefilled in chunks
+    num_waiting_reqs: int
+    num_used_tokens: int               # KV slots owned by requests (not the evictable cache)
+    num_waiting_tokens: int            # prompt + output tokens of the waiting queue
+    num_waiting_uncached_tokens: int   # not yet in KV: waiting, and the chunked prompt's rest
+    max_total_num_tokens: int
+    max_running_requests: int
+    gen_throughput: float              # decode tokens/s over the last window
+    cache_hit_rate: float              # prompt tokens served from the radix cache, since start
+    num_paused_reqs: int               # held by pause_generation
+    num_retracted_reqs: int            # waiting with output already (retracted)
+    total_prefill_tokens: int          # prompt tokens computed (not served from cache), since start
+    weight_gb: float
+    kv_cache_gb: float
+    timestamp: float
+
+    @property
+    def token_usage(self) -> float:
+        return self.num_used_tokens / self.max_total_num_tokens if self.max_total_num_tokens \
+            else 0.0
+
+    @property
+    def utilization(self) -> float:
+        """SGLang's: max(running / max running, token usage / 0.9)."""
+        return max(self.num_running_reqs / max(self.max_running_requests, 1),
+                   self.token_usage / 0.9)
 
 
 @dataclass

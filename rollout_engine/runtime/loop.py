@@ -32,22 +32,24 @@ class Shutdown:
 
 def run_loop(config: EngineConfig, chan: Channel) -> None:
     """Build the scheduler, announce it, then receive -> step -> send until Shutdown."""
+    from rollout_engine.control.handlers import build_control
     from rollout_engine.speculative.scheduler import create_scheduler
 
     try:
         scheduler = create_scheduler(config)
+        control = build_control(scheduler)
     except Exception as e:  # noqa: BLE001 - reported to the frontend, which raises it
         chan.send(SchedulerDied(f"scheduler failed to start: {type(e).__name__}: {e}\n"
                                 f"{traceback.format_exc()}"))
         return
-    scheduler.control.wake = chan.wake
+    control.wake = chan.wake
     if threading.current_thread() is threading.main_thread():   # the process is ours
         # what the scheduler built lives as long as it does (modules, model, tables: ~370k
         # objects): leave it out of the cyclic collector's full passes, each of which walked
         # all of it (~190 ms, once or twice a rollout, stalling the step it lands in)
         gc.collect()
         gc.freeze()
-    chan.send(SchedulerReady(scheduler.control.rpc_get_server_info()
+    chan.send(SchedulerReady(control.server_info()
                              | {"pid": os.getpid(), "vocab_size": scheduler.vocab_size,
                                 "eos_token_ids": sorted(scheduler.eos_ids)}))
     try:
@@ -58,14 +60,14 @@ def run_loop(config: EngineConfig, chan: Channel) -> None:
                 if isinstance(msg, Shutdown):
                     scheduler.shutdown()
                     return
-                result = scheduler.handle(msg)
+                result = control.handle(msg)
                 if result is not None:
                     chan.send(result)
                 msg = chan.recv(timeout=0)
             out = scheduler.step()
             if out.outputs:
                 chan.send(out)
-            for result in scheduler.control.finished():  # deferred control calls that ended
+            for result in control.finished():  # deferred control calls that ended
                 chan.send(result)
     except (EOFError, BrokenPipeError, OSError):
         return  # the frontend went away

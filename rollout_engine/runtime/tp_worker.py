@@ -35,8 +35,7 @@ from rollout_engine.memory.memory_saver import TAGS, create_memory_saver
 from rollout_engine.model_runner.model_runner import ModelRunner
 from rollout_engine.parallel import wire
 from rollout_engine.parallel.context import TPContext, replicated_checksum
-from rollout_engine.protocol.messages import WeightSlice
-from rollout_engine.scheduler.control import BusyError
+from rollout_engine.protocol.messages import BusyError, WeightSlice
 from rollout_engine.weights import refit
 from rollout_engine.weights.disk_reader import PartialLoadError
 from rollout_engine.weights.loader import load_weights, plan_targets, read_weight

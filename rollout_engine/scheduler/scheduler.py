@@ -1,8 +1,11 @@
 """The scheduler: receive -> schedule -> run -> postprocess, one step at a time.
 
-It owns the model runner, the KV memory and every request's state. It is transport-agnostic:
-``handle`` takes a typed message, ``step`` runs one batch and returns the outputs to send; the
-loop in ``runtime/loop.py`` moves messages in and out of a thread or a process.
+It owns the model runner, the KV memory, every request's state and the weight state
+(``weight_state.py``). It is transport-agnostic: ``handle`` takes a request or an abort,
+``step`` runs one batch and returns the outputs to send; the loop in ``runtime/loop.py`` moves
+messages in and out of a thread or a process. Control calls (sleep, refit, pause, ...) are not
+its business: the control plane (``rollout_engine/control/``) is composed over it, and only
+changes it between steps.
 """
 
 from __future__ import annotations
@@ -26,8 +29,6 @@ from rollout_engine.penalties import PenaltyCounts
 from rollout_engine.protocol.messages import (
     AbortReq,
     BatchOutput,
-    ControlReq,
-    ControlResult,
     GenerateReq,
     ReqOutput,
 )
@@ -38,16 +39,15 @@ from rollout_engine.scheduler.batch import (
     ScheduleBatch,
     build_sampling_batch,
 )
-from rollout_engine.scheduler.control import ControlHandlers
 from rollout_engine.scheduler.kv_manager import KVManager
 from rollout_engine.scheduler.request import InFlight, Req, ReqState
-from rollout_engine.scheduler.rl_control import RLControl
 from rollout_engine.scheduler.stop import StopChecker, eos_token_ids
-from rollout_engine.weights.refit import WeightUpdateGroups
+from rollout_engine.scheduler.weight_state import WeightState
+from rollout_engine.weights.loader import weight_names
 
 logger = logging.getLogger(__name__)
 
-Message = Union[GenerateReq, AbortReq, ControlReq]
+Message = Union[GenerateReq, AbortReq]
 
 
 class Scheduler:
@@ -69,7 +69,7 @@ class Scheduler:
             config.grammar_backend, tokenizer, self.vocab_size, sorted(self.eos_ids),
             any_whitespace=not config.constrained_json_disable_any_whitespace,
             max_whitespace_cnt=config.constrained_json_max_whitespace_cnt)
-        self.weight_version = config.weight_version
+        self.weights = WeightState(config.weight_version)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Optional[Req] = None
@@ -83,14 +83,10 @@ class Scheduler:
                                                 config.enable_weights_cpu_backup, self.device,
                                                 graphs=self.runner.graphs,
                                                 extra_kv=tree.kv_buffers())
-        self.weights_stale = False
-        self.update_groups = WeightUpdateGroups(self.device)
-        self.rl = RLControl(self)
-        self.control = ControlHandlers(self)
         self.outbox: list[ReqOutput] = []
 
     # -- messages ----------------------------------------------------------------------------
-    def handle(self, msg: Message) -> Optional[ControlResult]:
+    def handle(self, msg: Message) -> None:
         if isinstance(msg, GenerateReq):
             req = Req(msg, self.arrivals)
             self.arrivals += 1
@@ -99,7 +95,7 @@ class Scheduler:
                 self.outbox.append(req.make_output(full=True))
                 return None
             if not self.can_run and not self.paused:
-                why = self.rl.refusal_reason()
+                why = self.refusal_reason()
                 req.finished_reason = {"type": "abort", "message": f"request refused: {why}"}
                 self.outbox.append(req.make_output(full=True))
                 return None
@@ -123,7 +119,7 @@ class Scheduler:
         if isinstance(msg, AbortReq):
             self.abort(msg)
             return None
-        return self.control.dispatch(msg)
+        raise TypeError(f"the scheduler takes requests and aborts, not {type(msg).__name__}")
 
     def _never_fits(self, req: Req) -> Optional[str]:
         """Why ``req`` can never be admitted (its KV would not fit even in an empty pool), or
@@ -138,7 +134,7 @@ class Scheduler:
                 "raise max_total_tokens")
 
     def namespace_of(self, req: Req) -> CacheNamespace:
-        return CacheNamespace(self.rl.generation, req.extra_key)  # never the user's label
+        return CacheNamespace(self.weights.generation, req.extra_key)  # never the user's label
 
     @property
     def by_rid(self) -> dict[str, Req]:
@@ -149,7 +145,20 @@ class Scheduler:
     def can_run(self) -> bool:
         """Paused, asleep, or holding stale weights: no forward pass may run."""
         return not (self.paused or self.memory_saver.released & {"weights", "kv_cache"}
-                    or self.weights_stale)
+                    or self.weights.stale)
+
+    def refusal_reason(self) -> str:
+        """Why no forward pass may run (``can_run`` is false): asleep, stale, or paused."""
+        asleep = sorted(self.memory_saver.released & {"weights", "kv_cache"})
+        if asleep:
+            return (f"the engine is asleep (released: {asleep}); "
+                    "call resume_memory_occupation first")
+        if self.weights.stale:
+            total = len(weight_names(self.runner.model))
+            return (f"weights are stale: {len(self.weights.missing)} of {total} weights not "
+                    "written since they were resumed without a CPU backup; refit them all "
+                    "(update_weights_*) before generating")
+        return "generation is paused"
 
     @property
     def has_work(self) -> bool:
@@ -173,10 +182,12 @@ class Scheduler:
             self.grammars.wait(timeout=0.01)   # only compiles to wait for: do not spin
         elif self.waiting and self.can_run:
             self.kv.tree.wait_prefetch(timeout=0.01)   # only storage reads to wait for
-        self.rl.on_idle()  # runs a flush a refit deferred, once no request holds KV
+        if self.weights.flush_pending and not self.active_reqs():
+            self.kv.flush()   # a refit deferred it until no request held KV
+            self.weights.flush_pending = False
         out, self.outbox = self.outbox, []
         for o in out:   # never computed (refused, aborted while queued): the serving version
-            o.weight_versions = o.weight_versions or [self.weight_version]
+            o.weight_versions = o.weight_versions or [self.weights.version]
         if not self.has_work:
             self.new_token_ratio.reset()
             if self.config.debug_integrity:
@@ -268,7 +279,7 @@ class Scheduler:
                 self.stats["cached_tokens"] += matched
                 self.stats["prompt_tokens"] += len(req.input_ids)
             req.state = ReqState.PREFILL
-            req.see_weight_version(self.weight_version)
+            req.see_weight_version(self.weights.version)
             reqs.append(req)
             lens.append(ext)
             admitted.add(id(req))
@@ -385,7 +396,7 @@ class Scheduler:
     def _append_token(self, req: Req, token: int, logprob: float,
                       top: Optional[list[tuple[float, int]]]) -> None:
         req.append_output(token)
-        req.see_weight_version(self.weight_version)
+        req.see_weight_version(self.weights.version)
         if req.return_logprob:
             req.output_logprobs.append(logprob)
             if req.top_logprobs_num and top is not None:

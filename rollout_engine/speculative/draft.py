@@ -26,8 +26,8 @@ So the invariant holds wherever the draft's KV is read or shared::
 Sleep and wake: ``SaverWithDraft`` releases and restores the draft's weights and KV with the
 target's tags; draft weights that come back without a CPU backup are reloaded from the draft's
 checkpoint (its startup one or its last disk refit's). Refits reach the draft by SGLang's
-``selector`` and a ``draft.`` name prefix (``draft_refit.py``); a stale draft costs acceptance,
-never exactness.
+``selector`` and a ``draft.`` name prefix (``control/draft_refit.py``); a stale draft costs
+acceptance, never exactness.
 
 Drafting is greedy (the draft's argmax, ``num_steps`` decode steps): each proposal is a point
 mass, so ``verify.py``'s rule is exact rejection sampling whatever the draft is; a bad or stale

@@ -31,13 +31,12 @@ from typing import Optional
 
 from rollout_engine.config import EngineConfig
 from rollout_engine.model_runner.forward_batch import ForwardMode
-from rollout_engine.protocol.messages import ControlResult, GenerateReq, SpecDecodeCounts
+from rollout_engine.protocol.messages import GenerateReq, SpecDecodeCounts
 from rollout_engine.sampler import sample
 from rollout_engine.scheduler.batch import ScheduleBatch, build_sampling_batch, uses_counts
 from rollout_engine.scheduler.request import Req
 from rollout_engine.scheduler.scheduler import Message, Scheduler
 from rollout_engine.speculative.draft import DraftModel, SaverWithDraft, TargetWithDraft
-from rollout_engine.speculative.draft_refit import DraftRLControl
 from rollout_engine.speculative.gate import AcceptanceGate
 from rollout_engine.speculative.ngram import NgramProposer
 from rollout_engine.speculative.options import SpecOptions
@@ -78,16 +77,14 @@ class SpeculativeScheduler(Scheduler):
             self.runner = TargetWithDraft(self.runner, self.draft)  # type: ignore[assignment]
             self.memory_saver = SaverWithDraft(  # type: ignore[assignment]
                 self.memory_saver, self.draft, config.enable_weights_cpu_backup)
-            self.rl = DraftRLControl(self, self.draft)   # refits address the draft too
         self.stats.update({name: 0 for name in SPEC_STATS})
 
-    def handle(self, msg: Message) -> Optional[ControlResult]:
-        result = super().handle(msg)
+    def handle(self, msg: Message) -> None:
+        super().handle(msg)
         if isinstance(msg, GenerateReq):
             req = self.by_rid.get(msg.rid)
             if req is not None and req.spec is None:   # meta_info carries spec_* from now on
                 req.spec = SpecDecodeCounts()
-        return result
 
     def _retire(self, req: Req) -> None:
         if self.draft is None and req.output_ids:

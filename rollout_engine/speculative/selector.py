@@ -1,6 +1,6 @@
 """Which model a weight update is for (``selector``, SGLang's field; module
-``draft_refit.py`` says how names route). No engine imports: ``rl_control`` checks the
-target-only case with it for engines without a draft.
+``control/draft_refit.py`` says how names route). No engine imports: ``control/rl_control.py``
+checks the target-only case with it for engines without a draft.
 """
 
 from __future__ import annotations

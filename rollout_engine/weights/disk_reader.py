@@ -37,7 +37,7 @@ from rollout_engine.models import weight_packs
 from rollout_engine.parallel.context import Shard
 from rollout_engine.protocol.byte_copy import copy_into
 from rollout_engine.weights.loader import (
-    LoadReport,
+    WeightLoadReport,
     agreed,
     iter_safetensors,
     load_weights,
@@ -120,7 +120,7 @@ def read_header(path: str) -> Optional[list[Entry]]:
     return sorted(entries, key=lambda e: e.offset)
 
 
-def load_checkpoint(model: torch.nn.Module, model_path: str) -> LoadReport:
+def load_checkpoint(model: torch.nn.Module, model_path: str) -> WeightLoadReport:
     """Refit ``model`` from the safetensors files of ``model_path`` (module docstring)."""
     entries: Optional[list[Entry]] = []
     for path in safetensors_files(model_path):
@@ -154,7 +154,7 @@ def load_checkpoint(model: torch.nn.Module, model_path: str) -> LoadReport:
         weight_packs.weights_changed()
     num_bytes = sum(dst.numel() * dst.element_size() for _, dst, _ in targets)
     num_cast = sum(by_name[n].dtype != dst.dtype for n, dst, _ in targets)
-    return LoadReport(num_tensors=len(targets), num_bytes=num_bytes,
+    return WeightLoadReport(num_tensors=len(targets), num_bytes=num_bytes,
                       names=frozenset(n for n, _, _ in targets), num_cast=num_cast)
 
 

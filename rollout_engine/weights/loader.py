@@ -66,7 +66,7 @@ def iter_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 @dataclass(frozen=True)
-class LoadReport:
+class WeightLoadReport:
     """What one ``load_weights`` wrote: ``names`` are the HF names of the tensors copied (what
     the RL control plane counts to know when every weight has been rewritten after a wake)."""
 
@@ -81,7 +81,7 @@ def load_weights(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     *,
     require_all: bool = False,
-) -> LoadReport:
+) -> WeightLoadReport:
     """Validate, then copy ``(hf_name, tensor)`` pairs into ``model`` (all or nothing).
 
     A floating tensor of another floating dtype is cast into the parameter as it is copied;
@@ -119,7 +119,7 @@ class LoadPlan:
         self.copies = CopyPlan((dst, _source(by_name[name].detach(), shard))
                                for name, _, dst, shard in targets)
         self.storages = {id(p): (p, p.data_ptr()) for _, p, _, _ in targets}
-        self.report = LoadReport(
+        self.report = WeightLoadReport(
             num_tensors=len(targets),
             num_bytes=sum(dst.numel() * dst.element_size() for _, _, dst, _ in targets),
             names=frozenset(n for n, _, _, _ in targets),

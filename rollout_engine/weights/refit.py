@@ -24,7 +24,7 @@ from rollout_engine.protocol.bucket import FlattenedBucket
 from rollout_engine.protocol.tensor_handles import OpenedShm
 from rollout_engine.protocol.tensor_payload import drop_unread_references
 from rollout_engine.weights.disk_reader import load_checkpoint
-from rollout_engine.weights.loader import LoadPlan, LoadReport
+from rollout_engine.weights.loader import LoadPlan, WeightLoadReport
 from rollout_engine.weights.update_groups import (  # the broadcast side, reachable from here
     STAGING_ALIGN,
     Receipt,
@@ -37,7 +37,7 @@ from rollout_engine.weights.update_groups import (  # the broadcast side, reacha
 LOAD_FORMATS = (None, "direct", "flattened_bucket")
 
 
-def refit_from_disk(model: nn.Module, model_path: str) -> LoadReport:
+def refit_from_disk(model: nn.Module, model_path: str) -> WeightLoadReport:
     """Read the checkpoint straight into the parameters (`disk_reader`); raises
     `PartialLoadError` if reading failed once writing had begun."""
     return load_checkpoint(model, model_path)
@@ -213,7 +213,7 @@ def weight_bytes(model: nn.Module) -> int:
 
 def refit_from_serialized(model: nn.Module, serialized: list[str], load_format: Optional[str],
                           mapped: Optional[MappedStorages] = None,
-                          read_by_others: bool = False) -> LoadReport:
+                          read_by_others: bool = False) -> WeightLoadReport:
     """Load one `update_weights_from_tensor` payload; `mapped` keeps its shm mapped after;
     `read_by_others`: another process reads the same payload and drops the sender's shm
     references (a data-parallel replica other than the first).

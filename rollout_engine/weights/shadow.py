@@ -31,7 +31,7 @@ from torch import nn
 from rollout_engine.memory import huge_pages
 from rollout_engine.models import weight_packs
 from rollout_engine.protocol.byte_copy import copy_all
-from rollout_engine.weights.loader import LoadReport, weight_table
+from rollout_engine.weights.loader import WeightLoadReport, weight_table
 
 MIN_COVERAGE = 0.5
 """An update must carry at least this fraction of each touched parameter's rows: below, copying
@@ -98,7 +98,7 @@ class ShadowWeights:
         return InPlacePlan(views, list(names), params,
                            sum(v.numel() * v.element_size() for v in views))
 
-    def commit(self, plan: InPlacePlan) -> LoadReport:
+    def commit(self, plan: InPlacePlan) -> WeightLoadReport:
         """Every byte arrived: fill each spare's rows the update did not carry from the live
         parameter, then swap spare and parameter."""
         with torch.no_grad():
@@ -114,7 +114,7 @@ class ShadowWeights:
                 self.spares[key] = old
         weight_packs.weights_changed()
         self.busy.difference_update(plan.params)
-        return LoadReport(num_tensors=len(plan.names), num_bytes=plan.num_bytes,
+        return WeightLoadReport(num_tensors=len(plan.names), num_bytes=plan.num_bytes,
                           names=frozenset(plan.names))
 
     def abort(self, plan: InPlacePlan) -> None:

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from rollout_engine.protocol.bucket import SUPPORTED_DTYPES, str_to_dtype
+from rollout_engine.protocol.messages import BusyError
 from rollout_engine.protocol.weight_broadcast import (
     GroupIncompleteError,
     StoreUnreachableError,
@@ -27,7 +28,6 @@ from rollout_engine.protocol.weight_broadcast import (
     join_update_group,
     unflatten,
 )
-from rollout_engine.scheduler.control import BusyError
 
 
 def declared_dtype(name: Any) -> torch.dtype:

@@ -11,11 +11,10 @@ import time
 import pytest
 import torch
 
+from rollout_engine.control import handlers, rl_control
 from rollout_engine.memory.prefix_cache import CacheNamespace
 from rollout_engine.memory.radix_cache import RadixCache
 from rollout_engine.protocol.bucket import pack_buckets
-from rollout_engine.scheduler import rl_control
-from rollout_engine.scheduler.control import ControlHandlers
 from rollout_engine.tokenizer_manager import EngineAsleepError
 from rollout_engine.weights.loader import iter_safetensors
 
@@ -188,12 +187,14 @@ def blocking_call(monkeypatch):
     """A control call ``block`` that holds the scheduler until ``gate`` is set."""
     gate, started = threading.Event(), threading.Event()
 
-    def rpc_block(self) -> dict:
+    def rpc_block() -> dict:
         started.set()
         gate.wait(60)
         return {"blocked": True}
 
-    monkeypatch.setattr(ControlHandlers, "rpc_block", rpc_block, raising=False)
+    table = handlers.handler_table
+    monkeypatch.setattr(handlers, "handler_table",
+                        lambda info, rl: {**table(info, rl), "block": rpc_block})
     yield gate, started
     gate.set()
 

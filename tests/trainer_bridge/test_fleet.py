@@ -234,7 +234,7 @@ def test_a_group_whose_first_destroy_is_refused_as_busy_is_destroyed_before_the_
     """After a failed broadcast an engine may still be receiving a cut-off update when the
     fleet tears the group down, and refuses that destroy (as busy); the fleet destroys the
     group once the engine answers, so the next refit's group is not refused as existing."""
-    from rollout_engine.scheduler.control import BusyError
+    from rollout_engine.protocol.messages import BusyError
     from rollout_engine.weights.update_groups import WeightUpdateGroups
 
     destroy, refused = WeightUpdateGroups.destroy, []

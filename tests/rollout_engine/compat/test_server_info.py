@@ -21,8 +21,8 @@ import httpx
 import pytest
 
 from rollout_engine.compat.server_args import SGLANG_VERSIONS
+from rollout_engine.control.introspection import ThroughputMeter
 from rollout_engine.entrypoints.engine import rollout_engine_version
-from rollout_engine.scheduler.control import ThroughputMeter
 from tests.rollout_engine.compat.test_server_args import slime_kwargs
 from tests.rollout_engine.entrypoints.conftest import bound_socket
 

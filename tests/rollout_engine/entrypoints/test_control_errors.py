@@ -22,7 +22,7 @@ def test_a_failing_control_call_returns_no_traceback(client, tmp_path, caplog):
     # a checkpoint "file" that is a directory: reading it raises IsADirectoryError in the
     # scheduler, an error no handler turns into a 400
     (tmp_path / "model.safetensors").mkdir()
-    with caplog.at_level(logging.ERROR, logger="rollout_engine.scheduler.control"):
+    with caplog.at_level(logging.ERROR, logger="rollout_engine.control.dispatch"):
         r = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path)})
     assert r.status_code == 500
     body = r.json()

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from rollout_engine.config import EngineConfig
+from rollout_engine.control.handlers import build_control
 from rollout_engine.memory.kv_pool import PageAllocator
 from rollout_engine.protocol.messages import GenerateReq
 from rollout_engine.sampling_params import SamplingParams
@@ -65,10 +66,11 @@ def test_a_flushed_scheduler_places_the_next_prompt_from_slot_zero(qwen2_path, h
     for i in range(6):
         s.handle(_msg(f"r{i}", [rng.randrange(5, 500) for _ in range(40 + 7 * i)]))
     _finish(s, {f"r{i}" for i in range(6)})
+    control = build_control(s)
     if how == "flush_cache":
-        assert s.control.rpc_flush_cache() == {"flushed": True}
+        assert control.handlers["flush_cache"]() == {"flushed": True}
     else:   # the refit's flush: its weights written back unchanged
-        s.rl.rpc_update_weights_from_disk(qwen2_path, flush_cache=True)
+        control.handlers["update_weights_from_disk"](qwen2_path, flush_cache=True)
     prompt = [rng.randrange(5, 500) for _ in range(50)]
     assert _first_prompt_slots(s, "next", prompt) == list(range(50))
     s.check_integrity()

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from rollout_engine.config import EngineConfig
+from rollout_engine.control.handlers import build_control
 from rollout_engine.protocol.messages import ControlReq, GenerateReq, ReqOutput
 from rollout_engine.sampling_params import SamplingParams
 from rollout_engine.scheduler.request import InFlight, Req, ReqState
@@ -32,7 +33,8 @@ def _req(rid: str, ids: list[int]) -> GenerateReq:
 
 
 def _control(s: Scheduler, method: str, **kwargs: Any) -> None:
-    result = s.handle(ControlReq(method=method, kwargs=kwargs))
+    """Run a control call over ``s`` (the plane holds no state of its own between these)."""
+    result = build_control(s).handle(ControlReq(method=method, kwargs=kwargs))
     assert result is not None and result.success, result
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from rollout_engine.speculative.draft_refit import split_for_draft
+from rollout_engine.control.draft_refit import split_for_draft
 from rollout_engine.speculative.selector import check_target_only, resolve_selector
 from rollout_engine.testing.tiny_model import tiny_model_path
 from rollout_engine.weights.loader import iter_safetensors

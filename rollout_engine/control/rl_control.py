@@ -12,7 +12,7 @@ never matched by later requests and is freed when it finishes, not cached; a ``f
 asked for while such requests hold KV is deferred to the next moment none does.
 
 After a wake without a CPU backup the weights are zeros: generation is refused until every
-weight of the model has been written again (``missing_weights`` counts down per refit).
+weight of the model has been written again (``WeightState.missing`` counts down per refit).
 
 As in SGLang, a refit changes ``weight_version`` only when it names one (verl refits bucket by
 bucket and names none), and the update calls take every field of SGLang's ``*ReqInput``: what
@@ -25,23 +25,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
-from rollout_engine.memory.memory_saver import TAGS
-from rollout_engine.protocol.messages import AbortReq, WeightSlice
-from rollout_engine.scheduler.control import BusyError
+from rollout_engine.control.rl_broadcast import BroadcastRefits
+from rollout_engine.control.serving import Serving
+from rollout_engine.memory.kv_pool import PageAllocator
+from rollout_engine.memory.memory_saver import TAGS, MemorySaver
+from rollout_engine.model_runner.model_runner import ModelRunner
+from rollout_engine.protocol.messages import AbortReq, BusyError, WeightSlice
+from rollout_engine.scheduler.kv_manager import KVManager
 from rollout_engine.scheduler.request import ReqState
-from rollout_engine.scheduler.rl_broadcast import BroadcastRefits
+from rollout_engine.scheduler.weight_state import WeightState
 from rollout_engine.speculative.selector import check_target_only
 from rollout_engine.weights import refit
 from rollout_engine.weights.disk_reader import PartialLoadError
-from rollout_engine.weights.loader import LoadReport, read_weight, weight_names
+from rollout_engine.weights.loader import WeightLoadReport, read_weight, weight_names
 from rollout_engine.weights.shadow import ShadowWeights
-
-if TYPE_CHECKING:
-    from rollout_engine.scheduler.scheduler import Scheduler
+from rollout_engine.weights.update_groups import WeightUpdateGroups
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 MAX_TRUNCATE_ROWS = 1024        # get_weights_by_name: rows a read may return
@@ -63,7 +65,7 @@ def _check_flags(*, weight_version: Optional[str] = None, is_async: bool = False
                  **flags: Any) -> None:
     """Refuse, naming the field, an SGLang update flag this engine cannot honour; ``flags`` are
     booleans that are all honoured (or trivially true here). ``selector`` / ``draft_model_path``
-    reach here only without a draft model (``speculative/draft_refit.py`` routes them)."""
+    reach here only without a draft model (``draft_refit.py`` routes them)."""
     check_target_only(selector, draft_model_path)
     if weight_version is not None and not isinstance(weight_version, str):
         raise ValueError(f"weight_version: must be a string or null, got {weight_version!r}")
@@ -83,44 +85,38 @@ def _check_flags(*, weight_version: Optional[str] = None, is_async: bool = False
 
 
 class RLControl(BroadcastRefits):
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.s = scheduler
+    """The RL control calls over the scheduler's request side (``serving``), its runner, KV
+    and memory, and the weight state it serves with; ``groups`` (the weight-update groups) and
+    the trainer's memory kept mapped are this object's own."""
+
+    def __init__(self, *, serving: Serving, runner: ModelRunner, kv: KVManager,
+                 allocator: PageAllocator, memory_saver: MemorySaver, weights: WeightState,
+                 groups: WeightUpdateGroups, group_timeout_s: float) -> None:
+        self.serving = serving
+        self.runner = runner
+        self.kv = kv
+        self.allocator = allocator
+        self.memory_saver = memory_saver
+        self.weights = weights
+        self.groups = groups
+        self.group_timeout_s = group_timeout_s   # weight_update_group_timeout
         self.mapped: Optional[refit.MappedStorages] = None  # trainer shm kept mapped (1st refit)
         self.shadow: Optional[ShadowWeights] = None   # spare weights a broadcast lands in
         self.num_refits = 0
-        self.generation = 0                 # bumped by every weight change; keys the KV cache
-        self.missing_weights: set[str] = set()  # not written since a wake without backup
-        self.flush_pending = False          # a refit's flush_cache, waiting for no KV holders
 
-    # -- why nothing can be served -------------------------------------------------------------
-    def refusal_reason(self) -> str:
-        s = self.s
-        asleep = sorted(s.memory_saver.released & {"weights", "kv_cache"})
-        if asleep:
-            return (f"the engine is asleep (released: {asleep}); "
-                    "call resume_memory_occupation first")
-        if s.weights_stale:
-            total = len(weight_names(s.runner.model))
-            return (f"weights are stale: {len(self.missing_weights)} of {total} weights not "
-                    "written since they were resumed without a CPU backup; refit them all "
-                    "(update_weights_*) before generating")
-        return "generation is paused"
+    def spare_bytes(self) -> int:
+        """Bytes of spare parameter storage held for broadcasts (``weights/shadow.py``)."""
+        return self.shadow.num_bytes if self.shadow is not None else 0
 
     def _stale_info(self) -> dict[str, Any]:
-        stale = self.s.weights_stale
-        return {"weights_stale": stale, "weights_missing": len(self.missing_weights),
-                "stale_reason": self.refusal_reason() if stale else None}
-
-    def on_idle(self) -> None:
-        """Run a deferred flush once no request holds KV (called by the scheduler's step)."""
-        if self.flush_pending and not self.s.active_reqs():
-            self.s.kv.flush()
-            self.flush_pending = False
+        stale = self.weights.stale
+        return {"weights_stale": stale, "weights_missing": len(self.weights.missing),
+                "stale_reason": self.serving.refusal_reason() if stale else None}
 
     # -- sleep / wake --------------------------------------------------------------------------
     def rpc_release_memory_occupation(self, tags: Optional[list[str]] = None) -> dict[str, Any]:
         tags = _tags(tags)
-        s = self.s
+        s, saver = self.serving, self.memory_saver
         self._refuse_while_receiving("release_memory_occupation")
         holding = [r.rid for r in s.active_reqs()]
         if holding:
@@ -130,30 +126,28 @@ class RLControl(BroadcastRefits):
             raise BusyError(f"cannot release memory while {len(s.waiting)} request(s) wait; "
                             "pause_generation first")
         t0 = time.perf_counter()
-        if "kv_cache" in tags and "kv_cache" not in s.memory_saver.released:
-            s.kv.tree.reset()           # the tree's slots point into the pool being released
-            s.allocator.reset()
-            self.flush_pending = False
+        if "kv_cache" in tags and "kv_cache" not in saver.released:
+            self.kv.tree.reset()        # the tree's slots point into the pool being released
+            self.allocator.reset()
+            self.weights.flush_pending = False
         if "weights" in tags and self.mapped is not None:
             # a sleeping engine pins none of the trainer's shm, nor (through the refit plans
             # kept with it) any parameter storage the release frees
             self.mapped.clear()
-        freed = s.memory_saver.release(tags)
+        freed = saver.release(tags)
         if "weights" in tags:
-            s.update_groups.release_buffers()   # nor a broadcast receive buffer
+            self.groups.release_buffers()       # nor a broadcast receive buffer
             if self.shadow is not None:
                 self.shadow.release()           # nor spare parameter storage
-        return {"released": sorted(s.memory_saver.released), "bytes_freed": freed,
+        return {"released": sorted(saver.released), "bytes_freed": freed,
                 "seconds": time.perf_counter() - t0}
 
     def rpc_resume_memory_occupation(self, tags: Optional[list[str]] = None) -> dict[str, Any]:
         tags = _tags(tags)
-        s = self.s
         t0 = time.perf_counter()
-        if s.memory_saver.resume(tags):
-            self.missing_weights = set(weight_names(s.runner.model))  # all zeros now
-        s.weights_stale = bool(self.missing_weights)
-        return {"released": sorted(s.memory_saver.released), **self._stale_info(),
+        if self.memory_saver.resume(tags):
+            self.weights.zeroed(weight_names(self.runner.model))
+        return {"released": sorted(self.memory_saver.released), **self._stale_info(),
                 "seconds": time.perf_counter() - t0}
 
     # -- refit ---------------------------------------------------------------------------------
@@ -161,38 +155,34 @@ class RLControl(BroadcastRefits):
         """Refuse flags we cannot honour (`_check_flags`) and updates while the weights are
         released; honour ``abort_all_requests``."""
         _check_flags(abort_all_requests=abort_all_requests, **flags)
-        if "weights" in self.s.memory_saver.released:
+        if "weights" in self.memory_saver.released:
             raise BusyError("weights are released; resume_memory_occupation(['weights']) first")
         if abort_all_requests:
-            self.s.abort(AbortReq(abort_all=True, message="aborted for a weight update"))
+            self.serving.abort(AbortReq(abort_all=True, message="aborted for a weight update"))
 
     def _apply(self, load: Any, weight_version: Optional[str], flush_cache: bool,
                torch_empty_cache: bool = False, keep_pause: bool = False) -> dict[str, Any]:
-        s = self.s
+        device, weights = self.runner.device, self.weights
         t0 = time.perf_counter()
-        report: LoadReport = load()
-        if s.device.type == "cuda":
-            torch.cuda.synchronize(s.device)   # the trainer may reuse its buffers once we answer
+        report: WeightLoadReport = load()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)   # the trainer may reuse its buffers once we answer
         self.num_refits += 1
-        self.generation += 1
-        if weight_version is not None:      # SGLang: unchanged unless given
-            s.weight_version = weight_version
-        self.missing_weights -= report.names
-        s.weights_stale = bool(self.missing_weights)
+        generation = weights.loaded(report.names, weight_version)
         # older KV can never be matched again: free it now, or as soon as its last user ends
-        s.kv.tree.retire_generations_before(self.generation)
+        self.kv.tree.retire_generations_before(generation)
         deferred = False
         if flush_cache:
-            if s.active_reqs():
-                self.flush_pending = deferred = True
+            if self.serving.active_reqs():
+                weights.flush_pending = deferred = True
             else:
-                s.kv.flush()
-                self.flush_pending = False
-        if torch_empty_cache and s.device.type == "cuda":
+                self.kv.flush()
+                weights.flush_pending = False
+        if torch_empty_cache and device.type == "cuda":
             torch.cuda.empty_cache()
         if keep_pause:
-            s.paused = True     # as after pause_generation(mode="in_place")
-        return {"weight_version": s.weight_version, "weight_generation": self.generation,
+            self.serving.paused = True     # as after pause_generation(mode="in_place")
+        return {"weight_version": weights.version, "weight_generation": generation,
                 "num_tensors": report.num_tensors, "num_bytes": report.num_bytes,
                 "num_cast": report.num_cast, "flush_deferred": deferred, **self._stale_info(),
                 "seconds": time.perf_counter() - t0}
@@ -208,7 +198,7 @@ class RLControl(BroadcastRefits):
                                  weight_version, flush_cache, abort_all_requests,
                                  torch_empty_cache, keep_pause, **sglang_flags)
 
-    def _disk_update(self, load: Callable[[], LoadReport], load_format: Optional[str],
+    def _disk_update(self, load: Callable[[], WeightLoadReport], load_format: Optional[str],
                      weight_version: Optional[str], flush_cache: bool,
                      abort_all_requests: bool, torch_empty_cache: bool, keep_pause: bool,
                      **sglang_flags: Any) -> dict[str, Any]:
@@ -222,15 +212,12 @@ class RLControl(BroadcastRefits):
                             keep_pause=keep_pause, **sglang_flags)
         return self._apply(load, weight_version, flush_cache, torch_empty_cache, keep_pause)
 
-    def _read_checkpoint(self, model_path: str) -> LoadReport:
+    def _read_checkpoint(self, model_path: str) -> WeightLoadReport:
         try:
-            return refit.refit_from_disk(self.s.runner.model, model_path)
+            return refit.refit_from_disk(self.runner.model, model_path)
         except PartialLoadError as e:
             # some weights may be half overwritten: refuse generation until they are rewritten
-            self.generation += 1
-            self.s.kv.tree.retire_generations_before(self.generation)
-            self.missing_weights |= e.names
-            self.s.weights_stale = True
+            self.kv.tree.retire_generations_before(self.weights.partly_written(e.names))
             raise ValueError(str(e)) from None
 
     def rpc_update_weights_from_tensor(self, serialized_named_tensors: list[str],
@@ -246,7 +233,7 @@ class RLControl(BroadcastRefits):
         reads the same payload and drops the sender's shm references. A call refused before
         its payload is read drops the references a sender using torch's protocol took for
         it (our own senders lend theirs and keep them: ``protocol/shm_lease.py``)."""
-        model = self.s.runner.model
+        model = self.runner.model
         try:
             self._refuse_while_receiving("update_weights_from_tensor")
             self._before_update(abort_all_requests, weight_version=weight_version,
@@ -262,15 +249,21 @@ class RLControl(BroadcastRefits):
             model, serialized_named_tensors, load_format, self.mapped, read_by_others),
             weight_version, flush_cache, torch_empty_cache)
 
+    def cancel_update_weights_from_tensor(self, kwargs: dict[str, Any]) -> None:
+        """A tensor update cancelled before it ran: drop the references a torch-protocol
+        sender took for its reader, unless another replica reads the payload."""
+        if not kwargs.get("read_by_others"):
+            refit.drop_unread(self.runner.model, kwargs.get("serialized_named_tensors"))
+
     def rpc_get_weights_by_name(self, name: str, truncate_size: int = 100) -> WeightSlice:
         """The first ``truncate_size`` rows of a weight, bounded (a debugging read)."""
         if (not isinstance(truncate_size, int) or isinstance(truncate_size, bool)
                 or not 1 <= truncate_size <= MAX_TRUNCATE_ROWS):
             raise ValueError(f"truncate_size: must be an integer in [1, {MAX_TRUNCATE_ROWS}] "
                              f"(rows of the weight to return), got {truncate_size!r}")
-        if "weights" in self.s.memory_saver.released:
+        if "weights" in self.memory_saver.released:
             raise BusyError("weights are released")
-        t = read_weight(self.s.runner.model, name)
+        t = read_weight(self.runner.model, name)
         part = t[:truncate_size] if t.dim() else t
         if part.numel() > MAX_WEIGHT_ELEMENTS:
             row = max(1, part[0].numel()) if part.dim() else 1
@@ -282,7 +275,7 @@ class RLControl(BroadcastRefits):
 
     # -- versions and pausing -------------------------------------------------------------------
     def rpc_get_weight_version(self) -> dict[str, Any]:
-        return {"weight_version": self.s.weight_version}
+        return {"weight_version": self.weights.version}
 
     def rpc_update_weight_version(self, new_version: str, abort_all_requests: bool = False
                                   ) -> dict[str, Any]:
@@ -290,14 +283,15 @@ class RLControl(BroadcastRefits):
             raise ValueError("new_version: must be a non-empty string")
         _check_flags(abort_all_requests=abort_all_requests)
         if abort_all_requests:
-            self.s.abort(AbortReq(abort_all=True, message="aborted for a weight version update"))
-        self.s.weight_version = new_version    # a label: the weights and their KV stay valid
+            self.serving.abort(AbortReq(abort_all=True,
+                                        message="aborted for a weight version update"))
+        self.weights.version = new_version    # a label: the weights and their KV stay valid
         return {"weight_version": new_version}
 
     def rpc_pause_generation(self, mode: str = "abort") -> dict[str, Any]:
         if mode not in PAUSE_MODES:
             raise ValueError(f"mode: must be one of {PAUSE_MODES}, got {mode!r}")
-        s = self.s
+        s = self.serving
         s.paused = True
         affected = len(s.by_rid)
         if mode == "abort":
@@ -310,11 +304,11 @@ class RLControl(BroadcastRefits):
     def rpc_continue_generation(self) -> dict[str, Any]:
         """Resume scheduling. Asleep or with stale weights nothing could ever run: requests
         queued during the pause are refused with the reason instead of waiting forever."""
-        s = self.s
+        s = self.serving
         s.paused = False
         refused = 0
         if not s.can_run and s.by_rid:
-            refused = s.abort(AbortReq(abort_all=True, message=self.refusal_reason()))
+            refused = s.abort(AbortReq(abort_all=True, message=s.refusal_reason()))
         return {"paused": False, "refused": refused}
 
 

@@ -10,20 +10,24 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from rollout_engine.scheduler.control import BusyError, Deferred
+from rollout_engine.control.dispatch import Deferred
+from rollout_engine.memory.memory_saver import MemorySaver
+from rollout_engine.model_runner.model_runner import ModelRunner
+from rollout_engine.protocol.messages import BusyError
 from rollout_engine.weights import refit
-from rollout_engine.weights.loader import LoadReport, load_weights
+from rollout_engine.weights.loader import WeightLoadReport, load_weights
 from rollout_engine.weights.shadow import InPlacePlan, ShadowWeights
-
-if TYPE_CHECKING:
-    from rollout_engine.scheduler.scheduler import Scheduler
+from rollout_engine.weights.update_groups import WeightUpdateGroups
 
 
 class BroadcastRefits:
-    """Needs ``s`` (the scheduler), ``shadow`` and the update steps ``_before_update`` /
-    ``_apply`` of ``RLControl``."""
+    """Needs ``runner``, ``memory_saver``, ``groups``, ``group_timeout_s``, ``shadow`` and the
+    update steps ``_before_update`` / ``_apply`` of ``RLControl``."""
 
-    s: Scheduler
+    runner: ModelRunner
+    memory_saver: MemorySaver
+    groups: WeightUpdateGroups
+    group_timeout_s: float
     shadow: Optional[ShadowWeights]
 
     if TYPE_CHECKING:
@@ -39,9 +43,9 @@ class BroadcastRefits:
                                       backend: str = "nccl") -> Deferred:
         """Join the trainer's group; the rendezvous runs off the loop (requests keep being
         served) and waits at most ``weight_update_group_timeout`` seconds."""
-        groups = self.s.update_groups
+        groups = self.groups
         future = groups.start_init(master_address, master_port, rank_offset, world_size,
-                                   group_name, backend, self.s.config.weight_update_group_timeout)
+                                   group_name, backend, self.group_timeout_s)
 
         def finish(done: Future) -> dict[str, Any]:
             groups.finish_init(group_name, done)
@@ -65,7 +69,7 @@ class BroadcastRefits:
         (a bucketed trainer's next bucket arrives while this one is applied). The broadcast is
         drained before anything is refused, so a refused update never leaves the trainer
         hanging."""
-        groups = self.s.update_groups
+        groups = self.groups
         previous = groups.in_flight[-1] if groups.in_flight else None
         plan = self._in_place_plan(names, dtypes, shapes, load_format, sglang_flags)
         shadow = self._shadow()
@@ -105,7 +109,7 @@ class BroadcastRefits:
         (`weights/shadow.py`) when it is a plain target update the model takes as announced;
         None: staged and copied. Malformed announcements are left to ``post`` to refuse."""
         if (load_format is not None or sglang_flags.get("selector") not in (None, "target", "all")
-                or self.s.device.type != "cpu" or "weights" in self.s.memory_saver.released):
+                or self.runner.device.type != "cpu" or "weights" in self.memory_saver.released):
             return None
         try:
             torch_dtypes = [refit.declared_dtype(d) for d in dtypes]
@@ -118,22 +122,22 @@ class BroadcastRefits:
 
     def _shadow(self) -> ShadowWeights:
         if self.shadow is None:
-            self.shadow = ShadowWeights(self.s.runner.model)
+            self.shadow = ShadowWeights(self.runner.model)
         return self.shadow
 
     def _load_broadcast(self, received: list[tuple[str, torch.Tensor]],
-                        sglang_flags: dict[str, Any]) -> LoadReport:
+                        sglang_flags: dict[str, Any]) -> WeightLoadReport:
         """Load a received broadcast (a speculative engine also routes draft weights)."""
-        return load_weights(self.s.runner.model, received)
+        return load_weights(self.runner.model, received)
 
     def _refuse_while_receiving(self, what: str) -> None:
-        if self.s.update_groups.receiving():
+        if self.groups.receiving():
             raise BusyError(f"{what}: a distributed weight update is still being received; "
                             "wait for its answer")
 
     def rpc_destroy_weights_update_group(self, group_name: str = "weight_update_group"
                                          ) -> dict[str, Any]:
-        groups = self.s.update_groups
+        groups = self.groups
         groups.destroy(group_name)
         if not groups.groups and self.shadow is not None:
             self.shadow.release()   # no group left to receive into the spare weights

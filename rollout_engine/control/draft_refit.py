@@ -36,14 +36,13 @@ import torch
 from torch import nn
 
 from rollout_engine.compat.payloads import read_refit_payload
-from rollout_engine.protocol.messages import WeightSlice
-from rollout_engine.scheduler.control import BusyError
-from rollout_engine.scheduler.rl_control import MAX_TRUNCATE_ROWS, MAX_WEIGHT_ELEMENTS, RLControl
+from rollout_engine.control.rl_control import MAX_TRUNCATE_ROWS, MAX_WEIGHT_ELEMENTS, RLControl
+from rollout_engine.protocol.messages import BusyError, WeightSlice
 from rollout_engine.speculative.selector import DRAFT_PREFIX, resolve_selector
 from rollout_engine.weights import refit
 from rollout_engine.weights.disk_reader import PartialLoadError, load_checkpoint, read_header
 from rollout_engine.weights.loader import (
-    LoadReport,
+    WeightLoadReport,
     iter_safetensors,
     load_weights,
     plan_targets,
@@ -52,7 +51,6 @@ from rollout_engine.weights.loader import (
 )
 
 if TYPE_CHECKING:
-    from rollout_engine.scheduler.scheduler import Scheduler
     from rollout_engine.speculative.draft import DraftModel
 
 __all__ = ["DraftRLControl", "check_checkpoint", "split_for_draft"]
@@ -72,11 +70,12 @@ def split_for_draft(names: list[str], selector: str) -> tuple[list[int], list[st
     return drafted, [names[i][len(DRAFT_PREFIX):] for i in drafted]
 
 
-def _combined(target: Optional[LoadReport], draft: Optional[LoadReport]) -> LoadReport:
+def _combined(target: Optional[WeightLoadReport], draft: Optional[WeightLoadReport]
+              ) -> WeightLoadReport:
     """One report for the update; ``names`` only the target's (the control plane counts them
     against the target's weights still missing after a wake)."""
     parts = [r for r in (target, draft) if r is not None]
-    return LoadReport(num_tensors=sum(r.num_tensors for r in parts),
+    return WeightLoadReport(num_tensors=sum(r.num_tensors for r in parts),
                       num_bytes=sum(r.num_bytes for r in parts),
                       names=target.names if target is not None else frozenset(),
                       num_cast=sum(r.num_cast for r in parts))
@@ -98,13 +97,14 @@ class DraftRLControl(RLControl):
     """The RL control calls of an engine with a STANDALONE draft: the weight updates route to
     the target, the draft or both (module docstring); everything else is ``RLControl``'s."""
 
-    def __init__(self, scheduler: Scheduler, draft: DraftModel) -> None:
-        super().__init__(scheduler)
+    def __init__(self, draft: DraftModel, **parts: Any) -> None:
+        """``parts``: ``RLControl``'s collaborators."""
+        super().__init__(**parts)
         self.draft = draft
 
     @property
     def _target(self) -> nn.Module:
-        return self.s.runner.model
+        return self.runner.model
 
     # -- disk ------------------------------------------------------------------------------------
     def rpc_update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
@@ -125,7 +125,7 @@ class DraftRLControl(RLControl):
                 torch_empty_cache, keep_pause, **sglang_flags)
         draft_path = draft_model_path
 
-        def load() -> LoadReport:
+        def load() -> WeightLoadReport:
             if draft_path is None:          # selector "draft": model_path is the draft's
                 return _combined(None, self._read_draft(model_path))
             return self._read_both(model_path, draft_path)
@@ -134,7 +134,7 @@ class DraftRLControl(RLControl):
                                  abort_all_requests, torch_empty_cache, keep_pause,
                                  **sglang_flags)
 
-    def _read_draft(self, path: str) -> LoadReport:
+    def _read_draft(self, path: str) -> WeightLoadReport:
         try:
             report = load_checkpoint(self.draft.runner.model, path)
         except PartialLoadError as e:
@@ -143,7 +143,7 @@ class DraftRLControl(RLControl):
         self.draft.path = path       # what a wake without CPU backup reloads
         return report
 
-    def _read_both(self, model_path: str, draft_path: str) -> LoadReport:
+    def _read_both(self, model_path: str, draft_path: str) -> WeightLoadReport:
         try:
             check_checkpoint(self.draft.runner.model, draft_path)
         except ValueError as e:
@@ -174,7 +174,7 @@ class DraftRLControl(RLControl):
         if self.mapped is None:
             self.mapped = refit.MappedStorages.for_model(both)
 
-        def load() -> LoadReport:
+        def load() -> WeightLoadReport:
             payload = read_refit_payload(serialized_named_tensors[0], both,
                                          read_by_others=read_by_others)
             named = refit.named_tensors_from_payload(payload, load_format)
@@ -185,7 +185,7 @@ class DraftRLControl(RLControl):
 
         return self._apply(load, weight_version, flush_cache, torch_empty_cache)
 
-    def _load_named(self, named: NamedTensors, selector: str) -> LoadReport:
+    def _load_named(self, named: NamedTensors, selector: str) -> WeightLoadReport:
         """Split, validate both halves, then write the target's and the draft's."""
         indices, draft_names = split_for_draft([n for n, _ in named], selector)
         ours = set(indices)
@@ -202,7 +202,7 @@ class DraftRLControl(RLControl):
 
     # -- broadcast -------------------------------------------------------------------------------
     def _load_broadcast(self, received: NamedTensors, sglang_flags: dict[str, Any]
-                        ) -> LoadReport:
+                        ) -> WeightLoadReport:
         """A received broadcast (drained before anything is refused), routed by ``selector``."""
         return self._load_named(received, resolve_selector(sglang_flags.get("selector")))
 
@@ -220,7 +220,7 @@ class DraftRLControl(RLControl):
                 or not 1 <= truncate_size <= MAX_TRUNCATE_ROWS):
             raise ValueError(f"truncate_size: must be an integer in [1, {MAX_TRUNCATE_ROWS}], "
                              f"got {truncate_size!r}")
-        if "weights" in self.s.memory_saver.released:
+        if "weights" in self.memory_saver.released:
             raise BusyError("weights are released")
         t = read_weight(self.draft.runner.model, name[len(DRAFT_PREFIX):])
         part = t[:truncate_size] if t.dim() else t
