@@ -108,7 +108,7 @@ class GenerationService:
             message = await request.receive()
             if message["type"] == "http.disconnect":
                 if self.abort_unfinished(states):
-                    self.metrics.client_disconnects += 1
+                    self.metrics.observe_disconnect()
                 return
 
     async def stream(self, states: list[RequestState], cumulative: bool = False,
@@ -149,4 +149,4 @@ class GenerationService:
             for t in tasks:
                 t.cancel()
             if self.abort_unfinished(states):
-                self.metrics.client_disconnects += 1
+                self.metrics.observe_disconnect()

@@ -120,6 +120,20 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+class Embedding(nn.Module):
+    """A token embedding table under ``nn.Embedding``'s parameter name (``weight``,
+    ``[num_embeddings, embedding_dim]``), created uninitialised: the weight loader fills it.
+    (``nn.Embedding`` draws a normal init, which on the meta device imports ``torch._dynamo``
+    and with it Triton, a GPU-only package.)"""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF Llama RMSNorm: normalise in float32, scale by ``weight``, cast back."""
     dtype = x.dtype
@@ -155,8 +169,10 @@ class RMSNorm(nn.Module):
 
 
 def compute_inv_freq(head_dim: int, base: float, rope_scaling: Optional[dict[str, Any]]) -> torch.Tensor:
-    """Inverse frequencies for RoPE, with Llama 3's frequency-dependent scaling when asked."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    """Inverse frequencies for RoPE, with Llama 3's frequency-dependent scaling when asked;
+    float32 on the CPU whatever device context is active (the caller moves them)."""
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
+    inv_freq = 1.0 / (base ** (steps.float() / head_dim))
     rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
     if rope_type in (None, "default"):
         return inv_freq

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from rollout_engine.models.layers import (
+    Embedding,
     Linear,
     MergedLinear,
     RMSNorm,
@@ -169,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
         self._tp_shards: Optional[dict[str, Shard]] = None
         vocab_rows = arch.vocab_size   # this rank's, padded, with tp
         if tp is None:
-            self.embed_tokens: nn.Module = nn.Embedding(arch.vocab_size, arch.hidden_size)
+            self.embed_tokens: nn.Module = Embedding(arch.vocab_size, arch.hidden_size)
         else:
             self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
             vocab_rows = tp.vocab(arch.vocab_size)[2]

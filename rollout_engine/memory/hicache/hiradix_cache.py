@@ -14,9 +14,11 @@ keeps its place in the tree (value None), one without is removed (``write_back``
 the host first). ``load_back`` (at admission) gives a match's host-only nodes fresh device
 slots, after fetching the blocks that follow from storage (``tiers.StorageTier``), so the
 prefill starts from the whole hit; the copies of all of a step's admissions are queued and done
-in bulk by ``commit_loads`` before the forward (``transfers.py``). Write policies, as SGLang's: ``write_through`` backs a node up
-when it is inserted, ``write_through_selective`` once an admitted request matches it a second
-time (its hit count reaches 2), ``write_back`` only when the device evicts it.
+in bulk by ``commit_loads`` before the forward (``transfers.py``). Write policies, as SGLang's:
+``write_through`` backs a node up when it is inserted, ``write_through_selective`` once an
+admitted request matches it a second time (its hit count reaches 2), ``write_back`` only when
+the device evicts it. The helpers reach the tree through its public surface (``node.HostTree``)
+or what ``check_integrity`` hands them (``integrity.TreeBook``), never its private state.
 
 Namespaces (weight generation + extra key) partition every tier: a retired generation's nodes
 are dropped with their host copies, and storage keys hash the weights' fingerprint.
@@ -32,6 +34,8 @@ import torch
 
 from rollout_engine.memory.hicache import transfers
 from rollout_engine.memory.hicache.host_pool import HostKVPool
+from rollout_engine.memory.hicache.integrity import TreeBook, check_hiradix
+from rollout_engine.memory.hicache.node import HiTreeNode, cat_slots, device_prefix
 from rollout_engine.memory.hicache.stats import HiCacheStats
 from rollout_engine.memory.hicache.tiers import StorageTier
 from rollout_engine.memory.prefix_cache import CacheNamespace, MatchResult, empty_slots
@@ -40,18 +44,6 @@ from rollout_engine.memory.radix_cache import RadixCache, TreeNode
 __all__ = ["HiRadixCache", "HiTreeNode", "WRITE_POLICIES"]
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-
-
-class HiTreeNode(TreeNode):
-    """A tree node with a host copy and a hit count (``value`` None: not on the device)."""
-
-    __slots__ = ("host_value", "hit_count")
-
-    def __init__(self, key: tuple[int, ...], value: Optional[torch.Tensor],
-                 parent: Optional[TreeNode]) -> None:
-        super().__init__(key, value, parent)  # type: ignore[arg-type]
-        self.host_value: Optional[torch.Tensor] = None
-        self.hit_count = 0
 
 
 class HiRadixCache(RadixCache):
@@ -85,11 +77,11 @@ class HiRadixCache(RadixCache):
         if ns_root is None or not key:
             return MatchResult(empty_slots(), ns_root if ns_root is not None else self.root)
         path, _ = self._walk_path(ns_root, key)
-        device = _device_prefix(path)
+        device = device_prefix(path)
         node = device[-1] if device else ns_root
         if device and self._is_evictable_leaf(node):
             self._push_leaf(node)
-        return MatchResult(_cat([n.value for n in device]), node)
+        return MatchResult(cat_slots([n.value for n in device]), node)
 
     def load_back(self, token_ids: Sequence[int], namespace: CacheNamespace,
                   rid: Optional[str] = None) -> MatchResult:
@@ -110,7 +102,7 @@ class HiRadixCache(RadixCache):
         path, pos = self._walk_path(ns_root, key)
         self._pinned = {id(n) for n in path}   # host eviction keeps this path meanwhile
         try:
-            device = _device_prefix(path)
+            device = device_prefix(path)
             hosts = path[len(device):]
             for hit in device:
                 self._count_hit(hit)
@@ -124,7 +116,7 @@ class HiRadixCache(RadixCache):
                     if ns_root.parent is None:   # host eviction emptied and dropped it meanwhile
                         ns_root.parent = self.root
                         self.root.children[namespace] = ns_root
-            loaded = self._load(device, hosts) if hosts else []
+            loaded = transfers.load(self, device, hosts) if hosts else []
         finally:
             self._pinned = set()
         self._drop_namespace_if_empty(ns_root)
@@ -134,7 +126,7 @@ class HiRadixCache(RadixCache):
         if nodes and self._is_evictable_leaf(node):
             self._push_leaf(node)
         from_storage = len(fetched.key) if fetched is not None and fetched in loaded else 0
-        return MatchResult(_cat([n.value for n in nodes]), node,
+        return MatchResult(cat_slots([n.value for n in nodes]), node,
                            host_hit_len=sum(len(n.key) for n in loaded) - from_storage,
                            storage_hit_len=from_storage)
 
@@ -161,7 +153,7 @@ class HiRadixCache(RadixCache):
 
     def commit_loads(self) -> None:
         """Copy every load queued since the last commit, in bulk (before any forward)."""
-        self._loads.commit(self)
+        self._loads.commit(self.host, self.stats)
 
     def on_admit(self, match: MatchResult) -> None:
         self.stats.device_hit_tokens += (match.matched_len - match.host_hit_len
@@ -180,7 +172,7 @@ class HiRadixCache(RadixCache):
             return 0
         key, ns_root = begun
         path, pos = self._walk_path(ns_root, key)
-        device = _device_prefix(path)
+        device = device_prefix(path)
         present = sum(len(n.key) for n in device)
         start = present
         for node in path[len(device):]:
@@ -198,7 +190,7 @@ class HiRadixCache(RadixCache):
             self._evictable_size += len(leaf.key)
             self.version += 1
             if self.write_policy == "write_through":
-                self._backup(leaf)
+                self.backup(leaf)
             last = leaf
         if self._is_evictable_leaf(last):
             self._push_leaf(last)
@@ -217,7 +209,7 @@ class HiRadixCache(RadixCache):
             assert isinstance(node, HiTreeNode) and node.parent is not None
             parent = node.parent
             if node.host_value is None and self.write_policy == "write_back":
-                self._backup(node)
+                self.backup(node)
             if node.host_value is not None:
                 freed.append(node.value)
                 node.value = None  # type: ignore[assignment]
@@ -232,10 +224,6 @@ class HiRadixCache(RadixCache):
                 self._drop_namespace_if_empty(parent)
         self._free(freed)
         return num_freed
-
-    def evict_host(self, num_tokens: int) -> int:
-        """Drop LRU host-only leaves until ``num_tokens`` host slots are free (transfers.py)."""
-        return transfers.evict_host(self, num_tokens)
 
     def dec_lock_ref(self, node: object) -> None:
         path = self._path_to_root(node)
@@ -255,21 +243,15 @@ class HiRadixCache(RadixCache):
         super().reset()
         self.host.allocator.reset()
         if self.storage is not None:
-            self.storage.forget_before(None)
-            # a flush returns with L3 settled: our blocks deleted (the flag), else every block
-            # queued before it stored (the writer thread may still be behind)
-            if self.flush_storage_on_reset:
-                self.storage.delete_own()
-            else:
-                self.storage.flush()
+            self.storage.reset(delete_own=self.flush_storage_on_reset)
 
     # ---- sizes, memory, integrity -------------------------------------------------------------
 
     def cached_slots(self) -> torch.Tensor:
-        return _cat([n.value for n in self._iter_nodes() if n.key and n.value is not None])
+        return cat_slots([n.value for n in self._iter_nodes() if n.key and n.value is not None])
 
     def host_slots(self) -> torch.Tensor:
-        return _cat([getattr(n, "host_value", None) for n in self._iter_nodes() if n.key])
+        return cat_slots([getattr(n, "host_value", None) for n in self._iter_nodes() if n.key])
 
     def host_size(self) -> int:
         return self.host.num_slots - self.host.allocator.available_size()
@@ -294,9 +276,62 @@ class HiRadixCache(RadixCache):
             self.storage.close()
 
     def check_integrity(self) -> None:
-        from rollout_engine.memory.hicache.integrity import check_hiradix
+        nodes = list(self._iter_nodes())
+        check_hiradix(TreeBook(
+            root=self.root, nodes=nodes, child_key=self._child_key, retired=self._retired(),
+            num_nodes=self._num_nodes, evictable_size=self._evictable_size,
+            protected_size=self._protected_size, page_size=self.page_size,
+            in_heap={id(n) for t, _, n in self._leaf_heap if t == n.last_access},
+            evictable_leaves=[n for n in nodes if self._is_evictable_leaf(n)],
+            device_slots=self.cached_slots(), host_slots=self.host_slots(),
+            host_allocator=self.host.allocator))
 
-        check_hiradix(self)
+    # ---- the surface of the tier helpers (node.HostTree) ----------------------------------------
+
+    def backup(self, node: HiTreeNode) -> bool:
+        """Copy ``node`` (and its unbacked ancestors first) to the host tier, queueing the whole
+        storage blocks each one completes. False if the host tier ran out of room (the
+        ancestors copied so far stay backed up)."""
+        for n in transfers.unbacked_chain(node):
+            if not transfers.backup_one(self, n):
+                return False
+            if self.storage is not None:
+                self.storage.write_node(self, n)
+        return True
+
+    def alloc_host(self, num_tokens: int) -> Optional[torch.Tensor]:
+        """Host slots for ``num_tokens`` (whole pages), evicting host-only leaves if short;
+        None if the host tier cannot hold them. The caller gives them to a node."""
+        return transfers.alloc_host(self, num_tokens)
+
+    def attach_device_slots(self, nodes: list[HiTreeNode], slots: torch.Tensor) -> None:
+        """Give the host-only ``nodes`` (consecutive on one path, right below its device
+        prefix) the device ``slots``, one per token in order, and count them evictable. Their
+        KV is valid once the copy the caller queues (``queue_load``) is committed."""
+        start = 0
+        for node in nodes:
+            node.value = slots[start:start + len(node.key)]
+            start += len(node.key)
+        self._evictable_size += start
+        self.version += 1
+
+    def host_leaves(self) -> list[HiTreeNode]:
+        """Every node ``is_host_leaf`` holds for (what host eviction may take)."""
+        return [n for n in self._iter_nodes() if self.is_host_leaf(n)]  # type: ignore[misc]
+
+    def is_host_leaf(self, node: TreeNode) -> bool:
+        """Whether ``node`` is host-only, childless and not part of a load in progress."""
+        return (bool(node.key) and node.parent is not None and node.value is None
+                and not node.children and id(node) not in self._pinned)
+
+    def drop_host_leaf(self, node: HiTreeNode) -> None:
+        """Unlink ``node`` (``is_host_leaf``) and free its host slots; its namespace goes too
+        if this empties it. The caller bumps ``version``."""
+        parent = node.parent
+        assert parent is not None and self.is_host_leaf(node)
+        self._detach(node, [])
+        if not parent.key:
+            self._drop_namespace_if_empty(parent)
 
     # ---- internals ----------------------------------------------------------------------------
 
@@ -324,16 +359,7 @@ class HiRadixCache(RadixCache):
         node.hit_count += 1
         if (self.write_policy == "write_through_selective" and node.hit_count >= 2
                 and node.host_value is None):
-            self._backup(node)
-
-    def _backup(self, node: HiTreeNode) -> bool:
-        return transfers.backup(self, node)
-
-    def _alloc_host(self, num_tokens: int) -> Optional[torch.Tensor]:
-        return transfers.alloc_host(self, num_tokens)
-
-    def _load(self, device: list[HiTreeNode], hosts: list[HiTreeNode]) -> list[HiTreeNode]:
-        return transfers.load(self, device, hosts)
+            self.backup(node)
 
     def attach_host_node(self, parent: TreeNode, key: tuple[int, ...],
                          host_slots: torch.Tensor) -> HiTreeNode:
@@ -364,10 +390,6 @@ class HiRadixCache(RadixCache):
                 and node.lock_ref == 0
                 and all(c.value is None for c in node.children.values()))
 
-    def _is_host_leaf(self, node: TreeNode) -> bool:
-        return (bool(node.key) and node.parent is not None and node.value is None
-                and not node.children and id(node) not in self._pinned)
-
     def _free(self, freed: list[torch.Tensor]) -> None:
         if self._loads and freed and self._loads.overlaps(torch.cat(freed)):
             self.commit_loads()   # a queued copy must land before its slots change hands
@@ -390,17 +412,3 @@ class HiRadixCache(RadixCache):
         freed.append(node.value)
         self._evictable_size -= len(node.key)
         return len(node.key)
-
-
-def _device_prefix(path: list[HiTreeNode]) -> list[HiTreeNode]:
-    out = []
-    for node in path:
-        if node.value is None:
-            break
-        out.append(node)
-    return out
-
-
-def _cat(values: list) -> torch.Tensor:
-    values = [v for v in values if v is not None and v.numel()]
-    return torch.cat(values) if values else empty_slots()

@@ -5,20 +5,41 @@ leaf in the LRU heap), over the nodes that hold device slots. Host: every host s
 free in the host allocator or held by exactly one node, never both. Shape: each node holds at
 least one tier; device-held and host-held nodes are each closed under ancestors; a node not on
 the device is unlocked; a retired namespace keeps only locked (hence device) nodes.
+
+The cache hands its bookkeeping over as a ``TreeBook``; nothing here reads its private state.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from rollout_engine.memory.prefix_cache import CacheIntegrityError, CacheNamespace
+from rollout_engine.memory.radix_cache import TreeNode
 
-if TYPE_CHECKING:
-    from rollout_engine.memory.hicache.hiradix_cache import HiRadixCache
+__all__ = ["TreeBook", "check_hiradix"]
 
-__all__ = ["check_hiradix"]
+
+@dataclass(frozen=True)
+class TreeBook:
+    """A HiRadixCache's tree and what its bookkeeping says of it, at one moment."""
+
+    root: TreeNode
+    nodes: list[TreeNode]                  # every node, root and namespace roots included
+    child_key: Callable[[tuple[int, ...]], Hashable]   # a node's key in its parent's children
+    retired: list[CacheNamespace]          # namespaces of retired weight generations
+    num_nodes: int                         # token-holding nodes, as counted
+    evictable_size: int                    # device tokens of unlocked nodes, as counted
+    protected_size: int                    # device tokens of locked nodes, as counted
+    page_size: int
+    in_heap: set[int]                      # ids of the nodes with a live LRU heap entry
+    evictable_leaves: list[TreeNode]       # the nodes device eviction may take now
+    device_slots: torch.Tensor             # every node's device slots, concatenated
+    host_slots: torch.Tensor               # every node's host slots, concatenated
+    host_allocator: Any                    # the host tier's page allocator
 
 
 def _check(condition: bool, message: str) -> None:
@@ -26,20 +47,21 @@ def _check(condition: bool, message: str) -> None:
         raise CacheIntegrityError(f"HiRadixCache integrity: {message}")
 
 
-def check_hiradix(cache: HiRadixCache) -> None:
-    ps = cache.page_size
+def check_hiradix(book: TreeBook) -> None:
+    """Raise CacheIntegrityError naming the first invariant ``book`` breaks."""
+    ps = book.page_size
     evictable = protected = num_nodes = 0
-    for node in cache._iter_nodes():
+    for node in book.nodes:
         where = f"{node!r} (key[:8]={node.key[:8]})"
         expected = node.num_own_locks + sum(c.lock_ref for c in node.children.values())
         _check(node.lock_ref == expected, f"{where}: lock_ref != own locks + children's")
         for child_key, child in node.children.items():
             _check(child.parent is node, f"{where}: child {child!r} has another parent")
-            if node is cache.root:
+            if node is book.root:
                 _check(isinstance(child_key, CacheNamespace), f"root child key {child_key!r}")
                 _check(bool(child.children) or child.lock_ref > 0, f"empty ns {child_key} kept")
             else:
-                _check(child_key == cache._child_key(child.key), f"{where}: child key mismatch")
+                _check(child_key == book.child_key(child.key), f"{where}: child key mismatch")
         if not node.key:
             continue
         num_nodes += 1
@@ -64,28 +86,25 @@ def check_hiradix(cache: HiRadixCache) -> None:
         if host is not None:
             _check(not parent.key or parent.host_value is not None,  # type: ignore[attr-defined]
                    f"{where}: on the host below a parent that is not")
-    for namespace in cache._retired():
-        stack = list(cache.root.children[namespace].children.values())
+    for namespace in book.retired:
+        stack = list(book.root.children[namespace].children.values())
         while stack:
             node = stack.pop()
             _check(node.lock_ref > 0, f"retired namespace {namespace} keeps unlocked {node!r}")
             stack.extend(node.children.values())
-    _check(num_nodes == cache._num_nodes, f"node count {cache._num_nodes} != {num_nodes}")
-    _check(evictable == cache._evictable_size, f"evictable {cache._evictable_size}!={evictable}")
-    _check(protected == cache._protected_size, f"protected {cache._protected_size}!={protected}")
-    _check_pages(cache.cached_slots(), ps, "device")
-    host_slots = cache.host_slots()
-    _check_pages(host_slots, ps, "host")
-    held = {int(s) // ps for s in host_slots.tolist()[::ps]}
-    free = cache.host.allocator.free_pages()
+    _check(num_nodes == book.num_nodes, f"node count {book.num_nodes} != {num_nodes}")
+    _check(evictable == book.evictable_size, f"evictable {book.evictable_size}!={evictable}")
+    _check(protected == book.protected_size, f"protected {book.protected_size}!={protected}")
+    _check_pages(book.device_slots, ps, "device")
+    _check_pages(book.host_slots, ps, "host")
+    held = {int(s) // ps for s in book.host_slots.tolist()[::ps]}
+    free = book.host_allocator.free_pages()
     _check(not (held & free), "a host page is both free and held by a node")
-    _check(len(held) + len(free) == cache.host.allocator.num_pages,
+    _check(len(held) + len(free) == book.host_allocator.num_pages,
            f"host pages leak: held {len(held)} + free {len(free)} != "
-           f"{cache.host.allocator.num_pages}")
-    in_heap = {id(n) for t, _, n in cache._leaf_heap if t == n.last_access}
-    for node in cache._iter_nodes():
-        if cache._is_evictable_leaf(node):
-            _check(id(node) in in_heap, f"evictable leaf {node!r} missing from the LRU heap")
+           f"{book.host_allocator.num_pages}")
+    for node in book.evictable_leaves:
+        _check(id(node) in book.in_heap, f"evictable leaf {node!r} missing from the LRU heap")
 
 
 def _check_pages(slots: torch.Tensor, ps: int, tier: str) -> None:

@@ -25,18 +25,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
 from rollout_engine.memory.hicache.host_pool import HostKVPool
+from rollout_engine.memory.hicache.node import HiTreeNode, HostTree
 from rollout_engine.memory.hicache.prefetch import Prefetcher, PrefetchJob
 from rollout_engine.memory.hicache.storage import HiCacheStorage, StorageWriter, block_keys
 from rollout_engine.memory.prefix_cache import CacheNamespace
 from rollout_engine.memory.radix_cache import TreeNode
-
-if TYPE_CHECKING:
-    from rollout_engine.memory.hicache.hiradix_cache import HiRadixCache, HiTreeNode
 
 __all__ = ["PREFETCH_POLICIES", "StorageTier"]
 
@@ -94,7 +92,7 @@ class StorageTier:
         self._identities.clear()
 
     # -- writes -----------------------------------------------------------------------------------
-    def write_node(self, cache: HiRadixCache, node: TreeNode) -> None:
+    def write_node(self, cache: HostTree, node: TreeNode) -> None:
         """Queue the whole blocks that end inside ``node`` (just backed up)."""
         chain = []
         n = node
@@ -161,7 +159,7 @@ class StorageTier:
         base, per_ki = self.timeout
         return job.submitted + base + per_ki * job.num_tokens / 1024
 
-    def fetch_after(self, cache: HiRadixCache, namespace: CacheNamespace, parent: TreeNode,
+    def fetch_after(self, cache: HostTree, namespace: CacheNamespace, parent: TreeNode,
                     key: tuple[int, ...], pos: int,
                     rid: Optional[str] = None) -> Optional[HiTreeNode]:
         """Read the blocks storage holds after ``key[:pos]`` into a new host-only child of
@@ -176,7 +174,7 @@ class StorageTier:
         if ident is None or first >= total:
             return None
         if parent.key and parent.host_value is None:  # type: ignore[attr-defined]
-            if not cache._backup(parent):  # type: ignore[arg-type]
+            if not cache.backup(parent):  # type: ignore[arg-type]
                 return None
         keys = block_keys(ident, key, B, total)[first:]
         if rid is not None and self._defer(rid, keys, len(key) - pos):
@@ -185,7 +183,7 @@ class StorageTier:
         if not blocks:
             return None
         end = (first + len(blocks)) * B
-        host_slots = cache._alloc_host(end - pos)
+        host_slots = cache.alloc_host(end - pos)
         if host_slots is None:
             return None
         offset = 0
@@ -259,6 +257,16 @@ class StorageTier:
         self.prefetcher.drop_staged()
         return num
 
+    def reset(self, delete_own: bool) -> None:
+        """The cache was flushed: identities are fingerprinted again, and this returns with L3
+        settled: the blocks this engine wrote deleted (``delete_own``), else every block
+        queued before it stored (the writer thread may still be behind)."""
+        self.forget_before(None)
+        if delete_own:
+            self.delete_own()
+        else:
+            self.flush()
+
     def flush(self) -> None:
         """Until every queued write is stored and every queued prefetch read."""
         self.writer.flush()
@@ -274,7 +282,7 @@ class StorageTier:
         self.prefetcher.close()
 
 
-def _namespace_of(cache: HiRadixCache, ns_root: TreeNode) -> Optional[CacheNamespace]:
+def _namespace_of(cache: HostTree, ns_root: TreeNode) -> Optional[CacheNamespace]:
     for namespace, candidate in cache.root.children.items():
         if candidate is ns_root:
             return namespace  # type: ignore[return-value]

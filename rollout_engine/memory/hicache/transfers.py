@@ -1,7 +1,8 @@
 """Moves between the tiers of a HiRadixCache: device -> host backups, host -> device loads,
-and host eviction. Functions over the cache (its tree state stays in one class); callers hold
-the invariants of ``hiradix_cache.py``: host-held nodes closed under ancestors, the nodes of a
-load in progress pinned (``cache._pinned``) so host eviction cannot take them.
+and host eviction. Functions over the cache's public surface (``node.HostTree``; its tree state
+stays in one class); callers hold the invariants of ``hiradix_cache.py``: host-held nodes
+closed under ancestors, the nodes of a load in progress pinned (``HostTree.is_host_leaf`` is
+False for them) so host eviction cannot take them.
 
 Loads are bulk, once per step: each admission's ``load`` only allocates device slots and queues
 its copy; ``PendingLoads.commit`` copies every queued row at once (``HostKVPool.load``: on CPU
@@ -14,40 +15,43 @@ from __future__ import annotations
 
 import heapq
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
+from rollout_engine.memory.hicache.host_pool import HostKVPool
+from rollout_engine.memory.hicache.node import HiTreeNode, HostTree
+from rollout_engine.memory.hicache.stats import HiCacheStats
 from rollout_engine.memory.radix_cache import TreeNode
 
-if TYPE_CHECKING:
-    from rollout_engine.memory.hicache.hiradix_cache import HiRadixCache, HiTreeNode
-
-__all__ = ["PendingLoads", "alloc_host", "backup", "evict_host", "load"]
+__all__ = ["PendingLoads", "alloc_host", "backup_one", "evict_host", "load", "unbacked_chain"]
 
 
-def backup(cache: HiRadixCache, node: HiTreeNode) -> bool:
-    """Copy ``node`` (and its unbacked ancestors first) to the host, then queue its whole
-    storage blocks. False if the host tier has no room."""
+def unbacked_chain(node: HiTreeNode) -> list[HiTreeNode]:
+    """``node`` and its ancestors without a host copy, root side first (the order a backup
+    copies them in, keeping host-held nodes closed under ancestors)."""
     chain = []
     n: TreeNode = node
     while n.key and n.host_value is None:  # type: ignore[attr-defined]
         chain.append(n)
         assert n.parent is not None
         n = n.parent
-    for n in reversed(chain):
-        host_slots = alloc_host(cache, len(n.key))
-        if host_slots is None:
-            return False
-        cache.stats.bytes_to_host += cache.host.backup(n.value, host_slots)
-        cache.stats.host_written_tokens += len(n.key)
-        n.host_value = host_slots  # type: ignore[attr-defined]
-        if cache.storage is not None:
-            cache.storage.write_node(cache, n)
+    return chain[::-1]  # type: ignore[return-value]
+
+
+def backup_one(cache: HostTree, node: HiTreeNode) -> bool:
+    """Copy the device-held ``node``, whose parent is backed up, to fresh host slots. False
+    (nothing changed) if the host tier has no room."""
+    host_slots = cache.alloc_host(len(node.key))
+    if host_slots is None:
+        return False
+    cache.stats.bytes_to_host += cache.host.backup(node.value, host_slots)
+    cache.stats.host_written_tokens += len(node.key)
+    node.host_value = host_slots
     return True
 
 
-def alloc_host(cache: HiRadixCache, num_tokens: int) -> Optional[torch.Tensor]:
+def alloc_host(cache: HostTree, num_tokens: int) -> Optional[torch.Tensor]:
     """Host slots for ``num_tokens`` (whole pages), evicting host-only leaves if short."""
     pages = num_tokens // cache.page_size
     allocator = cache.host.allocator
@@ -57,31 +61,29 @@ def alloc_host(cache: HiRadixCache, num_tokens: int) -> Optional[torch.Tensor]:
     return None if slots is None else torch.tensor(slots, dtype=torch.int64)
 
 
-def evict_host(cache: HiRadixCache, num_tokens: int) -> int:
+def evict_host(cache: HostTree, num_tokens: int) -> int:
     """Drop LRU host-only leaves (and parents that become such) until ``num_tokens`` host
     slots are free; returns host tokens freed."""
-    heap = [(n.last_access, id(n), n) for n in cache._iter_nodes() if cache._is_host_leaf(n)]
+    heap = [(n.last_access, id(n), n) for n in cache.host_leaves()]
     heapq.heapify(heap)
     num_freed = 0
     while num_freed < num_tokens and heap:
         _, _, node = heapq.heappop(heap)
-        if not cache._is_host_leaf(node):
+        if not cache.is_host_leaf(node):
             continue
         parent = node.parent
         assert parent is not None
         num_freed += len(node.key)
-        cache._detach(node, [])
-        if cache._is_host_leaf(parent):
-            heapq.heappush(heap, (parent.last_access, id(parent), parent))
-        elif not parent.key:
-            cache._drop_namespace_if_empty(parent)
+        cache.drop_host_leaf(node)
+        if cache.is_host_leaf(parent):
+            heapq.heappush(heap, (parent.last_access, id(parent), parent))  # type: ignore
     cache.stats.host_evicted_tokens += num_freed
     if num_freed:
         cache.version += 1
     return num_freed
 
 
-def load(cache: HiRadixCache, device: list[HiTreeNode],
+def load(cache: HostTree, device: list[HiTreeNode],
          hosts: list[HiTreeNode]) -> list[HiTreeNode]:
     """Give ``hosts`` (host-only, in path order) fresh device slots, as many whole nodes as
     the pool has room for, and queue their copy (``cache.queue_load``: one bulk copy per step,
@@ -106,13 +108,8 @@ def load(cache: HiRadixCache, device: list[HiTreeNode],
         pages = allocator.allocate(num_tokens // cache.page_size)  # type: ignore
         assert pages is not None, "the allocator had room and refused it"
         slots = torch.tensor(pages, dtype=torch.int64)
-        start = 0
-        for node in loaded:
-            node.value = slots[start:start + len(node.key)]
-            start += len(node.key)
-        cache._evictable_size += num_tokens
+        cache.attach_device_slots(loaded, slots)
         cache.queue_load(torch.cat([n.host_value for n in loaded]), slots)  # type: ignore
-        cache.version += 1
     if anchor is not None:
         cache.dec_lock_ref(anchor)
     cache.stats.load_seconds += time.perf_counter() - t0
@@ -138,12 +135,13 @@ class PendingLoads:
     def overlaps(self, freed: torch.Tensor) -> bool:
         return bool(self.device) and bool(torch.isin(freed, torch.cat(self.device)).any())
 
-    def commit(self, cache: HiRadixCache) -> None:
+    def commit(self, host: HostKVPool, stats: HiCacheStats) -> None:
+        """Copy every queued row from ``host`` into the device pool; counted in ``stats``."""
         if not self.host:
             return
         t0 = time.perf_counter()
         host_slots, device_slots = torch.cat(self.host), torch.cat(self.device)
         self.host, self.device = [], []
-        cache.stats.bytes_to_device += cache.host.load(host_slots, device_slots)
-        cache.stats.num_loads += 1
-        cache.stats.load_seconds += time.perf_counter() - t0
+        stats.bytes_to_device += host.load(host_slots, device_slots)
+        stats.num_loads += 1
+        stats.load_seconds += time.perf_counter() - t0

@@ -15,13 +15,14 @@ def test_hicache_counters_rendered():
              "bytes_to_host": 4096, "bytes_to_device": 2048, "load_seconds": 0.5,
              "storage_bytes_read": 7, "host_cached_tokens": 64, "host_total_tokens": 128}
     text = Metrics().render(_info(tiers), alive=True)
-    for line in ("rollout_engine_hicache_host_hit_tokens_total 20",
-                 "rollout_engine_hicache_storage_hit_tokens_total 30",
-                 "rollout_engine_hicache_bytes_to_device_total 2048",
-                 "rollout_engine_hicache_load_seconds_total 0.5",
-                 "rollout_engine_hicache_storage_bytes_read_total 7",
-                 "rollout_engine_hicache_host_total_tokens 128"):
-        assert line in text.splitlines(), line
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    for name, value in (("hicache_host_hit_tokens_total", 20),
+                        ("hicache_storage_hit_tokens_total", 30),
+                        ("hicache_bytes_to_device_total", 2048),
+                        ("hicache_load_seconds_total", 0.5),
+                        ("hicache_storage_bytes_read_total", 7),
+                        ("hicache_host_total_tokens", 128)):
+        assert float(values[f"rollout_engine_{name}"]) == value, name
     assert "# TYPE rollout_engine_hicache_host_hit_tokens_total counter" in text
 
 

@@ -61,6 +61,8 @@ def test_a_model_that_does_not_copy_switches_off_and_outputs_stay_exact(
     assert any(m["spec_off_low_accept_ct"] > LOW_ACCEPT_PROBE
                and m["spec_draft_token_num"] > 2 * max_proposals for m in metas)
     text = Metrics().render(info, alive=True)
-    assert f"rollout_engine_spec_off_low_accept_rows_total {sum(off)}" in text
-    assert (f"rollout_engine_spec_off_low_accept_steps_total "
-            f"{stats['spec_off_low_accept_steps']}") in text
+    values = {name: float(value) for name, value in
+              (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))}
+    assert values["rollout_engine_spec_off_low_accept_rows_total"] == sum(off)
+    assert (values["rollout_engine_spec_off_low_accept_steps_total"]
+            == stats["spec_off_low_accept_steps"])
