@@ -240,19 +240,20 @@ def test_an_engine_killed_mid_refit_is_reported_and_none_serves_mixed(fleet, fre
     from rollout_engine.tokenizer_manager import EngineAsleepError
 
     victim = fleet.engines[1]
-    submit, calls = victim.submit, []
+    submit, calls = victim._submit, []   # what submit and send_call both go through
 
-    def killed_on_third_bucket(method: str, *args: Any, **kwargs: Any) -> Any:
+    def killed_on_third_bucket(method: str, args: Any, kwargs: Any) -> Any:
         if method == "update_weights_from_distributed":
             calls.append(method)
             if len(calls) == 3:   # two buckets of step-2 applied, the rest in flight
                 ray.kill(victim.actor, no_restart=True)
-        return submit(method, *args, **kwargs)
-    monkeypatch.setattr(victim, "submit", killed_on_third_bucket)
+        return submit(method, args, kwargs)
+    monkeypatch.setattr(victim, "_submit", killed_on_third_bucket)
 
     start = time.perf_counter()
     with pytest.raises(FleetRefitError) as caught:
         fleet.refit(w2.model, version="step-2")
+    assert len(calls) >= 3
     assert time.perf_counter() - start < 3 * TIMEOUT_S
     survivor, dead = caught.value.report.engines
     assert dead.index == 1 and not dead.ok and dead.version is None
