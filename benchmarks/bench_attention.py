@@ -39,7 +39,7 @@ from rollout_engine_kernels.cpu import paged_decode as cpu_paged  # noqa: E402
 
 from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool  # noqa: E402
 from rollout_engine.model_runner.attention.torch_native import TorchNativeBackend  # noqa: E402
-from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from rollout_engine.models.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 
 HQ, HKV, HEAD_DIM = 8, 2, 64
 GROUP, PROMPT, OWN_MIN, OWN_MAX = 8, 128, 64, 128

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
-from rollout_engine.compat.payloads import read_refit_payload
+from rollout_engine.protocol.sglang_payloads import read_refit_payload
 from rollout_engine.control.rl_control import MAX_TRUNCATE_ROWS, MAX_WEIGHT_ELEMENTS, RLControl
 from rollout_engine.protocol.messages import BusyError, WeightSlice
 from rollout_engine.speculative.selector import DRAFT_PREFIX, resolve_selector

@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 
 from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool
-from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
+from rollout_engine.models.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from rollout_engine.models.layers import (
     silu_mul,
 )
 from rollout_engine.parallel.context import Shard, TPContext
-from rollout_engine.parallel.layers import (
+from rollout_engine.models.tp_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     vocab_parallel_logits,

@@ -23,8 +23,8 @@ from typing import Any, Optional
 
 import torch
 
-from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
-from rollout_engine.parallel import wire
+from rollout_engine.models.forward_batch import ForwardBatch, ForwardMode
+from rollout_engine.runtime import tp_wire as wire
 from rollout_engine.parallel.context import Shard, replicated_checksum
 from rollout_engine.protocol.messages import (
     ControlReq,

@@ -29,11 +29,11 @@ from typing import Any, Optional
 
 import torch
 
-from rollout_engine.compat.payloads import read_refit_payload
+from rollout_engine.protocol.sglang_payloads import read_refit_payload
 from rollout_engine.config import EngineConfig
 from rollout_engine.memory.memory_saver import TAGS, create_memory_saver
 from rollout_engine.model_runner.model_runner import ModelRunner
-from rollout_engine.parallel import wire
+from rollout_engine.runtime import tp_wire as wire
 from rollout_engine.parallel.context import TPContext, replicated_checksum
 from rollout_engine.protocol.messages import BusyError, WeightSlice
 from rollout_engine.weights import refit

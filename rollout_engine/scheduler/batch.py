@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from rollout_engine.host_lists import list_tensor
-from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
+from rollout_engine.models.forward_batch import ForwardBatch, ForwardMode
 from rollout_engine.penalties import Penalties, PenaltyCounts
 from rollout_engine.sampler import (
     SamplingBatch,

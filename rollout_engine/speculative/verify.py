@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
+from rollout_engine.models.forward_batch import ForwardBatch, ForwardMode
 from rollout_engine.sampler import SampleOutput, uniform_for
 from rollout_engine.scheduler.request import Req
 

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from rollout_engine.compat.payloads import (
+from rollout_engine.protocol.sglang_payloads import (
     named_tensors_from_sglang,
     read_refit_payload,
     refit_payload_cap,

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from rollout_engine.config import EngineConfig
-from rollout_engine.model_runner.forward_batch import ForwardMode
+from rollout_engine.models.forward_batch import ForwardMode
 from rollout_engine.protocol.messages import AbortReq, GenerateReq
 from rollout_engine.sampling_params import SamplingParams
 from rollout_engine.scheduler.batch import ScheduleBatch, build_sampling_batch

@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool
-from rollout_engine.model_runner.forward_batch import ForwardBatch
+from rollout_engine.models.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 
 from rollout_engine.model_runner.attention.base import AttentionBackend
-from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
+from rollout_engine.models.forward_batch import ForwardBatch, ForwardMode
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 # GQA groups of at least this size decode faster on the tensor-core (prefill) kernels.

@@ -20,7 +20,7 @@ from rollout_engine_kernels.cpu import paged_decode as cpu_paged
 
 from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool
 from rollout_engine.model_runner.attention.base import AttentionBackend
-from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
+from rollout_engine.models.forward_batch import ForwardBatch, ForwardMode
 
 KERNEL_ENV = "ROLLOUT_ENGINE_ATTN_KERNEL"
 

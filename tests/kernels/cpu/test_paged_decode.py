@@ -21,7 +21,7 @@ from rollout_engine_kernels.cpu import paged_decode as cpu_paged
 
 from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool
 from rollout_engine.model_runner.attention.torch_native import KERNEL_ENV, TorchNativeBackend
-from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
+from rollout_engine.models.forward_batch import ForwardBatch, ForwardMode
 
 TOL = 1e-5
 MAX_LEN = 300

@@ -11,8 +11,8 @@ import pickle
 import pytest
 import torch
 
-from rollout_engine.compat.payloads import named_tensors_from_sglang, unpack_sglang_bucket
-from rollout_engine.compat.sglang_types import SglangTensorMetadata
+from rollout_engine.protocol.sglang_payloads import named_tensors_from_sglang, unpack_sglang_bucket
+from rollout_engine.protocol.sglang_types import SglangTensorMetadata
 from rollout_engine.protocol.tensor_payload import UnsafePayloadError, deserialize_named_tensors
 from tests.rollout_engine.compat.sglang_fakes import (
     FlattenedTensorMetadata,
@@ -247,7 +247,7 @@ def test_default_sharing_strategy_is_refused_with_the_fix_named():
 
 
 def _child(conn) -> None:
-    from rollout_engine.compat.payloads import named_tensors_from_sglang
+    from rollout_engine.protocol.sglang_payloads import named_tensors_from_sglang
     from rollout_engine.protocol.tensor_payload import deserialize_named_tensors
 
     verl, slime = conn.recv()

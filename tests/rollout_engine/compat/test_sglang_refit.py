@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from rollout_engine.compat.payloads import read_refit_payload, refit_payload_cap
+from rollout_engine.protocol.sglang_payloads import read_refit_payload, refit_payload_cap
 from tests.rollout_engine.compat.sglang_fakes import (
     FlattenedTensorMetadata,
     file_system_sharing,

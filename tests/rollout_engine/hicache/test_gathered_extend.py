@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool
 from rollout_engine.model_runner.attention import torch_native
 from rollout_engine.model_runner.attention.torch_native import TorchNativeBackend
-from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
+from rollout_engine.models.forward_batch import ForwardBatch, ForwardMode
 
 TOL_REF = 1e-5     # vs float64
 TOL_LOOP = 1e-6    # vs float32 SDPA request by request

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
+from rollout_engine.models.forward_batch import ForwardBatch, ForwardMode
 
 
 @dataclass

@@ -13,7 +13,7 @@ import torch
 
 from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool
 from rollout_engine.model_runner.attention.torch_native import TorchNativeBackend
-from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
+from rollout_engine.models.forward_batch import ForwardBatch, ForwardMode
 
 TOL = 1e-5
 

@@ -16,7 +16,7 @@ from rollout_engine_kernels.cpu import paged_decode as cpu_paged
 
 from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool
 from rollout_engine.model_runner.attention.torch_native import TorchNativeBackend
-from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
+from rollout_engine.models.forward_batch import ForwardBatch, ForwardMode
 
 ROWS, MAX_LEN, PROMPT = 24, 160, 24
 PLAN_FIELDS = ("rows", "seq_lens", "own_start", "members", "chunk_offsets", "chunk_lens")

@@ -16,7 +16,7 @@ from rollout_engine.config import EngineConfig
 from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool
 from rollout_engine.model_runner.attention import create_attention_backend
 from rollout_engine.model_runner.attention.flashinfer_backend import kv_indices_from_table
-from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
+from rollout_engine.models.forward_batch import ForwardBatch, ForwardMode
 
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 

@@ -19,7 +19,7 @@ from rollout_engine.model_runner.attention.torch_native import (
     KernelDecodeMeta,
     TorchNativeBackend,
 )
-from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
+from rollout_engine.models.forward_batch import ForwardBatch, ForwardMode
 from rollout_engine.model_runner.model_runner import ModelRunner
 from rollout_engine.models.cpu_decode import FLAT_DECODE_ENV, CpuDecodeForward
 

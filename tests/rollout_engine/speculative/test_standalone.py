@@ -85,7 +85,7 @@ def test_standalone_flags(qwen2_path: str) -> None:
         EngineConfig(model_path=qwen2_path, speculative_draft_model_path=qwen2_path)
     c = EngineConfig.from_kwargs(model_path=qwen2_path, speculative_algorithm="STANDALONE",
                                  speculative_draft_model_path=qwen2_path)
-    from rollout_engine.speculative.options import SpecOptions
+    from rollout_engine.config.speculative import SpecOptions
     assert SpecOptions.from_config(c).num_draft_tokens == 4     # 3 steps + the last token
 
 

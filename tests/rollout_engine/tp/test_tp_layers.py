@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from rollout_engine.models.llama import LlamaForCausalLM, ModelArch
 from rollout_engine.parallel.context import TPContext
 from rollout_engine.parallel.group import join_tp_group
-from rollout_engine.parallel.layers import (
+from rollout_engine.models.tp_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     vocab_parallel_logits,

@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from rollout_engine.compat.sglang_types import SglangTensorMetadata
+from rollout_engine.protocol.sglang_types import SglangTensorMetadata
 from rollout_engine.protocol.tensor_payload import deserialize_named_tensors
 
 __all__ = [

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from rollout_engine.model_runner.forward_batch import ForwardBatch, ForwardMode
+from rollout_engine.models.forward_batch import ForwardBatch, ForwardMode
 
 __all__ = ["ControlOp", "Crashed", "Final", "Prepared", "Ready", "StopOp", "Verdict",
            "decode_forward", "encode_forward", "encode_op"]

@@ -19,7 +19,7 @@ import torch
 
 from rollout_engine.compat.server_args import to_engine_kwargs
 from rollout_engine.dp.dispatch import LOAD_BALANCE_METHODS
-from rollout_engine.speculative import options as spec_options
+from rollout_engine.config import speculative as spec_options
 
 _DTYPES = {"auto", "float32", "float16", "bfloat16"}
 _POLICIES = {"lpm", "fcfs"}
@@ -74,7 +74,7 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 64
     num_threads: Optional[int] = None
-    # speculative decoding (SGLang's flags; rollout_engine/speculative/options.py says what each
+    # speculative decoding (SGLang's flags; rollout_engine/config/speculative.py says what each
     # does): None | "NGRAM"
     speculative_algorithm: Optional[str] = None
     speculative_num_steps: Optional[int] = None

@@ -14,7 +14,7 @@ whose proposals keep failing stops proposing (``LOW_ACCEPT_MIN``, re-probed ever
 its lower tiers hold the target's KV only, so a prefix loaded back from them would come without
 the draft's.
 
-No imports from the engine: ``config.py`` calls ``check`` while it is being defined.
+No imports from the engine: ``EngineConfig`` (this package's ``__init__``) calls ``check``.
 """
 
 from __future__ import annotations
