@@ -18,8 +18,8 @@ from typing import Any, Optional, Union
 import torch
 
 from rollout_engine.compat.server_args import to_engine_kwargs
-from rollout_engine.dp.dispatch import LOAD_BALANCE_METHODS
 from rollout_engine.config import speculative as spec_options
+from rollout_engine.dp.dispatch import LOAD_BALANCE_METHODS
 
 _DTYPES = {"auto", "float32", "float16", "bfloat16"}
 _POLICIES = {"lpm", "fcfs"}

@@ -30,16 +30,15 @@ the last disk refit's): refit it again after waking to bring a trainer's draft b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
 
-from rollout_engine.protocol.sglang_payloads import read_refit_payload
 from rollout_engine.control.rl_control import MAX_TRUNCATE_ROWS, MAX_WEIGHT_ELEMENTS, RLControl
 from rollout_engine.protocol.messages import BusyError, WeightSlice
 from rollout_engine.speculative.selector import DRAFT_PREFIX, resolve_selector
-from rollout_engine.weights import refit
 from rollout_engine.weights.disk_reader import PartialLoadError, load_checkpoint, read_header
 from rollout_engine.weights.loader import (
     WeightLoadReport,
@@ -49,13 +48,13 @@ from rollout_engine.weights.loader import (
     read_weight,
     safetensors_files,
 )
+from rollout_engine.weights.refit import NamedTensors
 
 if TYPE_CHECKING:
     from rollout_engine.speculative.draft import DraftModel
 
 __all__ = ["DraftRLControl", "check_checkpoint", "split_for_draft"]
 
-NamedTensors = list[tuple[str, torch.Tensor]]
 
 
 def split_for_draft(names: list[str], selector: str) -> tuple[list[int], list[str]]:
@@ -152,38 +151,13 @@ class DraftRLControl(RLControl):
         return _combined(target, self._read_draft(draft_path))
 
     # -- tensors ---------------------------------------------------------------------------------
-    def rpc_update_weights_from_tensor(self, serialized_named_tensors: list[str],
-                                       load_format: Optional[str] = None,
-                                       flush_cache: bool = True,
-                                       weight_version: Optional[str] = None,
-                                       abort_all_requests: bool = False,
-                                       torch_empty_cache: bool = False,
-                                       disable_draft_model: Optional[bool] = None,
-                                       selector: Optional[str] = None,
-                                       read_by_others: bool = False,
-                                       **sglang_flags: Any) -> dict[str, Any]:
-        self._refuse_while_receiving("update_weights_from_tensor")
-        sel = resolve_selector(selector, disable_draft_model)
-        self._before_update(abort_all_requests, weight_version=weight_version,
-                            flush_cache=flush_cache, torch_empty_cache=torch_empty_cache,
-                            **sglang_flags)
-        if not isinstance(serialized_named_tensors, list) or not serialized_named_tensors:
-            raise ValueError("serialized_named_tensors: must be a non-empty list of strings "
-                             "(one per tensor-parallel rank)")
+    def _tensor_destination(self, flags: dict[str, Any]
+                            ) -> tuple[nn.Module, Callable[[NamedTensors], WeightLoadReport]]:
+        """Read against both models; each tensor goes where SGLang's ``selector`` (or
+        ``disable_draft_model``) sends it."""
+        sel = resolve_selector(flags.pop("selector", None), flags.pop("disable_draft_model", None))
         both = nn.ModuleList([self._target, self.draft.runner.model])
-        if self.mapped is None:
-            self.mapped = refit.MappedStorages.for_model(both)
-
-        def load() -> WeightLoadReport:
-            payload = read_refit_payload(serialized_named_tensors[0], both,
-                                         read_by_others=read_by_others)
-            named = refit.named_tensors_from_payload(payload, load_format)
-            report = self._load_named(named, sel)
-            assert self.mapped is not None
-            self.mapped.keep(named)
-            return report
-
-        return self._apply(load, weight_version, flush_cache, torch_empty_cache)
+        return both, lambda named: self._load_named(named, sel)
 
     def _load_named(self, named: NamedTensors, selector: str) -> WeightLoadReport:
         """Split, validate both halves, then write the target's and the draft's."""

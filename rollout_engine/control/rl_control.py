@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
+from torch import nn
 
 from rollout_engine.control.rl_broadcast import BroadcastRefits
 from rollout_engine.control.serving import Serving
@@ -232,9 +233,12 @@ class RLControl(BroadcastRefits):
         ``read_by_others`` (set by the data-parallel host, not a client): another replica
         reads the same payload and drops the sender's shm references. A call refused before
         its payload is read drops the references a sender using torch's protocol took for
-        it (our own senders lend theirs and keep them: ``protocol/shm_lease.py``)."""
-        model = self.runner.model
+        it (our own senders lend theirs and keep them: ``protocol/shm_lease.py``). Where the
+        tensors go is ``_tensor_destination``'s (a draft engine routes them by selector)."""
+        model: nn.Module = self.runner.model
+        load: Optional[Callable[[refit.NamedTensors], WeightLoadReport]] = None
         try:
+            model, load = self._tensor_destination(sglang_flags)
             self._refuse_while_receiving("update_weights_from_tensor")
             self._before_update(abort_all_requests, weight_version=weight_version,
                                 flush_cache=flush_cache, torch_empty_cache=torch_empty_cache,
@@ -245,9 +249,17 @@ class RLControl(BroadcastRefits):
             raise
         if self.mapped is None:     # sized from the model once: its weights never change size
             self.mapped = refit.MappedStorages.for_model(model)
+        mapped = self.mapped
         return self._apply(lambda: refit.refit_from_serialized(
-            model, serialized_named_tensors, load_format, self.mapped, read_by_others),
+            model, serialized_named_tensors, load_format, mapped, read_by_others, load=load),
             weight_version, flush_cache, torch_empty_cache)
+
+    def _tensor_destination(self, flags: dict[str, Any]
+                            ) -> tuple[nn.Module, Optional[Callable[[refit.NamedTensors],
+                                                                    WeightLoadReport]]]:
+        """The model a tensor update is read against and how its tensors are written
+        (``None``: all into that model). ``flags`` may be consumed."""
+        return self.runner.model, None
 
     def cancel_update_weights_from_tensor(self, kwargs: dict[str, Any]) -> None:
         """A tensor update cancelled before it ran: drop the references a torch-protocol

@@ -148,10 +148,10 @@ class MemorySaver(ABC):
         params = dict(self.model.named_parameters())
         for name, (shape, dtype, device) in self._shapes.items():
             params[name].data = huge_pages.zeros(shape, dtype, device)
-        stale = self._backup is None
-        if not stale:
+        backup, stale = self._backup, self._backup is None
+        if backup is not None:
             with torch.no_grad():
-                for name, saved in self._backup.items():
+                for name, saved in backup.items():
                     params[name].data.copy_(saved)
             self._backup = None
         weight_packs.weights_changed()

@@ -19,8 +19,8 @@ from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool, row_width
 from rollout_engine.model_runner.attention import create_attention_backend
 from rollout_engine.model_runner.attention.torch_native import KernelDecodeMeta
 from rollout_engine.model_runner.cuda_graph import create_decode_graphs
-from rollout_engine.models.forward_batch import ForwardBatch
 from rollout_engine.models.cpu_decode import CpuDecodeForward
+from rollout_engine.models.forward_batch import ForwardBatch
 from rollout_engine.models.layers import compute_inv_freq
 from rollout_engine.models.llama import ModelArch
 from rollout_engine.models.registry import build_model

@@ -31,8 +31,8 @@ import torch
 from rollout_engine_kernels.cpu.fused_ops import FusedOps, load_fused_ops
 from rollout_engine_kernels.cpu.small_gemm import SmallGemm, load_small_gemm, use_small_gemm
 
-from rollout_engine.models.forward_batch import ForwardBatch
 from rollout_engine.models import layers, weight_packs
+from rollout_engine.models.forward_batch import ForwardBatch
 
 FLAT_DECODE_ENV = "ROLLOUT_ENGINE_FLAT_DECODE"
 

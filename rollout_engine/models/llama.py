@@ -28,12 +28,12 @@ from rollout_engine.models.layers import (
     linear_fp32_out,
     silu_mul,
 )
-from rollout_engine.parallel.context import Shard, TPContext
 from rollout_engine.models.tp_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     vocab_parallel_logits,
 )
+from rollout_engine.parallel.context import Shard, TPContext
 
 
 @dataclass(frozen=True)

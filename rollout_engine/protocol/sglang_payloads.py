@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from rollout_engine.protocol.sglang_types import SglangTensorMetadata
+from rollout_engine.protocol.tensor_handles import OpenedShm
 from rollout_engine.protocol.tensor_payload import deserialize_named_tensors
 
 __all__ = [
@@ -64,7 +65,7 @@ _CAPS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
 def read_refit_payload(data: Any, model: nn.Module, tp_rank: int = 0,
                        read_by_others: bool = False,
-                       opened: Optional[list[torch.UntypedStorage]] = None) -> Any:
+                       opened: Optional[list[OpenedShm]] = None) -> Any:
     """One rank's `serialized_named_tensors` entry, read with the model's byte cap
     (`read_by_others`: the same string is every rank's, and another rank drops the sender's
     references; `opened` receives the shm storages opened: `deserialize_named_tensors`)."""

@@ -69,7 +69,8 @@ class ProcessHost(SchedulerHost):
 
     def __init__(self, config: EngineConfig) -> None:
         self.proc, conn = spawn_child()
-        self.chan = PipeChannel(conn, background_send=True)
+        self.pipe = PipeChannel(conn, background_send=True)
+        self.chan = self.pipe
         self.pid = self.proc.pid
         try:
             self.chan.send(ChildStart(config, list(sys.path)))
@@ -90,7 +91,7 @@ class ProcessHost(SchedulerHost):
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout)
-        self.chan.close_sender()
+        self.pipe.close_sender()
 
 
 def start_host(config: EngineConfig) -> SchedulerHost:

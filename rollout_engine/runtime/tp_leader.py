@@ -24,7 +24,6 @@ from typing import Any, Optional
 import torch
 
 from rollout_engine.models.forward_batch import ForwardBatch, ForwardMode
-from rollout_engine.runtime import tp_wire as wire
 from rollout_engine.parallel.context import Shard, replicated_checksum
 from rollout_engine.protocol.messages import (
     ControlReq,
@@ -33,6 +32,7 @@ from rollout_engine.protocol.messages import (
     SchedulerReady,
     WeightSlice,
 )
+from rollout_engine.runtime import tp_wire as wire
 from rollout_engine.runtime.channels import Channel
 
 __all__ = ["Leader", "LeaderCommit", "TPLeaderChannel", "TPRankDied"]
@@ -114,7 +114,7 @@ class Leader:
             self._died(rank, "it crashed")
         return msg
 
-    def _expect(self, rank: int, kind: type, call_id: int) -> Any:
+    def _expect(self, rank: int, kind: type[Any], call_id: int) -> Any:
         """The next ``kind`` message of ``call_id`` from ``rank`` (others are kept)."""
         for i, (r, m) in enumerate(self.stash):
             if r == rank and isinstance(m, kind) and m.call_id == call_id:

@@ -29,13 +29,12 @@ from typing import Any, Optional
 
 import torch
 
-from rollout_engine.protocol.sglang_payloads import read_refit_payload
 from rollout_engine.config import EngineConfig
 from rollout_engine.memory.memory_saver import TAGS, create_memory_saver
 from rollout_engine.model_runner.model_runner import ModelRunner
-from rollout_engine.runtime import tp_wire as wire
 from rollout_engine.parallel.context import TPContext, replicated_checksum
 from rollout_engine.protocol.messages import BusyError, WeightSlice
+from rollout_engine.runtime import tp_wire as wire
 from rollout_engine.weights import refit
 from rollout_engine.weights.disk_reader import PartialLoadError
 from rollout_engine.weights.loader import load_weights, plan_targets, read_weight
@@ -203,27 +202,12 @@ class TPWorker:
     def rpc_update_weights_from_tensor(self, call_id: int, serialized_named_tensors: list[str],
                                        load_format: Optional[str] = None,
                                        **flags: Any) -> dict[str, Any]:
-        """SGLang's list holds one payload per rank (rank r applies element r); a single
-        payload is every rank's (its tensors are whole: each rank takes its slice)."""
-        payloads = serialized_named_tensors
-        if not isinstance(payloads, list) or len(payloads) not in (1, self.tp.size):
-            count = len(payloads) if isinstance(payloads, list) else "not a list"
-            raise ValueError(f"serialized_named_tensors: one payload per tensor-parallel rank "
-                             f"({self.tp.size}) or one for all, got {count}")
+        """Rank 0's refit (``refit.refit_from_serialized``) on this rank's entry or slice."""
         self._check_writable()
-        mine = payloads[self.tp.rank] if len(payloads) > 1 else payloads[0]
         if self.mapped is None:
             self.mapped = refit.MappedStorages.for_model(self.model)
-        # refit_from_serialized's steps, as rank tp_rank (verl's LocalSerializedTensor holds a
-        # value per rank)
-        # one payload for every rank: rank 0 drops the sender's shm references, this rank
-        # keeps them (two drops for one reference would unlink the trainer's files once the
-        # ranks unmap them, at the next sleep)
-        payload = read_refit_payload(mine, self.model, tp_rank=self.tp.rank,
-                                     read_by_others=len(payloads) == 1)
-        named = refit.named_tensors_from_payload(payload, load_format)
-        report = load_weights(self.model, named)
-        self.mapped.keep(named)
+        report = refit.refit_from_serialized(self.model, serialized_named_tensors, load_format,
+                                             self.mapped)
         return {"num_tensors": report.num_tensors, "num_bytes": report.num_bytes}
 
     def rpc_update_weights_from_distributed(self, call_id: int, names: list[str],

@@ -23,8 +23,8 @@ from rollout_engine.memory.hicache import create_prefix_cache
 from rollout_engine.memory.kv_pool import PageAllocator
 from rollout_engine.memory.memory_saver import create_memory_saver
 from rollout_engine.memory.prefix_cache import CacheNamespace, MatchResult
-from rollout_engine.models.forward_batch import ForwardMode
 from rollout_engine.model_runner.model_runner import ModelRunner
+from rollout_engine.models.forward_batch import ForwardMode
 from rollout_engine.penalties import PenaltyCounts
 from rollout_engine.protocol.messages import (
     AbortReq,

@@ -46,8 +46,8 @@ import torch
 from rollout_engine.config import EngineConfig
 from rollout_engine.memory.memory_saver import MemorySaver, create_memory_saver
 from rollout_engine.model_runner.attention import create_attention_backend
-from rollout_engine.models.forward_batch import ForwardBatch, ForwardMode
 from rollout_engine.model_runner.model_runner import ModelRunner
+from rollout_engine.models.forward_batch import ForwardBatch, ForwardMode
 from rollout_engine.scheduler.request import Req
 from rollout_engine.weights.loader import iter_safetensors, load_weights
 

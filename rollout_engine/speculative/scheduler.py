@@ -30,6 +30,7 @@ import logging
 from typing import Optional
 
 from rollout_engine.config import EngineConfig
+from rollout_engine.config.speculative import SpecOptions
 from rollout_engine.models.forward_batch import ForwardMode
 from rollout_engine.protocol.messages import GenerateReq, SpecDecodeCounts
 from rollout_engine.sampler import sample
@@ -39,7 +40,6 @@ from rollout_engine.scheduler.scheduler import Message, Scheduler
 from rollout_engine.speculative.draft import DraftModel, SaverWithDraft, TargetWithDraft
 from rollout_engine.speculative.gate import AcceptanceGate
 from rollout_engine.speculative.ngram import NgramProposer
-from rollout_engine.config.speculative import SpecOptions
 from rollout_engine.speculative.verify import accept_walk, verify_forward_batch, verify_uniforms
 
 __all__ = ["SPEC_STATS", "SpeculativeScheduler", "create_scheduler"]

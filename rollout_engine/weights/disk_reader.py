@@ -122,15 +122,10 @@ def read_header(path: str) -> Optional[list[Entry]]:
 
 def load_checkpoint(model: torch.nn.Module, model_path: str) -> WeightLoadReport:
     """Refit ``model`` from the safetensors files of ``model_path`` (module docstring)."""
-    entries: Optional[list[Entry]] = []
-    for path in safetensors_files(model_path):
-        part = read_header(path)
-        if part is None:   # an exotic dtype: the library's reader, one tensor at a time
-            entries = None
-            break
-        entries.extend(part)
-    if entries is None:
+    parts = [read_header(path) for path in safetensors_files(model_path)]
+    if any(part is None for part in parts):   # an exotic dtype: the library's reader
         return load_weights(model, list(iter_safetensors(model_path)))
+    entries = [e for part in parts if part is not None for e in part]
     by_name = {e.name: e for e in entries}
     with agreed(model):   # every rank checked its part before any writes
         targets = plan_targets(model, [(e.name, e.shape, e.dtype) for e in entries])
@@ -195,7 +190,7 @@ class _Job:
 
     def run(self, files: _Files) -> None:
         if self.direct:
-            view = memoryview(self.dst.numpy())
+            view = self.dst.numpy().data
             done = 0
             while done < len(view):
                 got = os.preadv(files.fd(self.entry.path), [view[done:]], self.offset + done)

@@ -10,17 +10,18 @@ from __future__ import annotations
 import itertools
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from rollout_engine.protocol.bucket import FlattenedBucket
 from rollout_engine.protocol.sglang_payloads import (
     named_tensors_from_sglang,
     read_refit_payload,
     refit_payload_cap,
 )
-from rollout_engine.protocol.bucket import FlattenedBucket
 from rollout_engine.protocol.tensor_handles import OpenedShm
 from rollout_engine.protocol.tensor_payload import drop_unread_references
 from rollout_engine.weights.disk_reader import load_checkpoint
@@ -35,6 +36,7 @@ from rollout_engine.weights.update_groups import (  # the broadcast side, reacha
 )
 
 LOAD_FORMATS = (None, "direct", "flattened_bucket")
+NamedTensors = list[tuple[str, torch.Tensor]]
 
 
 def refit_from_disk(model: nn.Module, model_path: str) -> WeightLoadReport:
@@ -213,35 +215,55 @@ def weight_bytes(model: nn.Module) -> int:
 
 def refit_from_serialized(model: nn.Module, serialized: list[str], load_format: Optional[str],
                           mapped: Optional[MappedStorages] = None,
-                          read_by_others: bool = False) -> WeightLoadReport:
-    """Load one `update_weights_from_tensor` payload; `mapped` keeps its shm mapped after;
-    `read_by_others`: another process reads the same payload and drops the sender's shm
-    references (a data-parallel replica other than the first).
+                          read_by_others: bool = False,
+                          load: Optional[Callable[[NamedTensors], WeightLoadReport]] = None,
+                          ) -> WeightLoadReport:
+    """Load one ``update_weights_from_tensor`` payload: the one tensor refit every process
+    runs (a plain engine, each tensor-parallel rank, an engine with a draft model).
 
-    The same payload string read again (`MappedStorages.reread`) is applied by the plan its
+    ``serialized`` is SGLang's list: one payload per tensor-parallel rank (rank r reads entry
+    r) or one for all ranks (each takes its slice of whole tensors); the rank is the model's
+    (``model.tp``). ``mapped`` keeps the payload's shm mapped after; ``read_by_others``:
+    another process reads the same payload and drops the sender's shm references (a
+    data-parallel replica other than the first; a rank > 0 reading the one shared payload).
+    ``load`` writes the named tensors (default: every one into ``model``; a draft engine
+    routes each to its model).
+
+    The same payload string read again (``MappedStorages.reread``) is applied by the plan its
     first read made while that plan is valid (no tensor-parallel agreement to repeat, no
     parameter given other storage since): its checks passed for exactly these tensors."""
+    tp = getattr(model, "tp", None)
+    rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
     if not isinstance(serialized, list) or not serialized:
         raise ValueError("serialized_named_tensors: must be a non-empty list of strings "
                          "(one per tensor-parallel rank)")
-    # one rank here: rank 0's payload is ours
+    if size > 1 and len(serialized) not in (1, size):
+        raise ValueError(f"serialized_named_tensors: one payload per tensor-parallel rank "
+                         f"({size}) or one for all, got {len(serialized)}")
+    mine = serialized[rank] if len(serialized) > 1 else serialized[0]
+    read_by_others = read_by_others or (rank > 0 and len(serialized) == 1)
     if not read_by_others:
-        drop_unread(model, serialized, first=1)
-    key = (serialized[0], load_format)
+        drop_unread(model, serialized, first=1)   # entries for ranks this engine has not
+    key = (mine, load_format)
     named_tensors = (mapped.reread(key) if mapped is not None and not read_by_others
-                     and isinstance(serialized[0], (str, bytes)) else None)
-    if named_tensors is not None:
+                     and isinstance(mine, (str, bytes)) else None)
+    if named_tensors is not None and load is None:
         plan = mapped.plan_of(key)  # type: ignore[union-attr]
         if plan is not None and plan.model is model and plan.valid:
             plan.apply()
             return plan.report
     opened: list[OpenedShm] = []
     if named_tensors is None:
-        payload = read_refit_payload(serialized[0], model,   # byte cap from the model's size
+        payload = read_refit_payload(mine, model, tp_rank=rank,   # byte cap from the model
                                      read_by_others=read_by_others, opened=opened)
         named_tensors = named_tensors_from_payload(payload, load_format)
-    plan = LoadPlan(model, named_tensors)
-    plan.apply()
+    plan = None
+    if load is None:
+        plan = LoadPlan(model, named_tensors)
+        plan.apply()
+        report = plan.report
+    else:
+        report = load(named_tensors)
     if mapped is not None:
         mapped.keep(named_tensors)
         if not read_by_others:
@@ -249,8 +271,8 @@ def refit_from_serialized(model: nn.Module, serialized: list[str], load_format: 
                 mapped.remember(key, named_tensors, opened)
             # kept only with its payload (set_plan drops it otherwise); never with tensor
             # parallelism, whose every write follows an agreement of all ranks
-            mapped.set_plan(key, plan if getattr(model, "tp", None) is None else None)
-    return plan.report
+            mapped.set_plan(key, plan if tp is None else None)
+    return report
 
 
 def drop_unread(model: nn.Module, serialized: Any, first: int = 0) -> None:
@@ -266,7 +288,7 @@ def drop_unread(model: nn.Module, serialized: Any, first: int = 0) -> None:
             drop_unread_references(data, max_bytes=refit_payload_cap(model))
 
 
-__all__ = ["LOAD_FORMATS", "MappedStorages", "Receipt", "STAGING_ALIGN", "StagingBuffer",
+__all__ = ["LOAD_FORMATS", "MappedStorages", "NamedTensors", "Receipt", "STAGING_ALIGN", "StagingBuffer",
            "WeightUpdateGroups", "aligned_layout", "declared_dtype", "drop_unread",
            "named_tensors_from_payload", "refit_from_disk", "refit_from_serialized",
            "weight_bytes"]

@@ -351,6 +351,7 @@ def test_tokens_and_logprobs_equal_the_reference_on_every_option(penalties, cach
             prompt = torch.randint(0, REF_VOCAB, (20,), generator=g).tolist()
             reqs.append(_Req(prompt, params, seed=1000 * c + r))
     total, everyone = 0, reqs
+    kept = None
     for step in range(steps):
         if cached and step == 2:
             reqs = reqs[:0:-1]     # one row fewer, the rest reversed

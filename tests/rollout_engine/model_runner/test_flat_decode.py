@@ -19,9 +19,9 @@ from rollout_engine.model_runner.attention.torch_native import (
     KernelDecodeMeta,
     TorchNativeBackend,
 )
-from rollout_engine.models.forward_batch import ForwardBatch, ForwardMode
 from rollout_engine.model_runner.model_runner import ModelRunner
 from rollout_engine.models.cpu_decode import FLAT_DECODE_ENV, CpuDecodeForward
+from rollout_engine.models.forward_batch import ForwardBatch, ForwardMode
 
 PROMPT, MAX_OWN = 24, 12
 _rows_in_use: dict[int, list[int]] = {}     # id(runner) -> its table rows now held

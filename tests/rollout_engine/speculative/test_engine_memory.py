@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from rollout_engine.config import EngineConfig
+from rollout_engine.config.speculative import SpecOptions
 from rollout_engine.entrypoints.launch_server import parse_args
 from rollout_engine.entrypoints.metrics import Metrics
-from rollout_engine.config.speculative import SpecOptions
 from tests.rollout_engine.engines import thread_engine
 from tests.rollout_engine.speculative.conftest import SPEC, repeated_prompts, run, spec_counts
 

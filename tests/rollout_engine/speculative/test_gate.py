@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from rollout_engine.config.speculative import LOW_ACCEPT_PROBE
 from rollout_engine.entrypoints.metrics import Metrics
 from rollout_engine.speculative.gate import AcceptanceGate
-from rollout_engine.config.speculative import LOW_ACCEPT_PROBE
 from tests.rollout_engine.engines import thread_engine
 from tests.rollout_engine.speculative.conftest import SPEC, repeated_prompts, run
 

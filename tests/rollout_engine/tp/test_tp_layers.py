@@ -16,13 +16,13 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from rollout_engine.models.llama import LlamaForCausalLM, ModelArch
-from rollout_engine.parallel.context import TPContext
-from rollout_engine.parallel.group import join_tp_group
 from rollout_engine.models.tp_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     vocab_parallel_logits,
 )
+from rollout_engine.parallel.context import TPContext
+from rollout_engine.parallel.group import join_tp_group
 from rollout_engine.weights.disk_reader import load_checkpoint
 from rollout_engine.weights.loader import load_weights
 
