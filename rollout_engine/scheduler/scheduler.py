@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any, Optional, Union
+from typing import Any, Generic, Optional, TypeVar, Union
 
 from transformers import AutoTokenizer
 
@@ -40,6 +40,7 @@ from rollout_engine.scheduler.batch import (
     build_sampling_batch,
 )
 from rollout_engine.scheduler.kv_manager import KVManager
+from rollout_engine.scheduler.lifecycle import RequestLifecycle
 from rollout_engine.scheduler.request import InFlight, Req, ReqState
 from rollout_engine.scheduler.stop import StopChecker, eos_token_ids
 from rollout_engine.scheduler.weight_state import WeightState
@@ -48,6 +49,20 @@ from rollout_engine.weights.loader import weight_names
 logger = logging.getLogger(__name__)
 
 Message = Union[GenerateReq, AbortReq]
+T = TypeVar("T")
+
+
+class _Queue(Generic[T]):
+    """A scheduler attribute that is its ``RequestLifecycle``'s."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, s: Scheduler, owner: type) -> T:
+        return getattr(s.reqs, self.name)   # type: ignore[no-any-return]
+
+    def __set__(self, s: Scheduler, value: T) -> None:
+        setattr(s.reqs, self.name, value)
 
 
 class Scheduler:
@@ -70,56 +85,55 @@ class Scheduler:
             any_whitespace=not config.constrained_json_disable_any_whitespace,
             max_whitespace_cnt=config.constrained_json_max_whitespace_cnt)
         self.weights = WeightState(config.weight_version)
-        self.waiting: deque[Req] = deque()
-        self.running: list[Req] = []
-        self.chunked: Optional[Req] = None
-        self.inflight = InFlight()   # every request taken, until retired
         self.arrivals = 0
         self.paused = False
         self.new_token_ratio = policy.NewTokenRatio()
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "cached_tokens": 0,
                       "prompt_tokens": 0, "num_retractions": 0, "forward_passes": 0}
+        # every state change of a request (queues, in-flight table, outputs): lifecycle.py
+        self.reqs = RequestLifecycle(self.kv, self.grammars, self.penalty_counts, self.stats,
+                                     self._before_finish, self._before_retire)
         self.memory_saver = create_memory_saver(self.runner.model, self.runner.kv_pool,
                                                 config.enable_weights_cpu_backup, self.device,
                                                 graphs=self.runner.graphs,
                                                 extra_kv=tree.kv_buffers())
-        self.outbox: list[ReqOutput] = []
+
+    # -- the request side: RequestLifecycle owns the queues, read and set through these -----
+    waiting = _Queue[deque[Req]]("waiting")
+    running = _Queue[list[Req]]("running")
+    chunked = _Queue[Optional[Req]]("chunked")
+    inflight = _Queue[InFlight]("inflight")
+    outbox = _Queue[list[ReqOutput]]("outbox")
+
+    def _before_finish(self, req: Req) -> None:
+        """Runs as an admitted request ends, before its KV goes back (a subclass's hook)."""
+
+    def _before_retire(self, req: Req) -> None:
+        """Runs as any taken request ends (a subclass's hook)."""
 
     # -- messages ----------------------------------------------------------------------------
     def handle(self, msg: Message) -> None:
         if isinstance(msg, GenerateReq):
             req = Req(msg, self.arrivals)
             self.arrivals += 1
-            if msg.rid in self.by_rid:
-                req.finished_reason = {"type": "abort", "message": f"duplicate rid {msg.rid!r}"}
-                self.outbox.append(req.make_output(full=True))
-                return None
-            if not self.can_run and not self.paused:
-                why = self.refusal_reason()
-                req.finished_reason = {"type": "abort", "message": f"request refused: {why}"}
-                self.outbox.append(req.make_output(full=True))
-                return None
-            too_big = self._never_fits(req)
-            if too_big is not None:
-                req.finished_reason = {"type": "abort", "message": too_big}
-                self.outbox.append(req.make_output(full=True))
-                return None
-            if req.constraint is not None:   # waits for its grammar off the loop
-                error = self.grammars.submit(req, req.constraint)
-                if error is not None:
-                    req.finished_reason = {"type": "abort", "message": error}
-                    self.outbox.append(req.make_output(full=True))
-                    return None
-                self.inflight.add(req)
-                return None
-            self.inflight.add(req)
-            self.kv.tree.prefetch(msg.rid, req.all_ids, self.namespace_of(req))  # L3 reads
-            self.waiting.append(req)
+            why = self._refusal(req)
+            if why is None:
+                self.reqs.take(req, self.namespace_of(req))
+            else:
+                self.reqs.refuse(req, why)
             return None
         if isinstance(msg, AbortReq):
             self.abort(msg)
             return None
         raise TypeError(f"the scheduler takes requests and aborts, not {type(msg).__name__}")
+
+    def _refusal(self, req: Req) -> Optional[str]:
+        """Why a new request is not taken at all, or None."""
+        if req.rid in self.by_rid:
+            return f"duplicate rid {req.rid!r}"
+        if not self.can_run and not self.paused:
+            return f"request refused: {self.refusal_reason()}"
+        return self._never_fits(req)
 
     def _never_fits(self, req: Req) -> Optional[str]:
         """Why ``req`` can never be admitted (its KV would not fit even in an empty pool), or
@@ -165,15 +179,12 @@ class Scheduler:
         return bool(self.waiting or self.running or self.chunked or len(self.grammars))
 
     def active_reqs(self) -> list[Req]:
-        reqs = list(self.running)
-        if self.chunked is not None:
-            reqs.append(self.chunked)
-        return reqs
+        return self.reqs.active()
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> BatchOutput:
         """Run one batch (prefill if anything can be admitted, else decode)."""
-        self._admit_compiled()
+        self.reqs.grammars_compiled()
         batch = None if not self.can_run else (self.schedule_prefill() or self.schedule_decode())
         self.kv.tree.commit_loads()   # the step's lower-tier hits reach the device in one copy
         if batch is not None:
@@ -193,19 +204,6 @@ class Scheduler:
             if self.config.debug_integrity:
                 self.check_integrity()
         return BatchOutput(out)
-
-    def _admit_compiled(self) -> None:
-        """Requests whose grammar compiled join the waiting queue, each with its own state; a
-        failed compile ends that request alone, with the compiler's message."""
-        if not len(self.grammars):
-            return
-        polled = self.grammars.poll()
-        for req, grammar in polled.ready:
-            req.grammar = grammar.new_state()
-            self.waiting.append(req)
-        for req, message in polled.failed:
-            req.finished_reason = {"type": "abort", "message": message}
-            self._retire(req)
 
     def schedule_prefill(self) -> Optional[ScheduleBatch]:
         budget = min(self.config.chunked_prefill_size, self.config.max_prefill_tokens)
@@ -245,7 +243,8 @@ class Scheduler:
                 break
             too_big = self._never_fits(req)
             if too_big is not None:
-                self._refuse_waiting(req, too_big, admitted)
+                self.reqs.refuse_waiting(req, too_big)
+                admitted.add(id(req))   # off the queue
                 continue
             if self.kv.tree.prefetch_pending(req.rid):   # waits aside for its storage reads
                 continue
@@ -274,12 +273,7 @@ class Scheduler:
             if not self.kv.reserve(req, req.seq_len):
                 self.kv.release(req, cache=False)
                 break
-            if req.cached_tokens is None:
-                req.cached_tokens = matched
-                self.stats["cached_tokens"] += matched
-                self.stats["prompt_tokens"] += len(req.input_ids)
-            req.state = ReqState.PREFILL
-            req.see_weight_version(self.weights.version)
+            self.reqs.admit(req, matched, self.weights.version)
             reqs.append(req)
             lens.append(ext)
             admitted.add(id(req))
@@ -297,12 +291,6 @@ class Scheduler:
         """Tokens of a candidate's own match that count as evictable now but will be locked."""
         return 0 if match.node is None else min(match.matched_len, self.kv.tree.evictable_size())
 
-    def _refuse_waiting(self, req: Req, message: str, admitted: set[int]) -> None:
-        """Finish a waiting request that can never run; ``admitted`` drops it from the queue."""
-        req.finished_reason = {"type": "abort", "message": message}
-        admitted.add(id(req))
-        self._retire(req)
-
     def schedule_decode(self) -> Optional[ScheduleBatch]:
         if not self.running:
             return None
@@ -317,7 +305,7 @@ class Scheduler:
                 continue
             if len(self.running) == 1 and self.chunked is None:
                 # nothing else holds KV: retracting would only recompute it into the same wall
-                self._outgrown(req)
+                self.reqs.outgrown(req, self.allocator.num_slots)
                 break
             victim = self.running.pop()  # the newest request gives its KV back
             self.retract(victim)
@@ -330,26 +318,9 @@ class Scheduler:
             return None
         return ScheduleBatch(ForwardMode.DECODE, list(self.running), [1] * len(self.running))
 
-    def _outgrown(self, req: Req) -> None:
-        need = req.kv_len + 1
-        req.finished_reason = {
-            "type": "abort",
-            "message": f"out of KV memory: the request needs {need} tokens of KV, more than the "
-                       f"KV pool's {self.allocator.num_slots} (max_total_num_tokens); lower "
-                       "max_new_tokens or raise max_total_tokens"}
-        self._finish(req)
-
     def retract(self, req: Req) -> None:
-        """Take an admitted request off the running batch (or the chunked prefill), free its
-        KV and queue it first, to be recomputed (``Req.retract`` restarts its phase)."""
-        if req in self.running:
-            self.running.remove(req)
-        if self.chunked is req:
-            self.chunked = None
-        self.kv.retract(req)
-        req.retract()
-        self.stats["num_retractions"] += 1
-        self.waiting.appendleft(req)
+        """Free an admitted request's KV and queue it first, to be recomputed."""
+        self.reqs.retract(req)
 
     def run_batch(self, batch: ScheduleBatch) -> None:
         fb = batch.to_forward_batch(self.device)
@@ -408,52 +379,20 @@ class Scheduler:
 
     def _after_forward(self, req: Req, mode: ForwardMode, sampled: bool) -> None:
         if req.finished:
-            self._finish(req)
+            self.reqs.finish(req)
             return
         if req.state == ReqState.PREFILL and sampled:
-            req.state = ReqState.DECODE
-            self.running.append(req)
+            self.reqs.decoding(req)
         if mode == ForwardMode.EXTEND:
             self.kv.cache_prefix(req)  # siblings and later chunks can share it right away
         if req.stream and req.state == ReqState.DECODE and (
                 len(req.output_ids) - req.sent_len >= self.config.stream_interval):
             self.outbox.append(req.make_output(full=False))
 
-    def _finish(self, req: Req) -> None:
-        self.kv.release(req, cache=True)
-        if req in self.running:
-            self.running.remove(req)
-        if self.chunked is req:
-            self.chunked = None
-        self._retire(req)
-
-    def _retire(self, req: Req) -> None:
-        """The end of every request the scheduler took (finished, aborted, refused): it holds
-        no KV any more; forget it and send its last output."""
-        req.state = ReqState.FINISHED
-        req.grammar = None   # its own state; the compiled grammar stays cached
-        self.inflight.remove(req)
-        if req.penalty_row is not None:
-            self.penalty_counts.give_back(req.penalty_row)
-            req.penalty_row = None
-        self.outbox.append(req.make_output(full=not req.stream))
-
-    # -- abort ---------------------------------------------------------------------------------
     def abort(self, msg: AbortReq) -> int:
         """Finish the named requests (``AbortReq``) with an abort, waiting or running; returns
         how many there were."""
-        targets = list(self.by_rid.values()) if msg.abort_all else (
-            self.inflight.named(msg.rid) if msg.rid is not None else [])
-        for req in targets:
-            req.finished_reason = {"type": "abort", "message": msg.message}
-            if req.state == ReqState.WAITING:
-                if not self.grammars.remove(req):   # else it was waiting for its grammar
-                    self.waiting.remove(req)
-                    self.kv.tree.forget_prefetch(req.rid)
-                self._retire(req)
-            else:
-                self._finish(req)
-        return len(targets)
+        return self.reqs.abort(msg)
 
     # -- invariants ----------------------------------------------------------------------------
     def check_integrity(self) -> dict[str, Any]:

@@ -86,17 +86,15 @@ class SpeculativeScheduler(Scheduler):
             if req is not None and req.spec is None:   # meta_info carries spec_* from now on
                 req.spec = SpecDecodeCounts()
 
-    def _retire(self, req: Req) -> None:
+    def _before_retire(self, req: Req) -> None:
         if self.draft is None and req.output_ids:
             self.proposer.publish(req.all_ids)    # later requests may draft from it
-        super()._retire(req)
 
-    def _finish(self, req: Req) -> None:
+    def _before_finish(self, req: Req) -> None:
         if self.draft is not None:    # the tree takes the draft's KV with the target's
             if req.req_pool_idx is not None:
                 self.draft.catch_up([req])
             self.draft.forget([req])
-        super()._finish(req)
 
     def run_batch(self, batch: ScheduleBatch) -> None:
         self._run_batch(batch)
