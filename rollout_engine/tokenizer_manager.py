@@ -278,9 +278,17 @@ class TokenizerManager:
         self.host.chan.send_many(reqs)
         return states
 
-    def abort(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
+    def abort(self, rid: Optional[str] = None, abort_all: bool = False, prefix: bool = False,
+              message: Optional[str] = None,
+              finished_reason: Optional[dict[str, Any]] = None) -> None:
+        """Abort ``rid`` (and its group), every rid starting with ``rid`` (``prefix``), or every
+        request; ``message`` / ``finished_reason`` are what the aborted requests end with."""
         if self.dead is None:
-            self.host.chan.send(AbortReq(rid=rid, abort_all=abort_all))
+            msg = AbortReq(rid=rid, abort_all=abort_all, prefix=prefix,
+                           finished_reason=finished_reason)
+            if message is not None:
+                msg.message = message
+            self.host.chan.send(msg)
 
     def send_dropped_aborts(self) -> None:
         """Abort the requests whose streams were dropped unfinished (recorded by finalizers)."""

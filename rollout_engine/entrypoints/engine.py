@@ -130,11 +130,16 @@ class Engine:
             raise
         return self._finish(list(results), single, return_text_in_logprobs)
 
-    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+    def abort_request(self, rid: str = "", abort_all: bool = False, prefix: bool = False,
+                      abort_message: Optional[str] = None) -> None:
         """Abort the request ``rid`` and every request of the group it names: the ``n > 1``
         samples and batch members a generate call with that ``rid`` made (waiting or
-        running); or every request (``abort_all``)."""
-        self.tm.abort(rid=rid or None, abort_all=abort_all)
+        running); with ``prefix``, every request whose rid starts with ``rid``; or every
+        request (``abort_all``). ``abort_message``: what their finish reason says."""
+        if prefix and not rid:
+            raise ValueError("rid: a prefix abort needs a non-empty rid prefix")
+        self.tm.abort(rid=rid or None, abort_all=abort_all, prefix=prefix,
+                      message=abort_message)
 
     # -- control ---------------------------------------------------------------------------------
     def _call(self, method: str, **kwargs: Any) -> ControlResult:

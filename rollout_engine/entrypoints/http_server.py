@@ -61,6 +61,34 @@ def _flag(body: dict[str, Any], name: str) -> bool:
     return value
 
 
+# SGLang's AbortReq (``abort_message``; some versions name it ``aborted_message``) and the
+# rid-prefix abort RL routers send to stop one adapter's or one task's requests
+ABORT_FIELDS = {"rid", "abort_all", "prefix", "abort_message", "aborted_message",
+                "finished_reason"}
+MAX_ABORT_MESSAGE = 1024
+
+
+def _abort_ending(body: dict[str, Any]) -> dict[str, Any]:
+    """What the aborted requests end with: their message, or a whole finished_reason."""
+    out: dict[str, Any] = {}
+    for name in ("abort_message", "aborted_message"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, str) or len(value) > MAX_ABORT_MESSAGE:
+            raise HTTPError(400, f"{name}: must be a string of at most {MAX_ABORT_MESSAGE} "
+                                 f"characters, got {str(value)[:40]!r}")
+        out["message"] = value
+    reason = body.get("finished_reason")
+    if reason is not None:
+        if not (isinstance(reason, dict) and isinstance(reason.get("type"), str)
+                and len(repr(reason)) <= MAX_ABORT_MESSAGE):
+            raise HTTPError(400, "finished_reason: must be an object with a string 'type' "
+                                 f"(at most {MAX_ABORT_MESSAGE} characters in all)")
+        out["finished_reason"] = reason
+    return out
+
+
 def create_app(engine: Engine, *, api_key: Optional[str] = None,
                admin_api_key: Optional[str] = None) -> FastAPI:
     """The FastAPI app over ``engine``. Keys default to the engine's ``api_key`` and
@@ -172,18 +200,21 @@ def create_app(engine: Engine, *, api_key: Optional[str] = None,
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
         body = await read_json(request, optional=True)
-        check_fields(body, {"rid", "abort_all"}, "abort_request")
+        check_fields(body, ABORT_FIELDS, "abort_request")
+        ending = _abort_ending(body)
         if _flag(body, "abort_all"):
             keys.require_admin(request)
             tm.check_alive()
-            tm.abort(abort_all=True)
+            tm.abort(abort_all=True, **ending)
             return json_response({"success": True, "message": "aborted every request"})
         rid = body.get("rid")
         if not isinstance(rid, str) or not rid:
             raise HTTPError(400, "rid: give the request id to abort (or abort_all: true)")
+        prefix = _flag(body, "prefix")
         tm.check_alive()
-        service.abort(rid)
-        return json_response({"success": True, "message": f"abort sent for {rid!r}"})
+        tm.abort(rid=rid, prefix=prefix, **ending)
+        what = f"every request whose rid starts with {rid!r}" if prefix else repr(rid)
+        return json_response({"success": True, "message": f"abort sent for {what}"})
 
     @app.get("/check_integrity", dependencies=admin)
     async def check_integrity() -> Response:

@@ -79,11 +79,6 @@ class GenerationService:
                 n += 1
         return n
 
-    def abort(self, rid: str) -> None:
-        """Abort the request ``rid`` and every request of the group it names (the samples of
-        an ``n > 1`` call, the members of a batch: ``GenerateReq.groups``)."""
-        self.tm.abort(rid=rid)
-
     # -- waiting -------------------------------------------------------------------------------
     async def collect(self, states: list[RequestState],
                       request: Optional[Request] = None) -> list[dict[str, Any]]:

@@ -33,11 +33,15 @@ class GenerateReq:
 @dataclass
 class AbortReq:
     """Abort the request whose rid is ``rid`` and every request in the group named ``rid``
-    (``GenerateReq.groups``), waiting or running; or every request (``abort_all``)."""
+    (``GenerateReq.groups``), waiting or running; with ``prefix``, every request whose rid
+    starts with ``rid``; or every request (``abort_all``). ``finished_reason`` replaces the
+    aborted requests' ``{"type": "abort", "message": message}``."""
 
     rid: Optional[str] = None
     abort_all: bool = False
     message: str = "aborted by request"
+    prefix: bool = False
+    finished_reason: Optional[dict[str, Any]] = None
 
 
 @dataclass

@@ -162,10 +162,17 @@ class RequestLifecycle:
     def abort(self, msg: AbortReq) -> int:
         """Finish the named requests (``AbortReq``) with an abort, waiting or running; returns
         how many there were."""
-        targets = list(self.inflight.by_rid.values()) if msg.abort_all else (
-            self.inflight.named(msg.rid) if msg.rid is not None else [])
+        if msg.abort_all:
+            targets = list(self.inflight.by_rid.values())
+        elif msg.rid is None:
+            targets = []
+        elif msg.prefix:
+            targets = self.inflight.starting(msg.rid)
+        else:
+            targets = self.inflight.named(msg.rid)
         for req in targets:
-            req.finished_reason = {"type": "abort", "message": msg.message}
+            req.finished_reason = (dict(msg.finished_reason) if msg.finished_reason is not None
+                                   else {"type": "abort", "message": msg.message})
             if req.state == ReqState.WAITING:
                 if not self.grammars.remove(req):   # else it was waiting for its grammar
                     self.waiting.remove(req)

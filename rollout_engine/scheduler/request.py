@@ -167,6 +167,10 @@ class InFlight:
             if not members:
                 del self._groups[name]
 
+    def starting(self, prefix: str) -> list[Req]:
+        """The requests whose rid starts with ``prefix``."""
+        return [req for rid, req in self.by_rid.items() if rid.startswith(prefix)]
+
     def named(self, name: str) -> list[Req]:
         """The request whose rid is ``name`` and the members of the group ``name``."""
         found = dict(self._groups.get(name, {}))

@@ -121,3 +121,42 @@ def test_http_abort_request_stops_every_sample_and_batch_member(live_server: Liv
         outs = _result(t, box)
         assert len(outs) == 2 and all(_aborted(o) for o in outs), outs
     live_server.assert_no_leak()
+
+
+def test_http_prefix_abort_stops_every_rid_with_that_prefix_and_says_why(
+        live_server: LiveServer):
+    """An RL router stops one adapter's requests with ``{"rid": "<adapter>::", "prefix":
+    true}``; SGLang's ``abort_message`` is what their finish reason says. Requests whose rid
+    does not start with the prefix run on."""
+    live_server.wait_idle()
+    long = {"max_new_tokens": LONG, "ignore_eos": True}
+
+    def post(rid: str, max_new_tokens: int = LONG) -> Any:
+        with live_server.client() as c:
+            r = c.post("/generate", json={"input_ids": [5, 6, 7], "rid": rid,
+                                          "sampling_params": {**long,
+                                                              "max_new_tokens": max_new_tokens}})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    mine = [_in_thread(lambda rid=rid: post(rid)) for rid in ("lora-a::1", "lora-a::2")]
+    other = _in_thread(lambda: post("lora-b::1", 30))
+    with live_server.client() as c:
+        _wait_for(lambda: c.get("/get_server_info").json(), running=3)
+        assert c.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+        try:
+            r = c.post("/abort_request", json={"rid": "lora-a::", "prefix": True,
+                                               "abort_message": "adapter unloaded"})
+            assert r.status_code == 200, r.text
+            bad = c.post("/abort_request", json={"rid": "lora-a::", "prefix": "yes"})
+            assert bad.status_code == 400 and "prefix" in bad.json()["error"]["message"]
+        finally:
+            assert c.post("/continue_generation").status_code == 200
+    for t, box in mine:
+        out = _result(t, box)
+        assert out["meta_info"]["finish_reason"] == {"type": "abort",
+                                                     "message": "adapter unloaded"}
+    kept = _result(*other)
+    assert kept["meta_info"]["finish_reason"]["type"] == "length"
+    assert kept["meta_info"]["completion_tokens"] == 30
+    live_server.assert_no_leak()
