@@ -368,8 +368,10 @@ CHAT_REQUEST = FieldList(
         _f("tool_choice", "auto", S, "auto / none; required or a named function force a call "
            "with a grammar (a structural tag over <tool_call> blocks)", "none"),
         _f("parallel_tool_calls", True, S, "false: only the first tool call is returned"),
-        _f("return_prompt_token_ids", False, D, "prompt ids in choices (use /generate)"),
-        _f("return_meta_info", False, D, "meta_info in choices (use /generate)"),
+        _f("return_prompt_token_ids", False, S, "choices[i].prompt_token_ids: the prompt's ids "
+           "(not with stream)"),
+        _f("return_meta_info", False, S, "choices[i].meta_info: /generate's meta_info (token "
+           "logprobs with logprobs = true, completion_tokens, finish_reason; not with stream)"),
         _f("task", None, D, "DeepSeek-V4 quick instructions"),
         _f("separate_reasoning", True, X, "no reasoning parser is configured (SGLang's default), "
            "so nothing is separated"),

@@ -247,6 +247,10 @@ class OpenAIServing:
                 "finish_reason": _tool_finish(_finish_reason(meta["finish_reason"]),
                                               bool(calls)),
                 "matched_stop": _matched_stop(meta["finish_reason"])})
+            if req.return_meta_info:
+                choices[-1]["meta_info"] = meta
+            if req.return_prompt_token_ids:
+                choices[-1]["prompt_token_ids"] = list(states[i].req.input_ids)
         return json_response({**self._header("chatcmpl", "chat.completion"), "choices": choices,
                               "usage": _usage([r["meta_info"] for r in results], req.n)})
 

@@ -222,6 +222,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[Tool]] = None
     tool_choice: Optional[ToolChoice] = None
     parallel_tool_calls: bool = True
+    return_meta_info: bool = False
+    return_prompt_token_ids: bool = False
 
     @property
     def active_tools(self) -> list[Tool]:
@@ -248,6 +250,9 @@ class ChatCompletionRequest(_SamplingFields):
                 raise ValueError("top_logprobs: requires logprobs = true")
             if self.top_logprobs < 0:   # the upper bound is the server's (RequestLimits)
                 raise ValueError(f"top_logprobs: must be >= 0, got {self.top_logprobs}")
+        for name in ("return_meta_info", "return_prompt_token_ids"):
+            if self.stream and getattr(self, name):
+                raise ValueError(f"{name}: not supported with stream = true (as SGLang)")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message: needs add_generation_prompt = false")
 

@@ -175,3 +175,29 @@ def test_chat_bad_input(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="m", messages=MESSAGES, temperature=3.0,
                                        extra_body={"min_p": 2.0})
+
+
+def test_chat_return_meta_info_carries_the_token_logprobs(live_server: LiveServer) -> None:
+    """An agent session server reads ``choices[0].meta_info.output_token_logprobs`` (the token
+    ids of the turn, with their logprobs) and ``completion_tokens``: SGLang's
+    ``return_meta_info``; ``return_prompt_token_ids`` gives the prompt's ids."""
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 6, "temperature": 0,
+            "logprobs": True, "return_meta_info": True, "return_prompt_token_ids": True}
+    with live_server.client() as c:
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        meta = choice["meta_info"]
+        ids = [t[1] for t in meta["output_token_logprobs"]]
+        assert len(ids) == meta["completion_tokens"] == r.json()["usage"]["completion_tokens"]
+        ref = live_server.engine.generate(input_ids=choice["prompt_token_ids"], sampling_params={
+            "max_new_tokens": 6, "temperature": 0}, return_logprob=True)
+        assert ids == ref["output_ids"]
+        for (lp, _, _), (want, _, _) in zip(meta["output_token_logprobs"],
+                                            ref["meta_info"]["output_token_logprobs"]):
+            assert math.isclose(lp, want, abs_tol=1e-5)
+        plain = c.post("/v1/chat/completions", json={**body, "return_meta_info": False,
+                                                     "return_prompt_token_ids": False})
+        assert set(plain.json()["choices"][0]) == set(choice) - {"meta_info", "prompt_token_ids"}
+        stream = c.post("/v1/chat/completions", json={**body, "stream": True})
+        assert stream.status_code == 400 and "return_meta_info" in stream.text
