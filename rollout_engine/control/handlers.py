@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 from rollout_engine.control.dispatch import Canceller, ControlDispatcher, Handler
 from rollout_engine.control.draft_refit import DraftRLControl
 from rollout_engine.control.introspection import Introspection
+from rollout_engine.control.profiler import Profiler
 from rollout_engine.control.rl_control import RLControl
 from rollout_engine.protocol.messages import AbortReq, ControlReq, ControlResult, GenerateReq
 from rollout_engine.scheduler.scheduler import Scheduler
@@ -24,7 +25,7 @@ from rollout_engine.weights.update_groups import WeightUpdateGroups
 __all__ = ["ControlPlane", "build_control", "handler_table"]
 
 
-def handler_table(info: Introspection, rl: RLControl) -> dict[str, Handler]:
+def handler_table(info: Introspection, rl: RLControl, profiler: Profiler) -> dict[str, Handler]:
     """Every control call the engine answers, by the name a ``ControlReq`` gives."""
     return {
         # cache and introspection
@@ -47,6 +48,9 @@ def handler_table(info: Introspection, rl: RLControl) -> dict[str, Handler]:
         "update_weight_version": rl.rpc_update_weight_version,
         "pause_generation": rl.rpc_pause_generation,
         "continue_generation": rl.rpc_continue_generation,
+        # the torch profiler
+        "start_profile": profiler.rpc_start_profile,
+        "stop_profile": profiler.rpc_stop_profile,
     }
 
 
@@ -56,9 +60,10 @@ class ControlPlane:
     ``wake`` (set by the loop) is called when one ends."""
 
     def __init__(self, scheduler: Scheduler, handlers: Mapping[str, Handler],
-                 cancellers: Mapping[str, Canceller]) -> None:
+                 cancellers: Mapping[str, Canceller], profiler: Profiler) -> None:
         self.scheduler = scheduler
         self.handlers = handlers
+        self.profiler = profiler
         self.dispatcher = ControlDispatcher(handlers, cancellers)
 
     def handle(self, msg: Union[GenerateReq, AbortReq, ControlReq]) -> Optional[ControlResult]:
@@ -69,6 +74,8 @@ class ControlPlane:
         return None
 
     def finished(self) -> list[ControlResult]:
+        """Called after every step: deferred answers, and the profiler's start / stop step."""
+        self.profiler.poll()
         return self.dispatcher.finished()
 
     @property
@@ -98,4 +105,5 @@ def build_control(scheduler: Scheduler) -> ControlPlane:
     info = Introspection(scheduler, scheduler.runner, scheduler.kv, scheduler.allocator,
                          scheduler.memory_saver, scheduler.weights, rl.groups, rl.spare_bytes)
     cancellers = {"update_weights_from_tensor": rl.cancel_update_weights_from_tensor}
-    return ControlPlane(scheduler, handler_table(info, rl), cancellers)
+    profiler = Profiler(lambda: scheduler.stats["forward_passes"], scheduler.device)
+    return ControlPlane(scheduler, handler_table(info, rl, profiler), cancellers, profiler)

@@ -41,6 +41,7 @@ from rollout_engine.entrypoints.http_utils import (
 from rollout_engine.entrypoints.load_routes import add_load_routes
 from rollout_engine.entrypoints.metrics import Metrics
 from rollout_engine.entrypoints.openai_api import add_openai_routes
+from rollout_engine.entrypoints.profile_routes import add_profile_routes
 from rollout_engine.entrypoints.rl_routes import add_rl_routes
 from rollout_engine.entrypoints.serving import GenerationService
 from rollout_engine.request_state import add_token_text
@@ -223,6 +224,7 @@ def create_app(engine: Engine, *, api_key: Optional[str] = None,
 
     add_load_routes(app, engine)   # /get_load, /v1/loads: read-only, public
     add_rl_routes(app, engine, admin)
+    add_profile_routes(app, engine, admin)
     return app
 
 
