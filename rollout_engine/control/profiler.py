@@ -59,15 +59,15 @@ class Profiler:
         if bad:
             why = "not supported here" if set(bad) <= set(NOT_DONE) else "unknown"
             raise ValueError(f"activities: {bad} {why} (supported: {list(ACTIVITIES)})")
-        for name, value in (("profile_by_stage", profile_by_stage),
-                            ("merge_profiles", merge_profiles), ("profile_stages", profile_stages)):
-            if value:
+        for name, flag in (("profile_by_stage", profile_by_stage),
+                           ("merge_profiles", merge_profiles), ("profile_stages", profile_stages)):
+            if flag:
                 raise ValueError(f"{name}: not supported (one trace per scheduler process)")
-        for name, value in (("start_step", start_step), ("num_steps", num_steps)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or value < (1 if name == "num_steps" else 0)):
+        for name, step in (("start_step", start_step), ("num_steps", num_steps)):
+            if step is not None and (not isinstance(step, int) or isinstance(step, bool)
+                                     or step < (1 if name == "num_steps" else 0)):
                 raise ValueError(f"{name}: must be a non-negative integer (num_steps >= 1), "
-                                 f"got {value!r}")
+                                 f"got {step!r}")
         for name, text in (("output_dir", output_dir), ("profile_id", profile_id),
                            ("profile_prefix", profile_prefix)):
             if text is not None and not isinstance(text, str):
