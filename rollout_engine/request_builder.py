@@ -17,6 +17,7 @@ from rollout_engine.constrained.spec import Constraint
 from rollout_engine.protocol.messages import GenerateReq
 from rollout_engine.sampler import derive_seed
 from rollout_engine.sampling_params import SamplingParams
+from rollout_engine.selected_ids import check_scoring, per_prompt_ids, per_prompt_positions
 
 MAX_REQUESTS_PER_CALL = 4096   # prompts x n of one generate call; more is a 400, not an OOM
 
@@ -109,7 +110,8 @@ class RequestBuilder:
               sampling_params: Any = None, return_logprob: Any = False,
               top_logprobs_num: Any = 0, logprob_start_len: Any = -1,
               stream: bool = False, rid: Any = None, extra_key: Any = None,
-              *, cache_salt: Any = None) -> tuple[list[GenerateReq], bool]:
+              *, cache_salt: Any = None, token_ids_logprob: Any = None,
+              token_ids_logprob_positions: Any = None) -> tuple[list[GenerateReq], bool]:
         """Validate a generate call and expand it (batch, n) into scheduler requests.
 
         The supported fields of SGLang's ``GenerateReqInput`` (``compat/fields.py``), with its
@@ -118,7 +120,10 @@ class RequestBuilder:
         prompt named ``r`` are ``r-<j>``. Each request's ``groups`` are the names it was
         expanded from (the batch's string rid, then its prompt's rid when it is a sample), so
         aborting one of them stops every member. ``extra_key`` and ``cache_salt`` together name
-        the prefix-cache namespace.
+        the prefix-cache namespace. ``token_ids_logprob``: ids whose logprobs every output (and
+        prompt) position reports (one list for all prompts, or one per prompt);
+        ``token_ids_logprob_positions``: for scoring a prompt (``max_new_tokens`` 0,
+        ``logprob_start_len`` 0), the ids of each prompt position (``selected_ids.py``).
 
         Returns the requests and whether the caller asked for a single (non-list) answer.
         Raises ValueError naming the bad field; nothing is submitted then.
@@ -169,10 +174,15 @@ class RequestBuilder:
         rids = _per_item(rid, nb, "rid", str) if rid is not None else [None] * nb
         keys = _cache_namespaces(_per_item(extra_key, nb, "extra_key", str),
                                  _per_item(cache_salt, nb, "cache_salt", str))
+        chosen = per_prompt_ids(token_ids_logprob, nb, self.vocab_size)
+        positions = per_prompt_positions(token_ids_logprob_positions, nb, single,
+                                         self.vocab_size)
         reqs: list[GenerateReq] = []
         for i, (ids, sp) in enumerate(zip(ids_list, sps)):
             rl, tln, lsl = (f[i] for f in flags)
             self._validate(ids, sp, tln, lsl)
+            if positions[i] is not None:
+                check_scoring(ids, sp, bool(rl), lsl, positions[i], chosen[i])
             base_rid = rids[i] or uuid.uuid4().hex
             base_seed = sp.sampling_seed if sp.sampling_seed is not None else self.rng.getrandbits(63)
             groups = batch_groups if sp.n == 1 else (*batch_groups, base_rid)
@@ -180,9 +190,11 @@ class RequestBuilder:
                 seed = base_seed if sp.n == 1 else derive_seed(base_seed, j)
                 reqs.append(GenerateReq(
                     rid=base_rid if sp.n == 1 else f"{base_rid}-{j}", input_ids=list(ids),
-                    sampling_params=sp, seed=seed, return_logprob=bool(rl or tln),
+                    sampling_params=sp, seed=seed,
+                    return_logprob=bool(rl or tln or chosen[i] is not None),
                     top_logprobs_num=tln, logprob_start_len=lsl, stream=stream,
-                    extra_key=keys[i], groups=groups))
+                    extra_key=keys[i], groups=groups, token_ids_logprob=chosen[i],
+                    token_ids_logprob_positions=positions[i]))
         return reqs, single and sps[0].n == 1
 
     def _encode(self, text: str) -> list[int]:

@@ -28,9 +28,12 @@ from rollout_engine.detokenizer import IncrementalDetokenizer
 from rollout_engine.protocol.messages import GenerateReq
 
 _TOKEN_LOGPROB_KEYS = ("output_token_logprobs", "input_token_logprobs")
-_TOP_LOGPROB_KEYS = ("output_top_logprobs", "input_top_logprobs")
-_OUTPUT_KEYS = ("output_token_logprobs", "output_top_logprobs")   # grow with each chunk
-_INPUT_KEYS = ("input_token_logprobs", "input_top_logprobs")      # arrive once
+_TOP_LOGPROB_KEYS = ("output_top_logprobs", "input_top_logprobs", "output_token_ids_logprobs",
+                     "input_token_ids_logprobs")
+_OUTPUT_KEYS = ("output_token_logprobs", "output_top_logprobs",   # grow with each chunk
+                "output_token_ids_logprobs")
+_INPUT_KEYS = ("input_token_logprobs", "input_top_logprobs",      # arrive once
+               "input_token_ids_logprobs")
 
 
 def add_token_text(out: dict[str, Any], token_text: Callable[[int], str]) -> dict[str, Any]:

@@ -199,6 +199,10 @@ class TokenizerManager:
             if st.req.top_logprobs_num:
                 meta["output_top_logprobs"] = [
                     [[lp, tid, None] for lp, tid in top] for top in out.output_top_logprobs]
+            if st.req.token_ids_logprob is not None:
+                meta["output_token_ids_logprobs"] = [
+                    [[lp, tid, None] for lp, tid in chosen]
+                    for chosen in out.output_token_ids_logprobs]
             if out.input_logprobs is not None:
                 start = max(st.req.logprob_start_len, 0)
                 ids = st.req.input_ids[start:]
@@ -208,6 +212,10 @@ class TokenizerManager:
                     meta["input_top_logprobs"] = [
                         None if top is None else [[lp, tid, None] for lp, tid in top]
                         for top in out.input_top_logprobs]
+                if out.input_token_ids_logprobs is not None:
+                    meta["input_token_ids_logprobs"] = [
+                        None if chosen is None else [[lp, tid, None] for lp, tid in chosen]
+                        for chosen in out.input_token_ids_logprobs]
         return meta
 
     def _chunk(self, st: RequestState, out: ReqOutput, delta: str) -> dict[str, Any]:

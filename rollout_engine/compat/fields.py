@@ -181,7 +181,12 @@ GENERATE_REQUEST = FieldList("GenerateReqInput", "python/sglang/srt/managers/io_
        "with requests of the same key"),
     _f("cache_salt", None, S, "joins extra_key in the prefix-cache namespace"),
     # accepted if default
-    _f("token_ids_logprob", None, D, "logprobs of chosen token ids", []),
+    _f("token_ids_logprob", None, S, "logprobs of these token ids at every output position "
+       "(and prompt position from logprob_start_len): meta_info.output_token_ids_logprobs, "
+       "input_token_ids_logprobs", []),
+    _f("token_ids_logprob_positions", None, S, "scoring (max_new_tokens 0, logprob_start_len "
+       "0): row p lists the ids whose logprobs prompt position p reports "
+       "(input_token_ids_logprobs); an on-policy distillation extension"),
     _f("session_params", None, D, "continual-prompting sessions"),
     _f("input_embeds", None, D, "prompt embeddings"),
     _f("image_data", None, D, _MULTIMODAL, []),

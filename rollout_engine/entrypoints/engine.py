@@ -61,13 +61,14 @@ class Engine:
     def _submit(self, prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: Any,
                 top_logprobs_num: Any, logprob_start_len: Any, stream: bool, rid: Any,
                 extra_key: Any, cache_salt: Any = None,
-                sglang_kwargs: Optional[dict[str, Any]] = None) -> tuple[list[Any], bool]:
+                sglang_kwargs: Optional[dict[str, Any]] = None,
+                **selected: Any) -> tuple[list[Any], bool]:
         _check_sglang_kwargs(sglang_kwargs or {})
         reqs, single = self.tm.build_requests(
             prompt, input_ids, sampling_params, return_logprob,
             0 if top_logprobs_num is None else top_logprobs_num,
             -1 if logprob_start_len is None else logprob_start_len, stream, rid, extra_key,
-            cache_salt=cache_salt)
+            cache_salt=cache_salt, **selected)
         if stream and len(reqs) != 1:
             raise ValueError("stream: streaming takes one prompt with n = 1")
         return self.tm.submit(reqs), single
@@ -85,13 +86,14 @@ class Engine:
                  return_logprob: Any = False, top_logprobs_num: Any = 0,
                  logprob_start_len: Any = -1, stream: bool = False, rid: Any = None,
                  extra_key: Any = None, *, return_text_in_logprobs: bool = False,
-                 cache_salt: Any = None, **sglang_kwargs: Any
+                 cache_salt: Any = None, token_ids_logprob: Any = None,
+                 token_ids_logprob_positions: Any = None, **sglang_kwargs: Any
                  ) -> Union[Output, Iterator[dict[str, Any]]]:
         """Generate for one prompt (dict) or a batch / ``n > 1`` (list of dicts).
 
         Takes SGLang's ``Engine.generate`` keyword arguments (the names of its
         ``GenerateReqInput``; pass them by keyword): ``image_data``, ``lora_path``,
-        ``return_hidden_states``, ``custom_logit_processor``, ``token_ids_logprob``,
+        ``return_hidden_states``, ``custom_logit_processor``,
         ``bootstrap_host``, ``data_parallel_rank``, ... null or SGLang's default is accepted,
         another value of a feature this engine lacks is a ValueError naming it
         (``rollout_engine/compat/fields.py`` lists every field); a name SGLang does not know
@@ -104,7 +106,9 @@ class Engine:
         """
         states, single = self._submit(prompt, sampling_params, input_ids, return_logprob,
                                       top_logprobs_num, logprob_start_len, stream, rid, extra_key,
-                                      cache_salt, sglang_kwargs)
+                                      cache_salt, sglang_kwargs,
+                                      token_ids_logprob=token_ids_logprob,
+                                      token_ids_logprob_positions=token_ids_logprob_positions)
         if stream:
             return self._stream(states[0], return_text_in_logprobs)
         return self._finish([self.tm.wait(st) for st in states], single, return_text_in_logprobs)
@@ -114,12 +118,15 @@ class Engine:
                              top_logprobs_num: Any = 0, logprob_start_len: Any = -1,
                              stream: bool = False, rid: Any = None, extra_key: Any = None, *,
                              return_text_in_logprobs: bool = False, cache_salt: Any = None,
-                             **sglang_kwargs: Any
+                             token_ids_logprob: Any = None,
+                             token_ids_logprob_positions: Any = None, **sglang_kwargs: Any
                              ) -> Union[Output, AsyncIterator[dict[str, Any]]]:
         """``generate`` for asyncio: the same arguments; an async iterator when streaming."""
         states, single = self._submit(prompt, sampling_params, input_ids, return_logprob,
                                       top_logprobs_num, logprob_start_len, stream, rid, extra_key,
-                                      cache_salt, sglang_kwargs)
+                                      cache_salt, sglang_kwargs,
+                                      token_ids_logprob=token_ids_logprob,
+                                      token_ids_logprob_positions=token_ids_logprob_positions)
         if stream:
             return self._stream(states[0], return_text_in_logprobs)
         try:

@@ -131,7 +131,8 @@ def create_app(engine: Engine, *, api_key: Optional[str] = None,
             top_logprobs_num=body.get("top_logprobs_num", 0),
             logprob_start_len=body.get("logprob_start_len", -1), stream=stream,
             rid=body.get("rid"), extra_key=body.get("extra_key"),
-            cache_salt=body.get("cache_salt"))
+            cache_salt=body.get("cache_salt"), token_ids_logprob=body.get("token_ids_logprob"),
+            token_ids_logprob_positions=body.get("token_ids_logprob_positions"))
         if not stream:
             results = await service.collect(states, request)
             if with_text:

@@ -59,7 +59,8 @@ class GenerationService:
                      sampling_params: Any = None, return_logprob: Any = False,
                      top_logprobs_num: Any = 0, logprob_start_len: Any = -1,
                      stream: bool = False, rid: Any = None, extra_key: Any = None,
-                     cache_salt: Any = None) -> tuple[list[RequestState], bool]:
+                     cache_salt: Any = None, **selected: Any
+                     ) -> tuple[list[RequestState], bool]:
         """Validate (ValueError -> 400) and send; returns the states and whether the caller
         asked for a single answer (not a batch, n == 1). A full engine (max_queued_requests)
         is refused before any tokenizing (503)."""
@@ -68,7 +69,7 @@ class GenerationService:
         reqs, single = await self.offload(
             self.tm.build_requests, prompt, input_ids, sampling_params, return_logprob,
             top_logprobs_num, -1 if logprob_start_len is None else logprob_start_len, stream,
-            rid, extra_key, cache_salt=cache_salt)
+            rid, extra_key, cache_salt=cache_salt, **selected)
         return self.tm.submit(reqs), single
 
     def abort_unfinished(self, states: list[RequestState]) -> int:

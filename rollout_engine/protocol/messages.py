@@ -28,6 +28,10 @@ class GenerateReq:
     # member and an ``n > 1`` sample belong to the call's rid, and a sample of a batch prompt
     # also to that prompt's rid; aborting a group's name aborts every member
     groups: tuple[str, ...] = ()
+    # logprobs of chosen token ids: the same ids at every output (and prompt) position, or,
+    # for scoring a prompt, the ids of each prompt position (``token_ids_logprob_positions``)
+    token_ids_logprob: Optional[list[int]] = None
+    token_ids_logprob_positions: Optional[list[list[int]]] = None
 
 
 @dataclass
@@ -116,6 +120,8 @@ class ReqOutput:
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     input_logprobs: Optional[list[Optional[float]]] = None
     input_top_logprobs: Optional[list[Optional[list[tuple[float, int]]]]] = None
+    output_token_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_token_ids_logprobs: Optional[list[Optional[list[tuple[float, int]]]]] = None
     finished_reason: Optional[dict[str, Any]] = None
     prompt_tokens: int = 0
     completion_tokens: int = 0

@@ -122,16 +122,57 @@ class ScheduleBatch:
             if not req.input_logprobs and req.logprob_start_len == 0:
                 req.input_logprobs.append(None)
                 req.input_top_logprobs.append(None)
+                req.input_token_ids_logprobs.append(None)
             if b == a:
                 continue
             temps = [req.params.temperature] * (b - a)  # T = 0 -> 1 in the sampler
             lp = compute_logprobs(logits[a:b], torch.tensor(temps, device=logits.device))
+            if req.wants_selected_ids:   # the first row's target is this input position
+                first = max(req.logprob_start_len, 0) + len(req.input_logprobs)
+                req.input_token_ids_logprobs.extend(selected_logprobs(
+                    lp, [_selected_at(req, first + r) for r in range(b - a)]))
             tgt = torch.tensor(targets, device=logits.device)
             req.input_logprobs.extend(lp.gather(1, tgt[:, None]).squeeze(1).tolist())
             if req.top_logprobs_num:
                 vals, idx = lp.topk(req.top_logprobs_num, dim=-1)
                 req.input_top_logprobs.extend(
                     list(zip(v, i)) for v, i in zip(vals.tolist(), idx.tolist()))
+
+
+def _selected_at(req: Req, position: int) -> list[int]:
+    """The ids whose logprobs ``req`` asks for at input position ``position``."""
+    if req.token_ids_positions is not None:
+        return req.token_ids_positions[position]
+    assert req.token_ids_logprob is not None
+    return req.token_ids_logprob
+
+
+def selected_logprobs(lp: torch.Tensor, ids: list[list[int]]
+                      ) -> list[list[tuple[float, int]]]:
+    """``[(lp[r, t], t) for t in ids[r]]`` for every row ``r`` of ``lp`` ([n, V] logprobs), in
+    one gather."""
+    rows = [r for r, row in enumerate(ids) for _ in row]
+    flat = [t for row in ids for t in row]
+    if not flat:
+        return [[] for _ in ids]
+    values = lp[torch.tensor(rows, device=lp.device), torch.tensor(flat, device=lp.device)]
+    vals = iter(values.tolist())
+    return [[(next(vals), t) for t in row] for row in ids]
+
+
+def record_output_selected(logits: torch.Tensor, rows: list[int], reqs: list[Req]) -> None:
+    """Each ``req`` that asks for chosen ids' logprobs: those of its new output token's
+    position (``log_softmax(logits / T)`` of its ``rows`` entry, as its token logprob)."""
+    asking = [(row, req) for row, req in zip(rows, reqs)
+              if req.token_ids_logprob is not None and req.return_logprob]
+    if not asking:
+        return
+    idx = torch.tensor([row for row, _ in asking], device=logits.device)
+    temps = torch.tensor([req.params.temperature for _, req in asking], device=logits.device)
+    lp = compute_logprobs(logits.index_select(0, idx), temps)
+    for (_, req), entry in zip(asking, selected_logprobs(
+            lp, [req.token_ids_logprob or [] for _, req in asking])):
+        req.output_token_ids_logprobs.append(entry)
 
 
 @dataclass

@@ -70,6 +70,11 @@ class Req:
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
         self.input_logprobs: list[Optional[float]] = []
         self.input_top_logprobs: list[Optional[list[tuple[float, int]]]] = []
+        # logprobs of chosen ids (GenerateReq.token_ids_logprob / _positions)
+        self.token_ids_logprob = msg.token_ids_logprob
+        self.token_ids_positions = msg.token_ids_logprob_positions
+        self.output_token_ids_logprobs: list[list[tuple[float, int]]] = []
+        self.input_token_ids_logprobs: list[Optional[list[tuple[float, int]]]] = []
         self.cached_tokens: Optional[int] = None   # reported: the first admission's prefix hit
         self.weight_versions: list[str] = []
         self.num_retractions = 0
@@ -93,6 +98,7 @@ class Req:
         if self.wants_input_logprobs and not self.input_logprobs_done():
             self.input_logprobs.clear()
             self.input_top_logprobs.clear()
+            self.input_token_ids_logprobs.clear()
 
     # -- derived -------------------------------------------------------------------------------
     @property
@@ -111,6 +117,11 @@ class Req:
     @property
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and self.logprob_start_len >= 0
+
+    @property
+    def wants_selected_ids(self) -> bool:
+        """Logprobs of chosen token ids (flat, or per prompt position) are asked for."""
+        return self.token_ids_logprob is not None or self.token_ids_positions is not None
 
     def input_logprobs_done(self) -> bool:
         return len(self.input_logprobs) >= len(self.input_ids) - max(self.logprob_start_len, 0)
@@ -136,10 +147,14 @@ class Req:
             out.output_logprobs = self.output_logprobs[start:]
             if self.top_logprobs_num:
                 out.output_top_logprobs = self.output_top_logprobs[start:]
+            if self.token_ids_logprob is not None:
+                out.output_token_ids_logprobs = self.output_token_ids_logprobs[start:]
             if self.logprob_start_len >= 0 and (full or start == 0):
                 out.input_logprobs = list(self.input_logprobs)
                 if self.top_logprobs_num:
                     out.input_top_logprobs = list(self.input_top_logprobs)
+                if self.wants_selected_ids:
+                    out.input_token_ids_logprobs = list(self.input_token_ids_logprobs)
         self.sent_len = len(self.output_ids)
         return out
 

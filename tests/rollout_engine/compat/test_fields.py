@@ -32,7 +32,7 @@ MESSAGES = [{"role": "user", "content": "hello there"}]
 
 # A real (non-default) value for every accepted-if-default field, as a client would send it.
 GENERATE_REFUSED = {
-    "token_ids_logprob": [5, 6], "session_params": {"id": "session-1"},
+    "session_params": {"id": "session-1"},
     "input_embeds": [[0.1, 0.2]], "image_data": "https://example.com/cat.png",
     "video_data": "clip.mp4", "audio_data": "speech.wav", "mm_hashes": ["ab12"],
     "mm_content_hashes": ["sha256:" + "0" * 64], "use_audio_in_video": True,
