@@ -51,6 +51,22 @@ def add_token_text(out: dict[str, Any], token_text: Callable[[int], str]) -> dic
     return {**out, "meta_info": meta}
 
 
+def kept_arrays(rows: list[list[int]]) -> dict[str, list[int]]:
+    """Per-token id sets as ``top_p_token_ids`` (all of them, in token order) and
+    ``top_p_token_offsets`` (``len(rows) + 1`` offsets from 0: token k's ids are
+    ``ids[offsets[k]:offsets[k + 1]]``)."""
+    offsets = [0]
+    for row in rows:
+        offsets.append(offsets[-1] + len(row))
+    return {"top_p_token_ids": [t for row in rows for t in row], "top_p_token_offsets": offsets}
+
+
+def kept_rows(meta: dict[str, Any]) -> list[list[int]]:
+    """``kept_arrays`` back to per-token sets."""
+    ids, offsets = meta["top_p_token_ids"], meta["top_p_token_offsets"]
+    return [ids[a:b] for a, b in zip(offsets, offsets[1:])]
+
+
 class SchedulerDeadError(RuntimeError):
     """The scheduler is gone; nothing can be served (HTTP 503)."""
 
@@ -132,6 +148,7 @@ class ChunkStream:
         self._text = ""                              # what the chunks so far carried
         self._ids: list[int] = []
         self._grown: dict[str, list[Any]] = {}       # output logprob lists so far
+        self._kept: list[list[int]] = []             # kept nuclei so far, per token
         self._inputs: dict[str, Any] = {}            # prompt logprobs, once known
 
     def _shape(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -147,8 +164,12 @@ class ChunkStream:
             for key in _OUTPUT_KEYS:
                 if key in meta:
                     self._grown.setdefault(key, []).extend(meta[key])
+            if "top_p_token_offsets" in meta:
+                self._kept += kept_rows(meta)
             if self.cumulative:
                 meta = {**meta, **{k: list(v) for k, v in self._grown.items()}}
+                if "top_p_token_offsets" in meta:
+                    meta.update(kept_arrays(self._kept))
                 chunk = {"text": self._text, "output_ids": list(self._ids), "meta_info": meta}
             out.append({**chunk, "meta_info": {**chunk["meta_info"], **self._inputs}})
         # a cumulative chunk holds everything before it: show only the latest of a pile-up

@@ -99,6 +99,9 @@ class SamplingBatch:
     top_logprobs_num: Union[int, list[int]] = 0      # per row, or one number for every row
     # grammar rows whose returned logprobs are the masked ones (return_masked_logprobs)
     masked_logprob_rows: list[int] = field(default_factory=list)
+    # rows that want the set of tokens their sampling kept (top-k / top-p / min-p / grammar):
+    # SampleOutput.kept (sampled by sample_reference, never the one-pass kernel)
+    kept_rows: list[int] = field(default_factory=list)
     # what ``sample`` derives from the per-row parameters (not uniforms or penalties), kept
     # here for the next steps of the same rows: build_sampling_batch hands the same dict to
     # every step of an unchanged batch (None: derive afresh)
@@ -111,6 +114,8 @@ class SampleOutput:
     logprobs: list[float]                       # logprob of the chosen token
     # per row (empty for a row that asked for none); None when no row asked
     top_logprobs: Optional[list[list[tuple[float, int]]]]
+    # row -> the ids its sampling kept, ascending (the rows of SamplingBatch.kept_rows)
+    kept: dict[int, list[int]] = field(default_factory=dict)
 
 
 def _scaled(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
@@ -200,6 +205,8 @@ def _one_pass_rows(logits: torch.Tensor, sb: SamplingBatch, mask: Optional[Token
         ok &= ~(penalised & truncated)
     if mask is not None and mask.rows:
         ok[torch.tensor(mask.rows, dtype=torch.int64)] = False
+    if sb.kept_rows:
+        ok[torch.tensor(sb.kept_rows, dtype=torch.int64)] = False
     rows = ok.nonzero().squeeze(1)
     return (ops, rows) if rows.numel() else None
 
@@ -323,12 +330,17 @@ def sample_reference(logits: torch.Tensor, sb: SamplingBatch, mask: Optional[Tok
     if idx.numel():
         tokens[idx] = (logits if idx.numel() == b else logits.index_select(0, idx)).argmax(-1)
     idx = plain.nonzero().squeeze(1)
+    kept: dict[int, list[int]] = {}
+    wanted = set(sb.kept_rows)
     if idx.numel():
         whole = idx.numel() == b
         rows_lp = logprobs if whole else logprobs.index_select(0, idx)
         w = None if keep is None else (keep if whole else keep.index_select(0, idx))
         m, u = (t if whole else t[idx] for t in (sb.min_ps, sb.uniforms))
         tokens[idx] = sample_plain(rows_lp, m, u, w)
+        for i, row in enumerate(idx.tolist()):
+            if row in wanted:
+                kept[row] = plain_kept(rows_lp[i], float(m[i]), None if w is None else w[i])
     idx = truncated.nonzero().squeeze(1)
     if idx.numel():
         whole = idx.numel() == b
@@ -337,11 +349,18 @@ def sample_reference(logits: torch.Tensor, sb: SamplingBatch, mask: Optional[Tok
             rows_lp.masked_fill_(keep.index_select(0, idx) == 0, float("-inf"))
         k, p, m, u = (t if whole else t[idx] for t in (sb.top_ks, sb.top_ps, sb.min_ps,
                                                         sb.uniforms))
-        tokens[idx] = sample_truncated(rows_lp, k, p, m, u, _log_totals(rows_lp, partial[idx]))
+        want = [i for i, row in enumerate(idx.tolist()) if row in wanted]
+        local: Optional[dict[int, list[int]]] = {i: [] for i in want} if want else None
+        tokens[idx] = sample_truncated(rows_lp, k, p, m, u, _log_totals(rows_lp, partial[idx]),
+                                       kept_out=local)
+        for i, ids in (local or {}).items():
+            kept[int(idx[i])] = ids
     if one_pass is not None:
         tokens[one_pass[0]] = one_pass[1]
     if keep is not None:
         _allowed_only(tokens, logprobs, keep)
+    for row in wanted - set(kept):   # greedy rows keep their one token
+        kept[row] = [int(tokens[row])]
     for flat, idx, saved in reversed(restore):
         flat.index_copy_(0, idx, saved)
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
@@ -351,7 +370,18 @@ def sample_reference(logits: torch.Tensor, sb: SamplingBatch, mask: Optional[Tok
         chosen[ids] = sub.gather(1, tokens.index_select(0, ids)[:, None]).squeeze(1)
         if top is not None:
             masked_top_logprobs(top, ids.tolist(), sub, sb.top_logprobs_num)
-    return SampleOutput(tokens.tolist(), chosen.tolist(), top)
+    return SampleOutput(tokens.tolist(), chosen.tolist(), top, kept)
+
+
+def plain_kept(lp: torch.Tensor, min_p: float, weights: Optional[torch.Tensor]) -> list[int]:
+    """The ids a row without top-k / top-p may sample (``sample_plain``'s nonzero mass)."""
+    probs = lp.exp()
+    if weights is not None:
+        probs = probs * weights
+    ok = probs > 0
+    if min_p > 0:
+        ok &= probs >= probs.max() * min_p
+    return ok.nonzero().squeeze(1).tolist()
 
 
 def _log_totals(dist: torch.Tensor, partial: torch.Tensor) -> Optional[torch.Tensor]:

@@ -62,9 +62,11 @@ _SORT_FRACTION = 8        # past vocab / this many candidates, a full sort is ch
 
 def sample_truncated(dist: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
                       min_ps: torch.Tensor, uniforms: torch.Tensor,
-                      log_totals: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      log_totals: Optional[torch.Tensor] = None,
+                      kept_out: Optional[dict[int, list[int]]] = None) -> torch.Tensor:
     """Rows with top-k and / or top-p, from the ``c`` most likely candidates of each row.
-    ``log_totals``: log of each row's total mass where it is not 1 (penalised rows)."""
+    ``log_totals``: log of each row's total mass where it is not 1 (penalised rows).
+    ``kept_out``: its rows (keys) receive the ids their row kept, ascending."""
     n, vocab = dist.shape
     tokens = torch.empty(n, dtype=torch.int64, device=dist.device)
     capped = top_ks < vocab
@@ -79,17 +81,18 @@ def sample_truncated(dist: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Ten
         flat = ~capped & (top_ps / top.exp() * _SORT_FRACTION >= vocab)
         if bool(flat.any()):
             _truncate(dist, flat.nonzero().squeeze(1), vocab, tokens, top_ks, top_ps, min_ps,
-                      uniforms, log_totals)
+                      uniforms, log_totals, kept_out)
             todo = (~flat).nonzero().squeeze(1)
-    _truncate(dist, todo, want, tokens, top_ks, top_ps, min_ps, uniforms, log_totals)
+    _truncate(dist, todo, want, tokens, top_ks, top_ps, min_ps, uniforms, log_totals, kept_out)
     return tokens
 
 
 def _truncate(dist: torch.Tensor, todo: torch.Tensor, want: int, tokens: torch.Tensor,
               top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
-              uniforms: torch.Tensor, log_totals: Optional[torch.Tensor]) -> None:
+              uniforms: torch.Tensor, log_totals: Optional[torch.Tensor],
+              kept_out: Optional[dict[int, list[int]]] = None) -> None:
     """Fill ``tokens[todo]`` from ``want + 1`` candidates per row, more while a top-p head
-    is longer than that."""
+    is longer than that (and ``kept_out``'s rows with their kept ids)."""
     n, vocab = dist.shape
     while todo.numel():
         c = want + 1   # one past the largest cut: shows whether a tie crosses it
@@ -101,8 +104,10 @@ def _truncate(dist: torch.Tensor, todo: torch.Tensor, want: int, tokens: torch.T
             vals, ids = rows.topk(c, dim=-1)
         k, p, m_p, u = (t if whole else t[todo] for t in (top_ks, top_ps, min_ps, uniforms))
         lt = None if log_totals is None else (log_totals if whole else log_totals[todo])
-        done, picked, mass = _pick(rows, vals, ids, k, p, m_p, u, lt)
+        done, picked, mass, kept = _pick(rows, vals, ids, k, p, m_p, u, lt)
         tokens[todo[done]] = picked
+        if kept_out:
+            _record_kept(kept_out, todo[done], kept, vocab)
         if mass is None or bool(done.all()):
             return
         # the head's mass fell short of p: grow at least by the shortfall (the tail is flatter)
@@ -111,9 +116,19 @@ def _truncate(dist: torch.Tensor, todo: torch.Tensor, want: int, tokens: torch.T
         todo = todo[~done]
 
 
+def _record_kept(kept_out: dict[int, list[int]], rows: torch.Tensor, kept: torch.Tensor,
+                 vocab: int) -> None:
+    """``kept``: per row of ``rows``, its kept ids ascending, padded with ``vocab``."""
+    for i, row in enumerate(rows.tolist()):
+        if row in kept_out:
+            ids = kept[i]
+            kept_out[row] = ids[ids < vocab].tolist()
+
+
 def _pick_sorted(vals: torch.Tensor, ids: torch.Tensor, top_ks: torch.Tensor,
                  top_ps: torch.Tensor, min_ps: torch.Tensor, uniforms: torch.Tensor,
-                 log_totals: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, None]:
+                 log_totals: Optional[torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor, None, torch.Tensor]:
     """``_pick`` over a full stable sort (ties already in id order), in float32 as a [B, V]
     pass must be; scattered back to vocabulary order for the inverse CDF."""
     n, vocab = vals.shape
@@ -125,16 +140,18 @@ def _pick_sorted(vals: torch.Tensor, ids: torch.Tensor, top_ks: torch.Tensor,
     keep &= probs >= probs[:, :1] * min_ps[:, None]
     kept = torch.zeros_like(probs).scatter_(1, ids, probs.masked_fill_(~keep, 0.0))
     done = torch.ones(n, dtype=torch.bool, device=vals.device)
-    return done, inverse_cdf(kept, uniforms), None
+    kept_ids = torch.where(keep, ids, vocab).sort(dim=-1).values
+    return done, inverse_cdf(kept, uniforms), None, kept_ids
 
 
 def _pick(rows: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, top_ks: torch.Tensor,
           top_ps: torch.Tensor, min_ps: torch.Tensor, uniforms: torch.Tensor,
           log_totals: Optional[torch.Tensor]
-          ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+          ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """Sample the rows whose kept set lies inside the candidates ``vals, ids`` ([n, c],
-    descending). Returns (done [n] bool, their tokens, every row's candidate mass; None
-    after a full sort, where every row is done)."""
+    descending). Returns (done [n] bool, their tokens, every row's candidate mass, None
+    after a full sort, where every row is done; the done rows' kept ids, ascending, padded
+    with the vocabulary size)."""
     n, c = vals.shape
     vocab = rows.shape[1]
     if c == vocab:
@@ -172,4 +189,4 @@ def _pick(rows: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, top_ks: tor
     if bool(zero.any()):
         picked = torch.where(zero, ids.gather(1, probs.argmax(dim=-1, keepdim=True)).squeeze(1),
                              picked)
-    return done, picked, mass
+    return done, picked, mass, ids

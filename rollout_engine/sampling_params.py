@@ -60,6 +60,15 @@ class SamplingParams:
     # our extension (SGLang has none): under a grammar, return log_softmax over the allowed
     # tokens (the sampled distribution) instead of the unmasked log_softmax(logits / T)
     return_masked_logprobs: bool = False
+    # SGLang's arguments of a custom logit processor (which is refused): only
+    # ``return_top_p_token_ids`` is read (``Req.top_p_kept``), the rest reach nothing
+    custom_params: Optional[dict[str, Any]] = None
+
+    @property
+    def return_top_p_token_ids(self) -> bool:
+        """meta_info.top_p_token_ids / top_p_token_offsets: the ids each output token's
+        sampling kept (its top-k / top-p / min-p nucleus), for a trainer to renormalise over."""
+        return bool((self.custom_params or {}).get("return_top_p_token_ids"))
 
     @classmethod
     def from_dict(cls, d: Optional[Union[dict[str, Any], SamplingParams]]) -> SamplingParams:
@@ -142,6 +151,7 @@ class SamplingParams:
 
 
 _SUPPORTED = SAMPLING_PARAMS.names(Treatment.SUPPORTED)
+MAX_CUSTOM_PARAMS = 4096
 _CONSTRAINT_FIELDS = (*_JSON_FIELDS, *_TEXT_FIELDS)
 
 
@@ -178,6 +188,15 @@ def _coerce(name: str, v: Any) -> Any:
         if not isinstance(v, str):
             raise ValueError(f"sampling_params.{name}: must be a string, got {v!r}")
         return v
+    if name == "custom_params":
+        if not isinstance(v, dict) or len(json.dumps(v, default=str)) > MAX_CUSTOM_PARAMS:
+            raise ValueError("sampling_params.custom_params: must be an object of at most "
+                             f"{MAX_CUSTOM_PARAMS} characters of JSON")
+        flag = v.get("return_top_p_token_ids", False)
+        if not isinstance(flag, bool):
+            raise ValueError("sampling_params.custom_params.return_top_p_token_ids: must be "
+                             f"a boolean, got {flag!r}")
+        return dict(v)
     if name == "stop_token_ids":
         if isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
             return list(v)

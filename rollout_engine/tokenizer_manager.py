@@ -29,7 +29,7 @@ from rollout_engine.protocol.messages import (
     SchedulerReady,
 )
 from rollout_engine.request_builder import RequestBuilder, RequestLimits, grammar_check_for
-from rollout_engine.request_state import ChunkStream, RequestState, SchedulerDeadError
+from rollout_engine.request_state import ChunkStream, RequestState, SchedulerDeadError, kept_arrays
 
 if TYPE_CHECKING:
     from rollout_engine.runtime.hosts import SchedulerHost
@@ -193,6 +193,8 @@ class TokenizerManager:
         }
         if out.spec is not None:
             meta.update(out.spec.meta_info(out.completion_tokens))
+        if out.top_p_kept is not None:   # CSR over this output's tokens, as slime reads it
+            meta.update(kept_arrays(out.top_p_kept))
         if st.req.return_logprob:
             meta["output_token_logprobs"] = [
                 [lp, tid, None] for lp, tid in zip(out.output_logprobs, out.token_ids)]

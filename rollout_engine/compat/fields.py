@@ -277,9 +277,9 @@ SAMPLING_PARAMS = FieldList("SamplingParams", "python/sglang/srt/sampling/sampli
        "distribution) instead of the unmasked log_softmax(logits / T)"),
     _f("logit_bias", None, D, "logit bias", {}),
     _f("beam_width", None, D, "beam search (read by GenerateReqInput)", 0, 1),
-    _f("custom_params", None, X, "arguments of a custom logit processor, which is refused, so "
-       "they reach nothing (stock SGLang does the same; slime sends "
-       "{'return_top_p_token_ids': true} when top_p != 1)"),
+    _f("custom_params", None, S, "arguments of a custom logit processor (refused); "
+       "{'return_top_p_token_ids': true} (slime's, when top_p != 1) returns each output token's "
+       "kept nucleus: meta_info.top_p_token_ids, top_p_token_offsets; other keys reach nothing"),
     _f("stream_interval", None, X, "chunk cadence is the server's stream_interval; the tokens "
        "are the same"),
 ])

@@ -122,6 +122,7 @@ class ReqOutput:
     input_top_logprobs: Optional[list[Optional[list[tuple[float, int]]]]] = None
     output_token_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     input_token_ids_logprobs: Optional[list[Optional[list[tuple[float, int]]]]] = None
+    top_p_kept: Optional[list[list[int]]] = None   # per new token: the ids sampling kept
     finished_reason: Optional[dict[str, Any]] = None
     prompt_tokens: int = 0
     completion_tokens: int = 0

@@ -160,6 +160,15 @@ def selected_logprobs(lp: torch.Tensor, ids: list[list[int]]
     return [[(next(vals), t) for t in row] for row in ids]
 
 
+def record_kept(kept: dict[int, list[int]], reqs: list[Req]) -> None:
+    """Each asking request's kept nucleus for the token just sampled (``SampleOutput.kept``,
+    by row of ``reqs``)."""
+    for i, ids in kept.items():
+        top_p_kept = reqs[i].top_p_kept
+        assert top_p_kept is not None
+        top_p_kept.append(ids)
+
+
 def record_output_selected(logits: torch.Tensor, rows: list[int], reqs: list[Req]) -> None:
     """Each ``req`` that asks for chosen ids' logprobs: those of its new output token's
     position (``log_softmax(logits / T)`` of its ``rows`` entry, as its token logprob)."""
@@ -245,6 +254,7 @@ def build_sampling_batch(reqs: list[Req], vocab_size: int, eos_ids: frozenset[in
         top_logprobs_num=rows.top_logprobs_num,
         masked_logprob_rows=rows.masked_logprob_rows,
         derived=rows.derived if cache is not None else None,
+        kept_rows=[i for i, r in enumerate(reqs) if r.top_p_kept is not None],
     )
 
 

@@ -74,6 +74,9 @@ class Req:
         self.token_ids_logprob = msg.token_ids_logprob
         self.token_ids_positions = msg.token_ids_logprob_positions
         self.output_token_ids_logprobs: list[list[tuple[float, int]]] = []
+        # each output token's kept nucleus (custom_params.return_top_p_token_ids)
+        self.top_p_kept: Optional[list[list[int]]] = (
+            [] if msg.sampling_params.return_top_p_token_ids else None)
         self.input_token_ids_logprobs: list[Optional[list[tuple[float, int]]]] = []
         self.cached_tokens: Optional[int] = None   # reported: the first admission's prefix hit
         self.weight_versions: list[str] = []
@@ -155,6 +158,8 @@ class Req:
                     out.input_top_logprobs = list(self.input_top_logprobs)
                 if self.wants_selected_ids:
                     out.input_token_ids_logprobs = list(self.input_token_ids_logprobs)
+        if self.top_p_kept is not None:
+            out.top_p_kept = self.top_p_kept[start:]
         self.sent_len = len(self.output_ids)
         return out
 

@@ -38,6 +38,7 @@ from rollout_engine.scheduler.batch import (
     SamplingRowsCache,
     ScheduleBatch,
     build_sampling_batch,
+    record_kept,
     record_output_selected,
 )
 from rollout_engine.scheduler.kv_manager import KVManager
@@ -354,6 +355,7 @@ class Scheduler:
             if counted:
                 self.penalty_counts.record([row for row, _ in counted], [t for _, t in counted])
             record_output_selected(logits, rows, reqs)   # chosen ids' logprobs, if asked
+            record_kept(out.kept, reqs)                  # kept nuclei, if asked
             for i, req in enumerate(reqs):
                 self._append_token(req, out.token_ids[i], out.logprobs[i],
                                    out.top_logprobs[i] if out.top_logprobs else None)

@@ -151,9 +151,10 @@ class SpeculativeScheduler(Scheduler):
         """Whether this decode batch speculates: small enough to gain (a verify forward costs
         about ``num_draft_tokens`` times a decode token per request once compute-bound) and no
         grammar row (the mask would have to advance inside the verify rows) and no row asking
-        for chosen ids' logprobs (recorded by the plain decode step)."""
+        for chosen ids' logprobs or kept nuclei (recorded by the plain decode step)."""
         return len(reqs) <= self.spec.max_batch_size and all(
-            r.grammar is None and r.token_ids_logprob is None for r in reqs)
+            r.grammar is None and r.token_ids_logprob is None and r.top_p_kept is None
+            for r in reqs)
 
     def _budget(self, req: Req) -> int:
         """How many proposals ``req`` may take: none with penalties or an unmet

@@ -300,6 +300,7 @@ class _Req:
     def __init__(self, prompt: list[int], params: SamplingParams, seed: int) -> None:
         self.input_ids, self.output_ids, self.params, self.seed = prompt, [], params, seed
         self.penalty_row = None
+        self.top_p_kept = None
         self.return_logprob, self.top_logprobs_num = True, 0
 
 

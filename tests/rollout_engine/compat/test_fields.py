@@ -62,7 +62,7 @@ GENERATE_IGNORED = {
 # json_schema / regex / ebnf / structural_tag are supported fields (checked, then refused
 # until the scheduler applies grammars): tests/rollout_engine/constrained/test_request_fields.py
 SAMPLING_REFUSED = {"stop_regex": r"\d+", "logit_bias": {"5": 2.0}, "beam_width": 4}
-SAMPLING_IGNORED = {"custom_params": {"return_top_p_token_ids": True}, "stream_interval": 4}
+SAMPLING_IGNORED = {"stream_interval": 4}
 OPENAI_COMMON_REFUSED = {
     "logit_bias": {"5": 2.0}, "return_hidden_states": True, "return_routed_experts": True,
     "routed_experts_start_len": 2, "return_cached_tokens_details": True,
