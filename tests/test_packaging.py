@@ -7,9 +7,8 @@ from __future__ import annotations
 import importlib.metadata
 import subprocess
 import sys
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS_NAME, KERNELS_DIR = "rollout_engine_kernels", "kernels"

@@ -168,7 +168,7 @@ def create_app(engine: Engine, *, api_key: Optional[str] = None,
             "max_new_tokens": 1, "temperature": 0.0})
         try:
             await asyncio.wait_for(service.collect(states), HEALTH_GENERATE_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return error_response(503, f"a 1-token generation did not finish within "
                                        f"{HEALTH_GENERATE_TIMEOUT_S:.0f} s")
         return json_response({"status": "ok"})

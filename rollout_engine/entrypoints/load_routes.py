@@ -17,7 +17,7 @@ Shapes from sglang 0.5.9 (``entrypoints/v1_loads.py``, ``GetLoadReqOutput``) and
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
@@ -163,7 +163,7 @@ def add_load_routes(app: FastAPI, engine: Engine) -> None:
                             media_type="text/plain; version=0.0.4; charset=utf-8")
         device = engine.config.resolved_device()
         return json_response({
-            "timestamp": datetime.now(timezone.utc).isoformat(),
+            "timestamp": datetime.now(UTC).isoformat(),
             "version": rollout_engine_version(), "dp_rank_count": len(loads),
             "accelerator": _accelerator_name(device), "num_accelerators": 1,
             "loads": loads, "aggregate": aggregate(loads)})
