@@ -42,6 +42,7 @@ from torch.multiprocessing import reductions  # noqa: F401 - registers torch's r
 from rollout_engine.protocol.bucket import FlattenedBucket, TensorMeta
 from rollout_engine.protocol.cuda_handles import CUDA_RECONSTRUCTORS
 from rollout_engine.protocol.payload_cache import ParsedPayloads, SentPayloads, recording
+from rollout_engine.protocol.payload_checks import PayloadBudget, UnsafePayloadError
 from rollout_engine.protocol.sglang_types import SGLANG_GLOBALS
 from rollout_engine.protocol.shm_lease import ShmLease, lend_storage, rebuild_lent_storage
 from rollout_engine.protocol.tensor_handles import (
@@ -50,11 +51,9 @@ from rollout_engine.protocol.tensor_handles import (
     CpuTensor,
     Lazy,
     OpenedShm,
-    PayloadBudget,
     ReadContext,
     Reconstructor,
     Record,
-    UnsafePayloadError,
 )
 
 __all__ = [
