@@ -22,7 +22,7 @@ import psutil
 import pytest
 import torch
 
-from rollout_engine.protocol.tensor_payload import serialize_named_tensors
+from rollout_engine.protocol.payload_sender import serialize_named_tensors
 from rollout_engine.weights.loader import iter_safetensors
 
 NORM = "model.norm.weight"
