@@ -39,7 +39,14 @@ from rollout_engine.memory.hicache.node import HiTreeNode, cat_slots, device_pre
 from rollout_engine.memory.hicache.stats import HiCacheStats
 from rollout_engine.memory.hicache.tiers import StorageTier
 from rollout_engine.memory.prefix_cache import CacheNamespace, MatchResult, empty_slots
-from rollout_engine.memory.radix_cache import RadixCache, TreeNode
+from rollout_engine.memory.radix_cache import RadixCache
+from rollout_engine.memory.radix_node import (
+    TreeNode,
+    child_key,
+    common_len,
+    iter_nodes,
+    page_aligned,
+)
 
 __all__ = ["HiRadixCache", "HiTreeNode", "WRITE_POLICIES"]
 
@@ -72,7 +79,7 @@ class HiRadixCache(RadixCache):
     def match_prefix(self, token_ids: Sequence[int], namespace: CacheNamespace) -> MatchResult:
         """The device-resident part of the longest match (host hits are loaded by
         ``load_back``, which only admission calls)."""
-        key = self._page_aligned(token_ids)
+        key = page_aligned(token_ids, self.page_size)
         ns_root = self.root.children.get(namespace)
         if ns_root is None or not key:
             return MatchResult(empty_slots(), ns_root if ns_root is not None else self.root)
@@ -90,7 +97,7 @@ class HiRadixCache(RadixCache):
         room, their copy queued (``commit_loads``). Counts a hit on every device node
         (selective write-through). With ``rid`` storage is never waited for: blocks not read
         yet leave ``rid`` pending (``prefetch_pending``) and are not part of this match."""
-        key = self._page_aligned(token_ids)
+        key = page_aligned(token_ids, self.page_size)
         if not key:
             return self.match_prefix(token_ids, namespace)
         ns_root = self.root.children.get(namespace)
@@ -134,7 +141,7 @@ class HiRadixCache(RadixCache):
         """Request ``rid`` arrived: start reading the storage blocks after what the tree holds
         for it (read-only walk: nothing is touched or split)."""
         if self.storage is not None:
-            key = self._page_aligned(token_ids)
+            key = page_aligned(token_ids, self.page_size)
             self.storage.prefetch(rid, namespace, key, self._held_len(key, namespace))
 
     def prefetch_pending(self, rid: str) -> bool:
@@ -185,7 +192,7 @@ class HiRadixCache(RadixCache):
             leaf = HiTreeNode(key[pos:], slots[pos:len(key)].to(torch.int64).clone(), last)
             leaf.last_access = next(self._clock)
             leaf.hit_count = 1
-            last.children[self._child_key(leaf.key)] = leaf
+            last.children[child_key(leaf.key, self.page_size)] = leaf
             self._num_nodes += 1
             self._evictable_size += len(leaf.key)
             self.version += 1
@@ -248,10 +255,10 @@ class HiRadixCache(RadixCache):
     # ---- sizes, memory, integrity -------------------------------------------------------------
 
     def cached_slots(self) -> torch.Tensor:
-        return cat_slots([n.value for n in self._iter_nodes() if n.key and n.value is not None])
+        return cat_slots([n.value for n in iter_nodes(self.root) if n.key and n.value is not None])
 
     def host_slots(self) -> torch.Tensor:
-        return cat_slots([getattr(n, "host_value", None) for n in self._iter_nodes() if n.key])
+        return cat_slots([getattr(n, "host_value", None) for n in iter_nodes(self.root) if n.key])
 
     def host_size(self) -> int:
         return self.host.num_slots - self.host.allocator.available_size()
@@ -276,9 +283,9 @@ class HiRadixCache(RadixCache):
             self.storage.close()
 
     def check_integrity(self) -> None:
-        nodes = list(self._iter_nodes())
+        nodes = list(iter_nodes(self.root))
         check_hiradix(TreeBook(
-            root=self.root, nodes=nodes, child_key=self._child_key, retired=self._retired(),
+            root=self.root, nodes=nodes, retired=self._retired(),
             num_nodes=self._num_nodes, evictable_size=self._evictable_size,
             protected_size=self._protected_size, page_size=self.page_size,
             in_heap={id(n) for t, _, n in self._leaf_heap if t == n.last_access},
@@ -317,7 +324,7 @@ class HiRadixCache(RadixCache):
 
     def host_leaves(self) -> list[HiTreeNode]:
         """Every node ``is_host_leaf`` holds for (what host eviction may take)."""
-        return [n for n in self._iter_nodes() if self.is_host_leaf(n)]  # type: ignore[misc]
+        return [n for n in iter_nodes(self.root) if self.is_host_leaf(n)]  # type: ignore[misc]
 
     def is_host_leaf(self, node: TreeNode) -> bool:
         """Whether ``node`` is host-only, childless and not part of a load in progress."""
@@ -346,11 +353,11 @@ class HiRadixCache(RadixCache):
         upper.hit_count = node.hit_count
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
-        parent.children[self._child_key(upper.key)] = upper
+        parent.children[child_key(upper.key, self.page_size)] = upper
         node.key = node.key[split_len:]
         node.value = None if node.value is None else node.value[split_len:]
         node.parent = upper
-        upper.children[self._child_key(node.key)] = node
+        upper.children[child_key(node.key, self.page_size)] = node
         self._num_nodes += 1
         self.version += 1
         return upper
@@ -367,7 +374,7 @@ class HiRadixCache(RadixCache):
         node = HiTreeNode(key, None, parent)
         node.host_value = host_slots
         node.last_access = next(self._clock)
-        parent.children[self._child_key(key)] = node
+        parent.children[child_key(key, self.page_size)] = node
         self._num_nodes += 1
         self.version += 1
         return node
@@ -377,10 +384,10 @@ class HiRadixCache(RadixCache):
         node = self.root.children.get(namespace)
         pos = 0
         while node is not None and pos < len(key):
-            child = node.children.get(self._child_key(key, pos))
+            child = node.children.get(child_key(key, self.page_size, pos))
             if child is None:
                 break
-            common = self._common_len(child.key, key, pos)
+            common = common_len(child.key, key, pos, self.page_size)
             pos += common
             node = child if common == len(child.key) else None
         return pos
@@ -400,7 +407,7 @@ class HiRadixCache(RadixCache):
         go to ``freed``. Returns device tokens freed."""
         parent = node.parent
         assert parent is not None and not node.children and node.lock_ref == 0
-        del parent.children[self._child_key(node.key)]
+        del parent.children[child_key(node.key, self.page_size)]
         node.parent = None
         self._num_nodes -= 1
         host_value = getattr(node, "host_value", None)

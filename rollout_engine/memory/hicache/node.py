@@ -15,7 +15,7 @@ import torch
 from rollout_engine.memory.hicache.host_pool import HostKVPool
 from rollout_engine.memory.hicache.stats import HiCacheStats
 from rollout_engine.memory.prefix_cache import empty_slots
-from rollout_engine.memory.radix_cache import TreeNode
+from rollout_engine.memory.radix_node import TreeNode
 
 __all__ = ["HiTreeNode", "HostTree", "cat_slots", "device_prefix"]
 
