@@ -285,12 +285,8 @@ class RadixCache(BasePrefixCache):
         identity lock holders keep) becomes its only child with the rest of the key."""
         parent = node.parent
         assert parent is not None and 0 < split_len < len(node.key)
-        upper = TreeNode(node.key[:split_len], node.value[:split_len], parent)
-        upper.lock_ref = node.lock_ref
-        upper.last_access = node.last_access
+        upper = node.cut(split_len)
         parent.children[child_key(upper.key, self.page_size)] = upper
-        node.key = node.key[split_len:]
-        node.value = node.value[split_len:]
         node.parent = upper
         upper.children[child_key(node.key, self.page_size)] = node
         self._num_nodes += 1

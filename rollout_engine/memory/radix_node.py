@@ -6,7 +6,8 @@ Keys are compared in whole pages; a node's children are keyed by their first pag
                    match     (5 6 7 8 | 9 3 2 2)       common_len = 4 (the second page differs)
     page_size 1:   children are keyed by their first token (an int)
 
-The functions here only read keys and nodes; nothing in this module changes the tree.
+The functions here only read keys and nodes; nothing in this module changes the tree (a node's
+`cut` changes that node only).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["TreeNode", "child_key", "common_len", "iter_nodes", "page_aligned"]
+__all__ = ["TreeNode", "child_key", "common_len", "held_len", "iter_nodes", "page_aligned"]
 
 
 class TreeNode:
@@ -35,6 +36,18 @@ class TreeNode:
 
     def __repr__(self) -> str:
         return f"TreeNode(len={len(self.key)}, lock_ref={self.lock_ref}, t={self.last_access})"
+
+    def cut(self, split_len: int) -> TreeNode:
+        """Cut this node's first `split_len` tokens off into a new node, which takes this
+        node's parent, lock count and access time; this node keeps the rest of its key and
+        slots (and its identity, which lock holders keep). The caller links the new node in
+        between the parent and this one."""
+        upper = TreeNode(self.key[:split_len], self.value[:split_len], self.parent)
+        upper.lock_ref = self.lock_ref
+        upper.last_access = self.last_access
+        self.key = self.key[split_len:]
+        self.value = self.value[split_len:]
+        return upper
 
 
 def page_aligned(token_ids: Sequence[int], page_size: int) -> tuple[int, ...]:
@@ -77,3 +90,18 @@ def iter_nodes(root: TreeNode) -> Iterator[TreeNode]:
         node = stack.pop()
         yield node
         stack.extend(node.children.values())
+
+
+def held_len(ns_root: Optional[TreeNode], key: tuple[int, ...], page_size: int) -> int:
+    """Tokens of `key` the tree under `ns_root` holds, found without touching (access times)
+    or splitting anything; 0 when `ns_root` is None."""
+    node = ns_root
+    pos = 0
+    while node is not None and pos < len(key):
+        child = node.children.get(child_key(key, page_size, pos))
+        if child is None:
+            break
+        common = common_len(child.key, key, pos, page_size)
+        pos += common
+        node = child if common == len(child.key) else None
+    return pos

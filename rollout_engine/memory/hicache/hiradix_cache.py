@@ -40,13 +40,7 @@ from rollout_engine.memory.hicache.stats import HiCacheStats
 from rollout_engine.memory.hicache.tiers import StorageTier
 from rollout_engine.memory.prefix_cache import CacheNamespace, MatchResult, empty_slots
 from rollout_engine.memory.radix_cache import RadixCache
-from rollout_engine.memory.radix_node import (
-    TreeNode,
-    child_key,
-    common_len,
-    iter_nodes,
-    page_aligned,
-)
+from rollout_engine.memory.radix_node import TreeNode, child_key, held_len, iter_nodes, page_aligned
 
 __all__ = ["HiRadixCache", "HiTreeNode", "WRITE_POLICIES"]
 
@@ -142,7 +136,8 @@ class HiRadixCache(RadixCache):
         for it (read-only walk: nothing is touched or split)."""
         if self.storage is not None:
             key = page_aligned(token_ids, self.page_size)
-            self.storage.prefetch(rid, namespace, key, self._held_len(key, namespace))
+            held = held_len(self.root.children.get(namespace), key, self.page_size)
+            self.storage.prefetch(rid, namespace, key, held)
 
     def prefetch_pending(self, rid: str) -> bool:
         return self.storage is not None and self.storage.prefetch_pending(rid)
@@ -342,26 +337,6 @@ class HiRadixCache(RadixCache):
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _split(self, node: TreeNode, split_len: int) -> TreeNode:
-        assert isinstance(node, HiTreeNode) and node.parent is not None
-        parent = node.parent
-        upper = HiTreeNode(node.key[:split_len],
-                           None if node.value is None else node.value[:split_len], parent)
-        if node.host_value is not None:
-            upper.host_value = node.host_value[:split_len]
-            node.host_value = node.host_value[split_len:]
-        upper.hit_count = node.hit_count
-        upper.lock_ref = node.lock_ref
-        upper.last_access = node.last_access
-        parent.children[child_key(upper.key, self.page_size)] = upper
-        node.key = node.key[split_len:]
-        node.value = None if node.value is None else node.value[split_len:]
-        node.parent = upper
-        upper.children[child_key(node.key, self.page_size)] = node
-        self._num_nodes += 1
-        self.version += 1
-        return upper
-
     def _count_hit(self, node: HiTreeNode) -> None:
         node.hit_count += 1
         if (self.write_policy == "write_through_selective" and node.hit_count >= 2
@@ -378,19 +353,6 @@ class HiRadixCache(RadixCache):
         self._num_nodes += 1
         self.version += 1
         return node
-
-    def _held_len(self, key: tuple[int, ...], namespace: CacheNamespace) -> int:
-        """Tokens of ``key`` the tree holds in any tier, without touching it."""
-        node = self.root.children.get(namespace)
-        pos = 0
-        while node is not None and pos < len(key):
-            child = node.children.get(child_key(key, self.page_size, pos))
-            if child is None:
-                break
-            common = common_len(child.key, key, pos, self.page_size)
-            pos += common
-            node = child if common == len(child.key) else None
-        return pos
 
     def _is_evictable_leaf(self, node: TreeNode) -> bool:
         return (bool(node.key) and node.parent is not None and node.value is not None
