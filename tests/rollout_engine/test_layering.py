@@ -22,7 +22,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("scheduler",),                                              # the step loop's library
     ("speculative",),                                            # a scheduler that drafts
     ("control",),                                                # control calls over a scheduler
-    ("runtime", "request_state", "request_builder", "tokenizer_manager"),  # processes; frontend
+    ("runtime", "request_state", "request_builder", "control_client",
+     "tokenizer_manager"),                                       # processes; frontend
     ("entrypoints", "launch_server", ""),                        # Engine, HTTP server, CLI
 ]
 
