@@ -17,7 +17,7 @@ from benchmarks import vllm_peer
 from rollout_engine.protocol.byte_copy import copy_all
 from rollout_engine.protocol.weight_broadcast import join_update_group
 from rollout_engine.weights.loader import safetensors_files
-from trainer_bridge.transports.distributed import free_port
+from trainer_bridge.transports.group_ranks import free_port
 from trainer_bridge.transports.tensor import shared_buffer
 
 CAST = torch.bfloat16   # the cast row's trainer dtype (the engine is float32)

@@ -1,10 +1,10 @@
 """The frontend half of the engine: tokenize and validate, send typed requests to the
-scheduler, receive token outputs, detokenize, and hand results to sync or async callers."""
+scheduler, receive token outputs, detokenize, and hand results to sync or async callers.
+Control calls go through its `ControlClient` (control_client.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import random
 import secrets
@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any, Optional
 from transformers import AutoTokenizer
 
 from rollout_engine.config import EngineConfig
+from rollout_engine.control_client import ControlClient
 from rollout_engine.detokenizer import DecodeTraits, IncrementalDetokenizer
 from rollout_engine.protocol.messages import (
     AbortReq,
     BatchOutput,
-    ControlReq,
     ControlResult,
     GenerateReq,
     ReqOutput,
@@ -70,23 +70,16 @@ class TokenizerManager:
         self.rng = random.Random(self.random_seed)
         self.states: dict[str, RequestState] = {}
         self._token_texts: dict[int, str] = {}   # token_text cache
-        self.calls: dict[int, tuple[threading.Event, list[ControlResult]]] = {}
-        self.timed_out_calls: dict[int, str] = {}   # call id -> method, until its late answer
-        self.control_stats = {"timed_out": 0, "ran_after_timeout": 0,
-                              "cancelled_after_timeout": 0}
-        self.stale_reason: Optional[str] = None
-        self.call_ids = itertools.count(1)
-        self.mirrored_call = 0   # the newest call whose answer set released / stale
         self.lock = threading.Lock()
         self.dead: Optional[str] = None
-        self.released: set[str] = set()     # memory tags released (mirrors the scheduler)
         # Finalizers only record (deque.append takes no lock): rids of streams dropped
         # unfinished, and whether the Engine was collected without a shutdown. The receiver
         # thread acts on both from ordinary code.
         self.dropped: deque[str] = deque()
         self.orphaned = False
-        self.weights_stale = False
         self.host: SchedulerHost = host
+        # control calls in flight, and the sleep / stale state their answers reported
+        self.control = ControlClient(host.chan.send, config.watchdog_timeout)
         ready = self._wait_ready(timeout=config.watchdog_timeout)
         self.server_info: dict[str, Any] = ready.info
         self.vocab_size: int = ready.info["vocab_size"]
@@ -135,13 +128,7 @@ class TokenizerManager:
                 for out in msg.outputs:
                     self._on_output(out)
             elif isinstance(msg, ControlResult):
-                with self.lock:
-                    entry = self.calls.pop(msg.call_id, None)
-                if entry is not None:
-                    entry[1].append(msg)
-                    entry[0].set()
-                else:
-                    self._on_late_result(msg)
+                self.control.on_result(msg)
             elif isinstance(msg, SchedulerDied):
                 self._on_death(msg.message)
                 return
@@ -151,14 +138,10 @@ class TokenizerManager:
         self.dead = message
         with self.lock:
             states = list(self.states.values())
-            calls = list(self.calls.values())
-            self.calls.clear()
         for st in states:
             st.error = f"the scheduler died: {message.splitlines()[0]}"
             st.notify()
-        for event, box in calls:
-            box.append(ControlResult(0, False, message="the scheduler died", status=503))
-            event.set()
+        self.control.fail_all("the scheduler died")
 
     def _on_output(self, out: ReqOutput) -> None:
         with self.lock:
@@ -247,12 +230,13 @@ class TokenizerManager:
 
     def check_can_generate(self) -> None:
         self.check_alive()
-        if self.released & {"weights", "kv_cache"}:
+        control = self.control
+        if control.released & {"weights", "kv_cache"}:
             raise EngineAsleepError(
-                f"the engine is asleep (released: {sorted(self.released)}); "
+                f"the engine is asleep (released: {sorted(control.released)}); "
                 "call resume_memory_occupation first")
-        if self.weights_stale:
-            raise EngineAsleepError(self.stale_reason or
+        if control.weights_stale:
+            raise EngineAsleepError(control.stale_reason or
                                     "weights were released without a CPU backup and are stale; "
                                     "refit (update_weights_*) before generating")
     def build_requests(self, *args: Any, **kwargs: Any) -> tuple[list[GenerateReq], bool]:
@@ -350,79 +334,15 @@ class TokenizerManager:
         """Run a scheduler control call and wait for its result (at most ``timeout`` s, default
         ``watchdog_timeout``). The call carries that deadline: if the scheduler has not started
         it by then it is cancelled; if it had, it runs to the end, and its late answer is
-        logged and counted in ``control_stats``."""
+        logged and counted in ``control.stats``."""
         return self.start_call(method, timeout, **kwargs)()
 
     def start_call(self, method: str, timeout: Optional[float] = None, **kwargs: Any
                    ) -> Callable[[], ControlResult]:
         """`call`, split: send the call now (calls sent one after another reach the scheduler
-        in that order) and return a function that waits for its result."""
+        in that order) and return a function that waits for its result (`ControlClient`)."""
         self.check_alive()
-        wait_s = timeout if timeout is not None else self.config.watchdog_timeout
-        call_id = next(self.call_ids)
-        event = threading.Event()
-        box: list[ControlResult] = []
-        with self.lock:
-            self.calls[call_id] = (event, box)
-        self.host.chan.send(ControlReq(method, kwargs, call_id, deadline=time.time() + wait_s))
-
-        def wait() -> ControlResult:
-            if not event.wait(wait_s):
-                with self.lock:
-                    gave_up = self.calls.pop(call_id, None) is not None
-                    if gave_up:
-                        self.timed_out_calls[call_id] = method
-                        self.control_stats["timed_out"] += 1
-                if gave_up:
-                    return ControlResult(call_id, False, status=504, message=(
-                        f"{method} timed out after {wait_s:g} s and may have run: one the "
-                        "scheduler had started runs to completion, one it had not is "
-                        "cancelled; check get_weight_version / get_server_info before "
-                        "retrying"))
-                event.wait()   # the answer arrived as we gave up: the receiver hands it over
-            result = box[0]
-            self._mirror(method, result)
-            return result
-
-        return wait
-
-    def _mirror(self, method: str, result: ControlResult) -> None:
-        """Keep the frontend's view of sleep / stale weights in step with the scheduler's: the
-        view of the newest call that reported one (calls in flight together, such as a refit's
-        pipelined buckets, run in order but their answers may be read in any order)."""
-        if not result.success or not isinstance(result.result, dict):
-            return
-        if not ({"released", "weights_stale"} & result.result.keys()
-                or ("weight_version" in result.result and method.startswith("update_weights"))):
-            return
-        with self.lock:
-            if result.call_id < self.mirrored_call:
-                return
-            self.mirrored_call = result.call_id
-        if "released" in result.result:
-            self.released = set(result.result["released"])
-        if "weights_stale" in result.result:
-            self.weights_stale = bool(result.result["weights_stale"])
-            self.stale_reason = result.result.get("stale_reason")
-        elif "weight_version" in result.result and method.startswith("update_weights"):
-            self.weights_stale = False
-
-    def _on_late_result(self, msg: ControlResult) -> None:
-        """The answer of a call whose caller timed out: it either never ran or ran late."""
-        with self.lock:
-            method = self.timed_out_calls.pop(msg.call_id, None)
-            if method is not None:
-                key = "cancelled_after_timeout" if msg.cancelled else "ran_after_timeout"
-                self.control_stats[key] += 1
-        if method is None:
-            return
-        if msg.cancelled:
-            logger.info("control call %s (id %d) timed out before it started: cancelled",
-                        method, msg.call_id)
-            return
-        logger.warning("control call %s (id %d) ran after its caller timed out (success=%s): %s",
-                       method, msg.call_id, msg.success, msg.message or msg.result)
-        self._mirror(method, msg)
+        return self.control.start(method, timeout, **kwargs)
 
     async def async_call(self, method: str, timeout: Optional[float] = None,
                          **kwargs: Any) -> ControlResult:

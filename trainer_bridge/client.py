@@ -24,8 +24,8 @@ from typing import Any, Optional
 
 import httpx
 
+from rollout_engine.protocol.payload_sender import lend_named_tensors
 from rollout_engine.protocol.shm_lease import ShmLease
-from rollout_engine.protocol.tensor_payload import lend_named_tensors
 
 __all__ = ["AsyncRolloutClient", "Rollout", "RolloutClient", "RolloutError", "to_rollouts"]
 

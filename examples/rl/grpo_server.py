@@ -57,7 +57,7 @@ def missing_routes(client: Any) -> list[str]:
 
 def start_server(args: argparse.Namespace, model_dir: Path, log_path: Path
                  ) -> tuple[subprocess.Popen, str]:
-    from trainer_bridge.transports.distributed import free_port
+    from trainer_bridge.transports.group_ranks import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "rollout_engine.launch_server", "--model-path", str(model_dir),

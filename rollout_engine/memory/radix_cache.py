@@ -15,44 +15,35 @@ Every non-root node holds a non-empty key whose length is a multiple of page_siz
 token. A node's lock_ref counts the locks taken on it or on any descendant, so a locked node's
 ancestors are locked too and only unlocked leaves are ever evicted. Handles returned by
 `match_prefix` stay valid across splits: a split inserts the new node *above* the old one.
+The node and the page-wise key arithmetic are in radix_node.py; the invariants, as code, in
+radix_integrity.py.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
 
 from rollout_engine.memory.prefix_cache import (
     BasePrefixCache,
-    CacheIntegrityError,
     CacheNamespace,
     MatchResult,
     empty_slots,
 )
+from rollout_engine.memory.radix_integrity import RadixBook, check_radix
+from rollout_engine.memory.radix_node import (
+    TreeNode,
+    child_key,
+    common_len,
+    iter_nodes,
+    page_aligned,
+)
 
-__all__ = ["RadixCache", "TreeNode"]
-
-
-class TreeNode:
-    """One edge of the tree: `key` tokens and their `value` slots."""
-
-    __slots__ = ("key", "value", "children", "parent", "lock_ref", "num_own_locks", "last_access")
-
-    def __init__(self, key: tuple[int, ...], value: torch.Tensor, parent: Optional[TreeNode]):
-        self.key = key
-        self.value = value
-        self.children: dict[Hashable, TreeNode] = {}
-        self.parent = parent
-        self.lock_ref = 0  # locks taken on this node or any descendant
-        self.num_own_locks = 0  # locks taken on this node itself
-        self.last_access = 0
-
-    def __repr__(self) -> str:
-        return f"TreeNode(len={len(self.key)}, lock_ref={self.lock_ref}, t={self.last_access})"
+__all__ = ["RadixCache"]
 
 
 class RadixCache(BasePrefixCache):
@@ -82,7 +73,7 @@ class RadixCache(BasePrefixCache):
     # ---- queries --------------------------------------------------------------------------
 
     def match_prefix(self, token_ids: Sequence[int], namespace: CacheNamespace) -> MatchResult:
-        key = self._page_aligned(token_ids)
+        key = page_aligned(token_ids, self.page_size)
         ns_root = self.root.children.get(namespace)
         if ns_root is None or not key:
             return MatchResult(
@@ -107,7 +98,7 @@ class RadixCache(BasePrefixCache):
                 key[prefix_len:], slots[prefix_len : len(key)].to(torch.int64).clone(), node
             )
             leaf.last_access = next(self._clock)
-            node.children[self._child_key(leaf.key)] = leaf
+            node.children[child_key(leaf.key, self.page_size)] = leaf
             self._num_nodes += 1
             self._evictable_size += len(leaf.key)
             self._push_leaf(leaf)
@@ -228,85 +219,19 @@ class RadixCache(BasePrefixCache):
         return self._evictable_size + self._protected_size
 
     def cached_slots(self) -> torch.Tensor:
-        values = [n.value for n in self._iter_nodes() if n.key]
+        values = [n.value for n in iter_nodes(self.root) if n.key]
         return torch.cat(values) if values else empty_slots()
 
     def check_integrity(self) -> None:
-        ps = self.page_size
-        evictable = protected = num_nodes = 0
-        for node in self._iter_nodes():
-            where = f"{node!r} (key[:8]={node.key[:8]})"
-            expected_lock = node.num_own_locks + sum(c.lock_ref for c in node.children.values())
-            _check(node.num_own_locks >= 0, f"{where}: negative own lock count")
-            _check(node.lock_ref == expected_lock, f"{where}: lock_ref != own locks + children's")
-            for child_key, child in node.children.items():
-                _check(child.parent is node, f"{where}: child {child!r} has another parent")
-                if node is self.root:
-                    _check(isinstance(child_key, CacheNamespace), f"root child key {child_key!r}")
-                    _check(not child.key, f"namespace root {child_key} has a key")
-                    _check(bool(child.children) or child.lock_ref > 0, f"empty ns {child_key} kept")
-                else:
-                    _check(child_key == self._child_key(child.key), f"{where}: child key mismatch")
-            if node is self.root or not node.key:
-                _check(node.value.numel() == 0, f"{where}: root holds slots")
-                continue
-            num_nodes += 1
-            _check(len(node.key) % ps == 0, f"{where}: key length not a multiple of {ps}")
-            _check(node.value.dtype == torch.int64, f"{where}: slots dtype {node.value.dtype}")
-            _check(node.value.shape == (len(node.key),), f"{where}: {node.value.shape} slots")
-            if node.lock_ref > 0:
-                protected += len(node.key)
-            else:
-                evictable += len(node.key)
-        for namespace in self._retired():  # retired KV lives only as long as its users
-            stack = list(self.root.children[namespace].children.values())
-            while stack:
-                node = stack.pop()
-                _check(node.lock_ref > 0, f"retired namespace {namespace} keeps unlocked {node!r}")
-                stack.extend(node.children.values())
-        _check(num_nodes == self._num_nodes, f"node count {self._num_nodes} != {num_nodes}")
-        _check(evictable == self._evictable_size, f"evictable {self._evictable_size}!={evictable}")
-        _check(protected == self._protected_size, f"protected {self._protected_size}!={protected}")
-        slots = self.cached_slots()
-        _check(slots.unique().numel() == slots.numel(), "a slot is held by two tree positions")
-        if ps > 1:  # every node holds whole pages, so the concatenation is page-shaped too
-            pages = slots.view(-1, ps)
-            offsets = torch.arange(ps, device=pages.device)
-            aligned = (pages[:, 0] % ps == 0).all() and (pages - pages[:, :1] == offsets).all()
-            _check(bool(aligned), "slots are not whole, page-aligned pages")
-        in_heap = {id(n) for t, _, n in self._leaf_heap if t == n.last_access}
-        for node in self._iter_nodes():
-            if self._is_evictable_leaf(node):
-                _check(id(node) in in_heap, f"evictable leaf {node!r} missing from the LRU heap")
+        nodes = list(iter_nodes(self.root))
+        check_radix(RadixBook(
+            root=self.root, nodes=nodes, retired=self._retired(), num_nodes=self._num_nodes,
+            evictable_size=self._evictable_size, protected_size=self._protected_size,
+            page_size=self.page_size,
+            in_heap={id(n) for t, _, n in self._leaf_heap if t == n.last_access},
+            evictable_leaves=[n for n in nodes if self._is_evictable_leaf(n)]))
 
     # ---- internals ------------------------------------------------------------------------
-
-    def _page_aligned(self, token_ids: Sequence[int]) -> tuple[int, ...]:
-        if isinstance(token_ids, torch.Tensor):
-            token_ids = token_ids.tolist()
-        n = len(token_ids) - len(token_ids) % self.page_size
-        return tuple(token_ids[:n])
-
-    def _child_key(self, key: tuple[int, ...], start: int = 0) -> Hashable:
-        if self.page_size == 1:
-            return key[start]
-        return key[start : start + self.page_size]
-
-    def _common_len(self, node_key: tuple[int, ...], key: tuple[int, ...], start: int) -> int:
-        """Tokens shared by node_key and key[start:], rounded down to whole pages."""
-        if key[start : start + len(node_key)] == node_key:
-            return len(node_key)
-        ps = self.page_size
-        n = min(len(node_key), len(key) - start)
-        if ps == 1:
-            for i in range(n):
-                if node_key[i] != key[start + i]:
-                    return i
-            return n
-        for i in range(0, n - n % ps, ps):
-            if node_key[i : i + ps] != key[start + i : start + i + ps]:
-                return i
-        return n - n % ps
 
     def _insert_start(self, token_ids: Sequence[int], slots: torch.Tensor,
                       namespace: CacheNamespace) -> Optional[tuple[tuple[int, ...], TreeNode]]:
@@ -317,7 +242,7 @@ class RadixCache(BasePrefixCache):
                 f"insert needs one slot per token: got {len(token_ids)} tokens and slots of "
                 f"shape {tuple(slots.shape)}"
             )
-        key = self._page_aligned(token_ids)
+        key = page_aligned(token_ids, self.page_size)
         if not key:
             return None
         ns_root = self.root.children.get(namespace)
@@ -340,10 +265,10 @@ class RadixCache(BasePrefixCache):
         node, pos = ns_root, 0
         path: list[Any] = []
         while pos < len(key):
-            child = node.children.get(self._child_key(key, pos))
+            child = node.children.get(child_key(key, self.page_size, pos))
             if child is None:
                 break
-            common = self._common_len(child.key, key, pos)
+            common = common_len(child.key, key, pos, self.page_size)
             ends_inside = common < len(child.key)
             if ends_inside:
                 child = self._split(child, common)
@@ -360,14 +285,10 @@ class RadixCache(BasePrefixCache):
         identity lock holders keep) becomes its only child with the rest of the key."""
         parent = node.parent
         assert parent is not None and 0 < split_len < len(node.key)
-        upper = TreeNode(node.key[:split_len], node.value[:split_len], parent)
-        upper.lock_ref = node.lock_ref
-        upper.last_access = node.last_access
-        parent.children[self._child_key(upper.key)] = upper
-        node.key = node.key[split_len:]
-        node.value = node.value[split_len:]
+        upper = node.cut(split_len)
+        parent.children[child_key(upper.key, self.page_size)] = upper
         node.parent = upper
-        upper.children[self._child_key(node.key)] = node
+        upper.children[child_key(node.key, self.page_size)] = node
         self._num_nodes += 1
         self.version += 1
         return upper
@@ -395,7 +316,7 @@ class RadixCache(BasePrefixCache):
     def _rebuild_heap(self) -> None:
         self._leaf_heap = [
             (n.last_access, next(self._seq), n)
-            for n in self._iter_nodes()
+            for n in iter_nodes(self.root)
             if self._is_evictable_leaf(n)
         ]
         heapq.heapify(self._leaf_heap)
@@ -404,7 +325,7 @@ class RadixCache(BasePrefixCache):
         """Unlink an unlocked leaf; its slots go to `freed`."""
         parent = node.parent
         assert parent is not None and not node.children and node.lock_ref == 0
-        del parent.children[self._child_key(node.key)]
+        del parent.children[child_key(node.key, self.page_size)]
         node.parent = None
         freed.append(node.value)
         self._num_nodes -= 1
@@ -436,15 +357,3 @@ class RadixCache(BasePrefixCache):
         if freed:
             self.allocator.free(torch.cat(freed))  # type: ignore[attr-defined]
             self.version += 1
-
-    def _iter_nodes(self) -> Iterator[TreeNode]:
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise CacheIntegrityError(f"RadixCache integrity: {message}")

@@ -14,16 +14,18 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions
 
-from rollout_engine.protocol.tensor_handles import (
-    Lazy,
-    ReadContext,
-    Reconstructor,
+from rollout_engine.protocol.payload_checks import (
     UnsafePayloadError,
     as_bytes,
     check_dtype,
     check_layout,
     is_int,
     shm_file_bytes,
+)
+from rollout_engine.protocol.tensor_handles import (
+    Lazy,
+    ReadContext,
+    Reconstructor,
     storage_token,
     tensor_token,
 )

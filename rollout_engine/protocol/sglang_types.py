@@ -24,12 +24,8 @@ from typing import Any
 import torch
 
 from rollout_engine.protocol.cuda_handles import rebuild_cuda_tensor_args
-from rollout_engine.protocol.tensor_handles import (
-    ReadContext,
-    Reconstructor,
-    Record,
-    UnsafePayloadError,
-)
+from rollout_engine.protocol.payload_checks import UnsafePayloadError
+from rollout_engine.protocol.tensor_handles import ReadContext, Reconstructor, Record
 
 __all__ = ["SGLANG_GLOBALS", "SglangTensorMetadata"]
 

@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("scheduler",),                                              # the step loop's library
     ("speculative",),                                            # a scheduler that drafts
     ("control",),                                                # control calls over a scheduler
-    ("runtime", "request_state", "request_builder", "selected_ids",
+    ("runtime", "request_state", "request_builder", "selected_ids", "control_client",
      "tokenizer_manager"),                                       # processes; frontend
     ("entrypoints", "launch_server", ""),                        # Engine, HTTP server, CLI
 ]

@@ -8,7 +8,7 @@ import torch
 
 from rollout_engine.config import EngineConfig
 from rollout_engine.model_runner.model_runner import ModelRunner
-from rollout_engine.protocol.tensor_payload import serialize_named_tensors
+from rollout_engine.protocol.payload_sender import serialize_named_tensors
 from rollout_engine.testing.tiny_model import tiny_model_path
 from rollout_engine.weights import refit
 from rollout_engine.weights.loader import iter_safetensors

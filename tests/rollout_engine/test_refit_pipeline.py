@@ -41,7 +41,7 @@ def _receiving(engine) -> int:
 def _joined(engine, group: str):
     """The trainer's side (rank 0) of a two-rank group `engine` joined as rank 1."""
     from rollout_engine.protocol.weight_broadcast import join_update_group
-    from trainer_bridge.transports.distributed import free_port
+    from trainer_bridge.transports.group_ranks import free_port
 
     port, box = free_port(), {}
     joiner = threading.Thread(target=lambda: box.update(join=engine.init_weights_update_group(

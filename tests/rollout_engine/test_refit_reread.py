@@ -18,11 +18,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from torch import nn
 
 from rollout_engine.protocol.bucket import FlattenedBucket, pack_buckets
+from rollout_engine.protocol.payload_sender import serialize_named_tensors
 from rollout_engine.protocol.tensor_handles import OpenedShm, ReadContext
-from rollout_engine.protocol.tensor_payload import (
-    deserialize_named_tensors,
-    serialize_named_tensors,
-)
+from rollout_engine.protocol.tensor_payload import deserialize_named_tensors
 from rollout_engine.weights import loader, refit
 from rollout_engine.weights.refit import MappedStorages
 

@@ -124,7 +124,7 @@ def test_the_engine_frees_its_spares_with_its_last_group(make_engine, model_dir)
 
     from rollout_engine.protocol.weight_broadcast import join_update_group
     from rollout_engine.weights.loader import iter_safetensors
-    from trainer_bridge.transports.distributed import free_port
+    from trainer_bridge.transports.group_ranks import free_port
 
     engine = make_engine(model_dir)
 

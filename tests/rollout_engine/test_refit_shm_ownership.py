@@ -22,7 +22,7 @@ import psutil
 import pytest
 import torch
 
-from rollout_engine.protocol.tensor_payload import serialize_named_tensors
+from rollout_engine.protocol.payload_sender import serialize_named_tensors
 from rollout_engine.weights.loader import iter_safetensors
 
 NORM = "model.norm.weight"
@@ -97,7 +97,7 @@ def test_a_refit_cancelled_by_its_deadline_leaves_no_shared_memory(engine, norm,
     from tests.rollout_engine.compat.sglang_fakes import file_system_sharing, mp_serialize
 
     before = shm_files(os.getpid())
-    cancelled = engine.tm.control_stats["cancelled_after_timeout"]
+    cancelled = engine.tm.control.stats["cancelled_after_timeout"]
     weights = [(NORM, norm.clone())]
     if sender == "ours":
         text = serialize_named_tensors(weights)
@@ -109,7 +109,7 @@ def test_a_refit_cancelled_by_its_deadline_leaves_no_shared_memory(engine, norm,
     result = engine.tm.call("update_weights_from_tensor", timeout=-1.0,
                             serialized_named_tensors=[text])
     assert result.status == 504
-    assert wait_until(lambda: engine.tm.control_stats["cancelled_after_timeout"] > cancelled)
+    assert wait_until(lambda: engine.tm.control.stats["cancelled_after_timeout"] > cancelled)
     del weights
     assert _leftover(before) == set()
 

@@ -200,7 +200,7 @@ def _truncated_bucket(tensors) -> tuple[str, Any]:
     """A bucket whose buffer is shorter than its metadata says, built past the constructor's
     checks (as a hostile or buggy sender could) and serialized; with the lease that keeps its
     shared memory until the engine answered."""
-    from rollout_engine.protocol.tensor_payload import lend_named_tensors
+    from rollout_engine.protocol.payload_sender import lend_named_tensors
 
     bucket = next(pack_buckets(tensors, bucket_bytes=1 << 30))
     short = object.__new__(type(bucket))

@@ -12,7 +12,7 @@ import pytest
 
 from tests.trainer_bridge.conftest import GREEDY, PROBE, PROMPTS, assert_same_rollouts
 from trainer_bridge import RolloutClient, RolloutError, WeightSyncer, engine_sleeping
-from trainer_bridge.transports.distributed import free_port
+from trainer_bridge.transports.group_ranks import free_port
 
 ADMIN_KEY = "admin-secret"
 

@@ -1,12 +1,12 @@
-"""How a bucketed broadcast splits a model into calls (`distributed._groups`): every tensor once,
-in order, no call over the bucket unless one tensor alone is, and a module's projections (the
-parts an engine fuses: q / k / v, gate / up) kept in one call whenever they fit one."""
+"""How a bucketed broadcast splits a model into calls (`bucket_runs.bucket_runs`): every tensor
+once, in order, no call over the bucket unless one tensor alone is, and a module's projections
+(the parts an engine fuses: q / k / v, gate / up) kept in one call whenever they fit one."""
 
 from __future__ import annotations
 
 import torch
 
-from trainer_bridge.transports.distributed import _groups, _module
+from trainer_bridge.transports.bucket_runs import bucket_runs, module_of
 
 
 def _layer(i: int) -> list[tuple[str, torch.Tensor]]:
@@ -34,7 +34,7 @@ def _bytes(group: list[tuple[str, torch.Tensor]]) -> int:
 def test_groups_keep_every_tensor_in_order_within_the_bucket():
     tensors = _model()
     for bucket in (64, 300, 700, 1000, 1500, 4096, 1 << 20):
-        groups = _groups(tensors, bucket)
+        groups = bucket_runs(tensors, bucket)
         assert [n for g in groups for n, _ in g] == [n for n, _ in tensors], bucket
         assert all(g for g in groups)
         assert all(_bytes(g) <= bucket or len(g) == 1 for g in groups), bucket
@@ -46,7 +46,7 @@ def test_a_module_that_fits_a_call_is_never_split():
     each layer land in calls of their own."""
     tensors = _model()
     for bucket in (700, 1000, 1500, 2800):
-        groups = _groups(tensors, bucket)
+        groups = bucket_runs(tensors, bucket)
         where = {n: i for i, g in enumerate(groups) for n, _ in g}
         for i in range(3):
             attn = [n for n, _ in tensors if n.startswith(f"model.layers.{i}.self_attn.")]
@@ -55,4 +55,4 @@ def test_a_module_that_fits_a_call_is_never_split():
             if sum(t.numel() * 4 for n, t in tensors if n in mlp) <= bucket:
                 assert len({where[n] for n in mlp}) == 1, (bucket, i)
     # a greedy fill would have split q from k / v at 700 B: the rule is what keeps them
-    assert _module("model.layers.0.self_attn.k_proj.weight") == "model.layers.0.self_attn"
+    assert module_of("model.layers.0.self_attn.k_proj.weight") == "model.layers.0.self_attn"

@@ -25,7 +25,7 @@ from tests.trainer_bridge.conftest import PROBE, assert_same_rollouts, rollouts
 from tests.trainer_bridge.test_weight_syncer import BUCKET, _engine_matches
 from trainer_bridge import WeightSyncer
 from trainer_bridge.bucketing import state_dict_items
-from trainer_bridge.transports.distributed import free_port
+from trainer_bridge.transports.group_ranks import free_port
 from trainer_bridge.transports.tensor import TensorTransport
 
 ROOT = Path(__file__).resolve().parents[2]

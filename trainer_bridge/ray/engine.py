@@ -22,8 +22,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Optional
 
+from rollout_engine.protocol.payload_sender import lend_named_tensors
 from rollout_engine.protocol.shm_lease import ShmLease
-from rollout_engine.protocol.tensor_payload import lend_named_tensors
 
 __all__ = ["ENGINE_METHODS", "WEIGHTS", "EngineActor", "EngineActorDiedError", "RayEngine"]
 

@@ -40,7 +40,6 @@ broadcast cut off halfway changes no weight.
 from __future__ import annotations
 
 import datetime
-import socket
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -49,7 +48,6 @@ from typing import Any, Optional
 import torch
 
 from rollout_engine.protocol.bucket import dtype_to_str
-from rollout_engine.protocol.byte_copy import copy_all
 from rollout_engine.protocol.weight_broadcast import (
     GroupIncompleteError,
     UpdateGroup,
@@ -65,51 +63,15 @@ from trainer_bridge.transports.base import (
     start_call,
     step_version,
 )
+from trainer_bridge.transports.bucket_runs import bucket_runs, own_bytes, pack_run, run_bytes
+from trainer_bridge.transports.group_ranks import free_port, rank_offsets, rank_owner
 from trainer_bridge.transports.tensor import BucketBuffers
 
-__all__ = ["DistributedTransport", "free_port"]
+__all__ = ["DistributedTransport"]
 
 
 def _plain_buffer(num_bytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(num_bytes, dtype=torch.uint8, device=device)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the store binds it right after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def engine_ranks(engine: Any) -> int:
-    """How many ranks an engine takes in a weight-update group: its data-parallel replicas
-    times its tensor-parallel ranks (each receives the broadcast, as SGLang's do), 1 for a
-    plain engine."""
-    config = getattr(engine, "config", None)
-    dp_size = getattr(config, "dp_size", None)
-    if isinstance(dp_size, int):
-        return dp_size * int(getattr(config, "tp_size", 1))
-    try:
-        info = engine.get_server_info()
-    except Exception:  # noqa: BLE001 - a peer without server info is one rank
-        return 1
-    if not isinstance(info, dict):
-        return 1
-    return int(info.get("dp_size") or 1) * int(info.get("tp_size") or 1)
-
-
-def rank_offsets(engines: Sequence[Any]) -> list[int]:
-    """Engine i's first rank (`rank_offset`), and last the world size: trainer rank 0, then
-    each engine's ranks in turn."""
-    offsets = [1]
-    for e in engines:
-        offsets.append(offsets[-1] + engine_ranks(e))
-    return offsets
-
-
-def _owner(offsets: list[int], rank: int) -> int:
-    """The index of the engine that holds `rank`."""
-    return max(i for i in range(len(offsets) - 1) if offsets[i] <= rank)
 
 
 class DistributedTransport(WeightTransport):
@@ -175,7 +137,7 @@ class DistributedTransport(WeightTransport):
         try:
             self.group = call_all([*joins, own], self.timeout_s)[-1]
         except GroupIncompleteError as e:
-            engines_missing = [f"engine {_owner(offsets, r)} (rank {r})" for r in e.missing
+            engines_missing = [f"engine {rank_owner(offsets, r)} (rank {r})" for r in e.missing
                                if r > 0]
             raise WeightSyncError(f"{e}; never joined: {', '.join(engines_missing) or '?'}"
                                   ) from None
@@ -215,7 +177,7 @@ class DistributedTransport(WeightTransport):
             self._wait(self._start(engines, tensors, [t for _, t in tensors], None, version,
                                    True))
             return sum(t.numel() * t.element_size() for _, t in tensors)
-        groups = _groups(on_device, self.bucket_bytes)
+        groups = bucket_runs(on_device, self.bucket_bytes)
         packs = self.pack if self.pack is not None else self.device.type == "cuda"
         return self._pipeline(engines, groups, version,
                               self._packer(groups) if packs else _as_tensors)
@@ -226,21 +188,21 @@ class DistributedTransport(WeightTransport):
         refilled only once the broadcast that last read it has completed."""
         bucket_bytes = self.bucket_bytes
         assert bucket_bytes is not None
-        slot_bytes = max((_group_bytes(g) for g in groups
-                          if _own_bytes(g, bucket_bytes) is None), default=0)
+        slot_bytes = max((run_bytes(g) for g in groups
+                          if own_bytes(g, bucket_bytes) is None), default=0)
         slot_user: dict[int, Call] = {}   # send slot -> the last call that broadcast from it
         num_packed = [0]
 
         def prepare(group: list[tuple[str, torch.Tensor]]
                     ) -> tuple[list[torch.Tensor], Optional[str], Callable[[Call], None]]:
-            own = _own_bytes(group, bucket_bytes)
+            own = own_bytes(group, bucket_bytes)
             if own is not None:
                 return [own], "flattened_bucket", lambda call: None
             slot = num_packed[0] % BucketBuffers.NUM_SLOTS
             user = slot_user.get(slot)
             if user is not None:   # its bytes must have left before we overwrite them
                 _sent(user, self.timeout_s)
-            send = _pack(group, self.buffers.slot(slot, slot_bytes, self.device))
+            send = pack_run(group, self.buffers.slot(slot, slot_bytes, self.device))
             num_packed[0] += 1
             return [send], "flattened_bucket", lambda call: slot_user.__setitem__(slot, call)
 
@@ -351,65 +313,3 @@ def _all_done(works: list[Any], timeout_s: float) -> bool:
         except RuntimeError:
             return False
     return True
-
-
-def _module(name: str) -> str:
-    """The module a weight belongs to: its name without the last two parts
-    ("model.layers.3.self_attn.k_proj.weight" -> "model.layers.3.self_attn")."""
-    return name.rsplit(".", 2)[0]
-
-
-def _groups(named_tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int
-            ) -> list[list[tuple[str, torch.Tensor]]]:
-    """Consecutive runs of tensors of at most `bucket_bytes` bytes together (a bigger tensor
-    alone). A run that the next tensor would overflow is cut before its trailing tensors of
-    that tensor's module, when something stays before them: a module's projections (q / k / v,
-    gate / up), which an engine holds as one fused parameter, then arrive in one call, which
-    the engine receives straight into spare storage, where a call carrying a third of a fused
-    parameter is staged and copied."""
-    runs: list[list[tuple[str, torch.Tensor]]] = []
-    run: list[tuple[str, torch.Tensor]] = []
-    used = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if run and used + nbytes > bucket_bytes:
-            cut = len(run)
-            while cut > 0 and _module(run[cut - 1][0]) == _module(name):
-                cut -= 1
-            cut = cut or len(run)   # the whole run is that module: cut here
-            runs.append(run[:cut])
-            run = run[cut:]
-            used = _group_bytes(run)
-            if run and used + nbytes > bucket_bytes:   # still too much together
-                runs.append(run)
-                run, used = [], 0
-        run.append((name, tensor.contiguous()))
-        used += nbytes
-    if run:
-        runs.append(run)
-    return runs
-
-
-def _group_bytes(group: list[tuple[str, torch.Tensor]]) -> int:
-    return sum(t.numel() * t.element_size() for _, t in group)
-
-
-def _own_bytes(group: list[tuple[str, torch.Tensor]], bucket_bytes: int
-               ) -> Optional[torch.Tensor]:
-    """A tensor bigger than a bucket is a bucket of its own: its bytes are broadcast as they
-    are (packing would only copy them). None for a group that must be packed."""
-    if len(group) != 1 or _group_bytes(group) <= bucket_bytes:
-        return None
-    return group[0][1].reshape(-1).view(torch.uint8)
-
-
-def _pack(group: list[tuple[str, torch.Tensor]], slot: torch.Tensor) -> torch.Tensor:
-    """Copy the tensors' bytes back to back (SGLang's FlattenedTensorBucket layout) into the
-    front of `slot`; returns that part."""
-    pairs, used = [], 0
-    for _, tensor in group:
-        nbytes = tensor.numel() * tensor.element_size()
-        pairs.append((slot[used:used + nbytes], tensor.detach().reshape(-1).view(torch.uint8)))
-        used += nbytes
-    copy_all(pairs)
-    return slot[:used]

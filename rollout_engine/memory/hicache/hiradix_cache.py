@@ -39,7 +39,8 @@ from rollout_engine.memory.hicache.node import HiTreeNode, cat_slots, device_pre
 from rollout_engine.memory.hicache.stats import HiCacheStats
 from rollout_engine.memory.hicache.tiers import StorageTier
 from rollout_engine.memory.prefix_cache import CacheNamespace, MatchResult, empty_slots
-from rollout_engine.memory.radix_cache import RadixCache, TreeNode
+from rollout_engine.memory.radix_cache import RadixCache
+from rollout_engine.memory.radix_node import TreeNode, child_key, held_len, iter_nodes, page_aligned
 
 __all__ = ["HiRadixCache", "HiTreeNode", "WRITE_POLICIES"]
 
@@ -72,7 +73,7 @@ class HiRadixCache(RadixCache):
     def match_prefix(self, token_ids: Sequence[int], namespace: CacheNamespace) -> MatchResult:
         """The device-resident part of the longest match (host hits are loaded by
         ``load_back``, which only admission calls)."""
-        key = self._page_aligned(token_ids)
+        key = page_aligned(token_ids, self.page_size)
         ns_root = self.root.children.get(namespace)
         if ns_root is None or not key:
             return MatchResult(empty_slots(), ns_root if ns_root is not None else self.root)
@@ -90,7 +91,7 @@ class HiRadixCache(RadixCache):
         room, their copy queued (``commit_loads``). Counts a hit on every device node
         (selective write-through). With ``rid`` storage is never waited for: blocks not read
         yet leave ``rid`` pending (``prefetch_pending``) and are not part of this match."""
-        key = self._page_aligned(token_ids)
+        key = page_aligned(token_ids, self.page_size)
         if not key:
             return self.match_prefix(token_ids, namespace)
         ns_root = self.root.children.get(namespace)
@@ -134,8 +135,9 @@ class HiRadixCache(RadixCache):
         """Request ``rid`` arrived: start reading the storage blocks after what the tree holds
         for it (read-only walk: nothing is touched or split)."""
         if self.storage is not None:
-            key = self._page_aligned(token_ids)
-            self.storage.prefetch(rid, namespace, key, self._held_len(key, namespace))
+            key = page_aligned(token_ids, self.page_size)
+            held = held_len(self.root.children.get(namespace), key, self.page_size)
+            self.storage.prefetch(rid, namespace, key, held)
 
     def prefetch_pending(self, rid: str) -> bool:
         return self.storage is not None and self.storage.prefetch_pending(rid)
@@ -185,7 +187,7 @@ class HiRadixCache(RadixCache):
             leaf = HiTreeNode(key[pos:], slots[pos:len(key)].to(torch.int64).clone(), last)
             leaf.last_access = next(self._clock)
             leaf.hit_count = 1
-            last.children[self._child_key(leaf.key)] = leaf
+            last.children[child_key(leaf.key, self.page_size)] = leaf
             self._num_nodes += 1
             self._evictable_size += len(leaf.key)
             self.version += 1
@@ -248,10 +250,10 @@ class HiRadixCache(RadixCache):
     # ---- sizes, memory, integrity -------------------------------------------------------------
 
     def cached_slots(self) -> torch.Tensor:
-        return cat_slots([n.value for n in self._iter_nodes() if n.key and n.value is not None])
+        return cat_slots([n.value for n in iter_nodes(self.root) if n.key and n.value is not None])
 
     def host_slots(self) -> torch.Tensor:
-        return cat_slots([getattr(n, "host_value", None) for n in self._iter_nodes() if n.key])
+        return cat_slots([getattr(n, "host_value", None) for n in iter_nodes(self.root) if n.key])
 
     def host_size(self) -> int:
         return self.host.num_slots - self.host.allocator.available_size()
@@ -276,9 +278,9 @@ class HiRadixCache(RadixCache):
             self.storage.close()
 
     def check_integrity(self) -> None:
-        nodes = list(self._iter_nodes())
+        nodes = list(iter_nodes(self.root))
         check_hiradix(TreeBook(
-            root=self.root, nodes=nodes, child_key=self._child_key, retired=self._retired(),
+            root=self.root, nodes=nodes, retired=self._retired(),
             num_nodes=self._num_nodes, evictable_size=self._evictable_size,
             protected_size=self._protected_size, page_size=self.page_size,
             in_heap={id(n) for t, _, n in self._leaf_heap if t == n.last_access},
@@ -317,7 +319,7 @@ class HiRadixCache(RadixCache):
 
     def host_leaves(self) -> list[HiTreeNode]:
         """Every node ``is_host_leaf`` holds for (what host eviction may take)."""
-        return [n for n in self._iter_nodes() if self.is_host_leaf(n)]  # type: ignore[misc]
+        return [n for n in iter_nodes(self.root) if self.is_host_leaf(n)]  # type: ignore[misc]
 
     def is_host_leaf(self, node: TreeNode) -> bool:
         """Whether ``node`` is host-only, childless and not part of a load in progress."""
@@ -335,26 +337,6 @@ class HiRadixCache(RadixCache):
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _split(self, node: TreeNode, split_len: int) -> TreeNode:
-        assert isinstance(node, HiTreeNode) and node.parent is not None
-        parent = node.parent
-        upper = HiTreeNode(node.key[:split_len],
-                           None if node.value is None else node.value[:split_len], parent)
-        if node.host_value is not None:
-            upper.host_value = node.host_value[:split_len]
-            node.host_value = node.host_value[split_len:]
-        upper.hit_count = node.hit_count
-        upper.lock_ref = node.lock_ref
-        upper.last_access = node.last_access
-        parent.children[self._child_key(upper.key)] = upper
-        node.key = node.key[split_len:]
-        node.value = None if node.value is None else node.value[split_len:]
-        node.parent = upper
-        upper.children[self._child_key(node.key)] = node
-        self._num_nodes += 1
-        self.version += 1
-        return upper
-
     def _count_hit(self, node: HiTreeNode) -> None:
         node.hit_count += 1
         if (self.write_policy == "write_through_selective" and node.hit_count >= 2
@@ -367,23 +349,10 @@ class HiRadixCache(RadixCache):
         node = HiTreeNode(key, None, parent)
         node.host_value = host_slots
         node.last_access = next(self._clock)
-        parent.children[self._child_key(key)] = node
+        parent.children[child_key(key, self.page_size)] = node
         self._num_nodes += 1
         self.version += 1
         return node
-
-    def _held_len(self, key: tuple[int, ...], namespace: CacheNamespace) -> int:
-        """Tokens of ``key`` the tree holds in any tier, without touching it."""
-        node = self.root.children.get(namespace)
-        pos = 0
-        while node is not None and pos < len(key):
-            child = node.children.get(self._child_key(key, pos))
-            if child is None:
-                break
-            common = self._common_len(child.key, key, pos)
-            pos += common
-            node = child if common == len(child.key) else None
-        return pos
 
     def _is_evictable_leaf(self, node: TreeNode) -> bool:
         return (bool(node.key) and node.parent is not None and node.value is not None
@@ -400,7 +369,7 @@ class HiRadixCache(RadixCache):
         go to ``freed``. Returns device tokens freed."""
         parent = node.parent
         assert parent is not None and not node.children and node.lock_ref == 0
-        del parent.children[self._child_key(node.key)]
+        del parent.children[child_key(node.key, self.page_size)]
         node.parent = None
         self._num_nodes -= 1
         host_value = getattr(node, "host_value", None)

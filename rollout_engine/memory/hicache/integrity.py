@@ -11,14 +11,13 @@ The cache hands its bookkeeping over as a ``TreeBook``; nothing here reads its p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from rollout_engine.memory.prefix_cache import CacheIntegrityError, CacheNamespace
-from rollout_engine.memory.radix_cache import TreeNode
+from rollout_engine.memory.radix_node import TreeNode, child_key
 
 __all__ = ["TreeBook", "check_hiradix"]
 
@@ -29,7 +28,6 @@ class TreeBook:
 
     root: TreeNode
     nodes: list[TreeNode]                  # every node, root and namespace roots included
-    child_key: Callable[[tuple[int, ...]], Hashable]   # a node's key in its parent's children
     retired: list[CacheNamespace]          # namespaces of retired weight generations
     num_nodes: int                         # token-holding nodes, as counted
     evictable_size: int                    # device tokens of unlocked nodes, as counted
@@ -55,13 +53,13 @@ def check_hiradix(book: TreeBook) -> None:
         where = f"{node!r} (key[:8]={node.key[:8]})"
         expected = node.num_own_locks + sum(c.lock_ref for c in node.children.values())
         _check(node.lock_ref == expected, f"{where}: lock_ref != own locks + children's")
-        for child_key, child in node.children.items():
+        for key, child in node.children.items():
             _check(child.parent is node, f"{where}: child {child!r} has another parent")
             if node is book.root:
-                _check(isinstance(child_key, CacheNamespace), f"root child key {child_key!r}")
-                _check(bool(child.children) or child.lock_ref > 0, f"empty ns {child_key} kept")
+                _check(isinstance(key, CacheNamespace), f"root child key {key!r}")
+                _check(bool(child.children) or child.lock_ref > 0, f"empty ns {key} kept")
             else:
-                _check(child_key == book.child_key(child.key), f"{where}: child key mismatch")
+                _check(key == child_key(child.key, ps), f"{where}: child key mismatch")
         if not node.key:
             continue
         num_nodes += 1

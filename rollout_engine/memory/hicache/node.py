@@ -1,7 +1,7 @@
 """The hierarchical cache's tree node, and the surface of the cache its tier helpers use.
 
 ``HiTreeNode`` is a radix node with a host copy: ``value`` (device slots, None once evicted from
-the device) and ``host_value`` (host slots, or None). ``HostTree`` is the part of
+the device) and ``host_value`` (host slots, or None); a split cuts both. ``HostTree`` is the part of
 ``HiRadixCache`` that ``transfers`` and ``tiers`` call, as a protocol: the helpers reach the
 cache through these methods only, and never import the cache's module.
 """
@@ -15,7 +15,7 @@ import torch
 from rollout_engine.memory.hicache.host_pool import HostKVPool
 from rollout_engine.memory.hicache.stats import HiCacheStats
 from rollout_engine.memory.prefix_cache import empty_slots
-from rollout_engine.memory.radix_cache import TreeNode
+from rollout_engine.memory.radix_node import TreeNode
 
 __all__ = ["HiTreeNode", "HostTree", "cat_slots", "device_prefix"]
 
@@ -30,6 +30,20 @@ class HiTreeNode(TreeNode):
         super().__init__(key, value, parent)  # type: ignore[arg-type]
         self.host_value: Optional[torch.Tensor] = None
         self.hit_count = 0
+
+    def cut(self, split_len: int) -> HiTreeNode:
+        """As TreeNode.cut, for both tiers' slots; the new node keeps this one's hit count."""
+        upper = HiTreeNode(self.key[:split_len],
+                           None if self.value is None else self.value[:split_len], self.parent)
+        if self.host_value is not None:
+            upper.host_value = self.host_value[:split_len]
+            self.host_value = self.host_value[split_len:]
+        upper.hit_count = self.hit_count
+        upper.lock_ref = self.lock_ref
+        upper.last_access = self.last_access
+        self.key = self.key[split_len:]
+        self.value = None if self.value is None else self.value[split_len:]
+        return upper
 
 
 def device_prefix(path: list[HiTreeNode]) -> list[HiTreeNode]:

@@ -34,7 +34,7 @@ from rollout_engine.memory.hicache.node import HiTreeNode, HostTree
 from rollout_engine.memory.hicache.prefetch import Prefetcher, PrefetchJob
 from rollout_engine.memory.hicache.storage import HiCacheStorage, StorageWriter, block_keys
 from rollout_engine.memory.prefix_cache import CacheNamespace
-from rollout_engine.memory.radix_cache import TreeNode
+from rollout_engine.memory.radix_node import TreeNode
 
 __all__ = ["PREFETCH_POLICIES", "StorageTier"]
 

@@ -22,7 +22,7 @@ import torch
 from rollout_engine.memory.hicache.host_pool import HostKVPool
 from rollout_engine.memory.hicache.node import HiTreeNode, HostTree
 from rollout_engine.memory.hicache.stats import HiCacheStats
-from rollout_engine.memory.radix_cache import TreeNode
+from rollout_engine.memory.radix_node import TreeNode
 
 __all__ = ["PendingLoads", "alloc_host", "backup_one", "evict_host", "load", "unbacked_chain"]
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rollout_engine.protocol.tensor_payload import serialize_named_tensors
+from rollout_engine.protocol.payload_sender import serialize_named_tensors
 from rollout_engine.protocol.weight_broadcast import flatten, join_update_group
 from rollout_engine.weights.loader import iter_safetensors
 

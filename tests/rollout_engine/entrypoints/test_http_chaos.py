@@ -272,7 +272,7 @@ class Chaos:
     def _post_tensors(self, ckpt: str, version: str) -> httpx.Response:
         """A refit by shared-memory handles of fresh storages, as a trainer's new weights are:
         what it lends must be gone from /dev/shm once both sides are done with it."""
-        from rollout_engine.protocol.tensor_payload import serialize_named_tensors
+        from rollout_engine.protocol.payload_sender import serialize_named_tensors
 
         named = [(n, t.clone()) for n, t in self.world["tensors"][ckpt]]
         payload = serialize_named_tensors(named)   # the storages stay alive until answered

@@ -14,6 +14,7 @@ from rollout_engine.memory.hicache.storage import FileStorage
 from rollout_engine.memory.hicache.tiers import StorageTier
 from rollout_engine.memory.kv_pool import KVPool, PageAllocator
 from rollout_engine.memory.prefix_cache import CacheIntegrityError, CacheNamespace
+from rollout_engine.memory.radix_node import iter_nodes
 
 NS = CacheNamespace(0)
 
@@ -121,7 +122,7 @@ def test_integrity_catches_a_host_slot_owned_twice():
     a, b = list(range(4)), list(range(50, 54))
     cache.insert(a, _compute(pool, allocator, a), NS)
     cache.insert(b, _compute(pool, allocator, b), NS)
-    nodes = [n for n in cache._iter_nodes() if n.key]
+    nodes = [n for n in iter_nodes(cache.root) if n.key]
     nodes[1].host_value = nodes[0].host_value.clone()
     with pytest.raises(CacheIntegrityError, match="host"):
         cache.check_integrity()
@@ -169,7 +170,7 @@ def test_random_operations_keep_every_invariant(policy, seed, storage, tmp_path)
         cache.check_integrity()
         if rng.random() < 0.3:   # every device node holds its tokens' KV once copies land
             cache.commit_loads()
-            for node in cache._iter_nodes():
+            for node in iter_nodes(cache.root):
                 if node.key and node.value is not None:
                     assert _kv_matches(pool, node.value, list(node.key))
     assert cache.stats.bytes_to_device > 0        # host-only nodes were loaded back

@@ -14,11 +14,8 @@ import pytest
 import torch
 from torch.multiprocessing import reductions
 
-from rollout_engine.protocol.tensor_payload import (
-    UnsafePayloadError,
-    deserialize_named_tensors,
-    serialize_named_tensors,
-)
+from rollout_engine.protocol.payload_sender import serialize_named_tensors
+from rollout_engine.protocol.tensor_payload import UnsafePayloadError, deserialize_named_tensors
 
 R = reductions
 SHM_DIR = "/dev/shm"

@@ -7,25 +7,22 @@ import pytest
 import torch
 
 from rollout_engine.protocol import tensor_handles, tensor_payload
-from rollout_engine.protocol.tensor_payload import (
-    UnsafePayloadError,
-    deserialize_named_tensors,
-    serialize_named_tensors,
-)
+from rollout_engine.protocol.payload_sender import serialize_named_tensors
+from rollout_engine.protocol.tensor_payload import UnsafePayloadError, deserialize_named_tensors
 
 
 @pytest.fixture
 def parses(monkeypatch):
     """Counts the restricted unpickler's runs."""
     count = []
-    real = tensor_payload._RestrictedUnpickler
+    real = tensor_payload.RestrictedUnpickler
 
     class Counting(real):  # type: ignore[misc, valid-type]
         def load(self):
             count.append(1)
             return super().load()
 
-    monkeypatch.setattr(tensor_payload, "_RestrictedUnpickler", Counting)
+    monkeypatch.setattr(tensor_payload, "RestrictedUnpickler", Counting)
     monkeypatch.setattr(tensor_payload, "_PARSED", tensor_payload.ParsedPayloads())
     return count
 

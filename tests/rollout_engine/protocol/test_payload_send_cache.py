@@ -15,28 +15,26 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollout_engine.protocol import tensor_payload
+from rollout_engine.protocol import payload_sender
 from rollout_engine.protocol.payload_cache import SentPayloads
+from rollout_engine.protocol.payload_sender import serialize_named_tensors
 from rollout_engine.protocol.tensor_handles import SHM_DIR
-from rollout_engine.protocol.tensor_payload import (
-    deserialize_named_tensors,
-    serialize_named_tensors,
-)
+from rollout_engine.protocol.tensor_payload import deserialize_named_tensors
 
 
 @pytest.fixture
 def dumps(monkeypatch):
     """Counts the pickler's runs, with a fresh cache."""
     count = []
-    real = tensor_payload.ForkingPickler
+    real = payload_sender.ForkingPickler
 
     class Counting(real):  # type: ignore[misc, valid-type]
         def dump(self, obj):
             count.append(1)
             return super().dump(obj)
 
-    monkeypatch.setattr(tensor_payload, "ForkingPickler", Counting)
-    monkeypatch.setattr(tensor_payload, "_SENT", SentPayloads())
+    monkeypatch.setattr(payload_sender, "ForkingPickler", Counting)
+    monkeypatch.setattr(payload_sender, "_SENT", SentPayloads())
     return count
 
 

@@ -12,12 +12,12 @@ import struct
 import pytest
 import torch
 
+from rollout_engine.protocol.payload_sender import lend_named_tensors
 from rollout_engine.protocol.shm_lease import SHM_DIR, ShmLease, open_lent
 from rollout_engine.protocol.tensor_payload import (
     UnsafePayloadError,
     deserialize_named_tensors,
     drop_unread_references,
-    lend_named_tensors,
 )
 from tests.rollout_engine.compat.sglang_fakes import file_system_sharing, mp_serialize
 

@@ -11,11 +11,8 @@ import pytest
 import torch
 
 from rollout_engine.protocol.bucket import FlattenedBucket, TensorMeta, pack_buckets
-from rollout_engine.protocol.tensor_payload import (
-    UnsafePayloadError,
-    deserialize_named_tensors,
-    serialize_named_tensors,
-)
+from rollout_engine.protocol.payload_sender import serialize_named_tensors
+from rollout_engine.protocol.tensor_payload import UnsafePayloadError, deserialize_named_tensors
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:

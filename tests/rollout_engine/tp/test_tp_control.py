@@ -18,7 +18,7 @@ import torch
 
 from rollout_engine.config import EngineConfig
 from rollout_engine.entrypoints.launch_server import parse_args
-from rollout_engine.protocol.tensor_payload import serialize_named_tensors
+from rollout_engine.protocol.payload_sender import serialize_named_tensors
 from rollout_engine.weights.loader import iter_safetensors
 from tests.rollout_engine.engines import colocated_refits, thread_engine
 
