@@ -36,7 +36,7 @@ from rollout_engine.entrypoints.http_utils import (
 from rollout_engine.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from rollout_engine.entrypoints.serving import GenerationService
 from rollout_engine.entrypoints.token_pieces import TokenPieces
-from rollout_engine.entrypoints.tool_calls import ToolCallStream, parse_tool_calls
+from rollout_engine.parsers.tool_calls import TaggedCallStream, parse_tool_calls
 from rollout_engine.tokenizer_manager import RequestState, SchedulerDeadError
 
 
@@ -255,7 +255,7 @@ class OpenAIServing:
         header = self._header("chatcmpl", "chat.completion.chunk")
         metas: list[Optional[dict[str, Any]]] = [None] * len(states)
         names = [t.function.name for t in req.active_tools]
-        parsers = [ToolCallStream(names, req.parallel_tool_calls) for _ in states] \
+        parsers = [TaggedCallStream(names, req.parallel_tool_calls) for _ in states] \
             if names else None
         try:
             for i in range(len(states)):

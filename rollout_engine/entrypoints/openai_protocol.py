@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rollout_engine.compat.fields import CHAT_REQUEST, COMPLETION_REQUEST, FieldList
 from rollout_engine.constrained.spec import ANY_JSON, Constraint, make_constraint
-from rollout_engine.entrypoints.tool_calls import tool_call_constraint
+from rollout_engine.parsers import tool_call_constraint
 
 M = TypeVar("M", bound="_SamplingFields")
 
