@@ -466,7 +466,7 @@ revision                                     str     None                 defaul
 rl_on_policy_target                          str     None                 default
 rl_quant_profile                             str     None                 default
 sampling_backend                             str     None                 ignore:perf
-sampling_defaults                            str     'model'              default
+sampling_defaults                            str     'model'              ours
 sampling_mask_max_tokens                     int     4096                 default
 schedule_conservativeness                    float   1.0                  ignore:perf
 schedule_low_priority_values_first           switch  False                default

@@ -19,6 +19,7 @@ import torch
 
 from rollout_engine.compat.server_args import to_engine_kwargs
 from rollout_engine.config import speculative as spec_options
+from rollout_engine.config.generation_defaults import read_sampling_defaults
 from rollout_engine.dp.dispatch import LOAD_BALANCE_METHODS
 from rollout_engine.parsers import reasoning_parser_problem, tool_call_parser_problem
 
@@ -26,6 +27,7 @@ _DTYPES = {"auto", "float32", "float16", "bfloat16"}
 _POLICIES = {"lpm", "fcfs"}
 _BACKENDS = {None, "torch_native", "triton", "flashinfer"}
 _GRAMMAR_BACKENDS = {"xgrammar", "none"}
+_SAMPLING_DEFAULTS = ("model", "openai")
 _KV_CACHE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16}   # besides "auto"
 
 
@@ -130,6 +132,10 @@ class EngineConfig:
     # (None: not split)
     tool_call_parser: Optional[str] = None
     reasoning_parser: Optional[str] = None
+    # what a chat request omits of temperature, top_p, top_k, min_p, repetition_penalty:
+    # "model" (SGLang's default) takes it from the model's generation_config.json, "openai"
+    # leaves SamplingParams' defaults (config/generation_defaults.py)
+    sampling_defaults: str = "model"
     # SGLang's KV cache dtype: "auto" or the served dtype's name (bf16 / bfloat16 when the
     # model runs in bfloat16); the KV cache is always kept in the served dtype
     kv_cache_dtype: str = "auto"
@@ -285,11 +291,20 @@ def _check_tp(c: EngineConfig, bad: Any) -> None:
 
 
 def _check_serving(c: EngineConfig, bad: Any) -> None:
-    """The output parsers and the KV cache dtype."""
+    """The output parsers, the sampling defaults' source and the KV cache dtype."""
     for name, problem in (("tool_call_parser", tool_call_parser_problem(c.tool_call_parser)),
                           ("reasoning_parser", reasoning_parser_problem(c.reasoning_parser))):
         if problem is not None:
             bad(name, problem)
+    if c.sampling_defaults not in _SAMPLING_DEFAULTS:
+        bad("sampling_defaults", f"must be one of {list(_SAMPLING_DEFAULTS)}, "
+            f"got {c.sampling_defaults!r}")
+    if c.sampling_defaults == "model":
+        try:
+            read_sampling_defaults(str(c.model_path))
+        except ValueError as e:
+            bad("sampling_defaults", f"'model' reads {e}; fix the file or use 'openai' "
+                "(--sampling-defaults openai) to ignore it")
     served = c.resolved_dtype() if c.kv_cache_dtype != "auto" else None
     if served is not None and _KV_CACHE_DTYPES.get(c.kv_cache_dtype) != served:
         named = "'auto', 'bf16', 'bfloat16'" if served == torch.bfloat16 else "'auto'"

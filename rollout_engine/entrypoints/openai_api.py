@@ -9,7 +9,9 @@ engine's request builder first, so its 400 names the OpenAI field; so are the pe
 template; calls in the output (in the ``--tool-call-parser`` format; ``<tool_call>`` blocks
 without one) come back as ``message.tool_calls`` (streamed as ``delta.tool_calls``) with
 ``finish_reason`` ``"tool_calls"``; with ``--reasoning-parser`` the think block comes back as
-``reasoning_content`` (``chat_output.py``).
+``reasoning_content`` (``chat_output.py``). A chat request's omitted sampling fields come from
+the model's ``generation_config.json`` under ``--sampling-defaults model`` (SGLang's default;
+as SGLang, only on this route).
 
 Chat messages are rendered by ``ChatTemplateRenderer`` (bounded by ``--max-template-render-s``)
 in the service's template threads. A template sent with the request is refused (400) unless
@@ -27,6 +29,7 @@ from typing import Any, Optional, Union
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
+from rollout_engine.config.generation_defaults import read_sampling_defaults
 from rollout_engine.entrypoints.chat_output import ChatParsing
 from rollout_engine.entrypoints.chat_template import ChatTemplateRenderer
 from rollout_engine.entrypoints.http_utils import (
@@ -85,6 +88,8 @@ class OpenAIServing:
                                              config.max_template_render_s)
         self.tool_call_parser: Optional[str] = config.tool_call_parser
         self.reasoning_parser: Optional[str] = config.reasoning_parser
+        self.sampling_defaults = (read_sampling_defaults(config.model_path)
+                                  if config.sampling_defaults == "model" else {})
 
     def check_request(self, req: Union[CompletionRequest, ChatCompletionRequest],
                       top_logprobs: Optional[int], top_logprobs_field: str) -> None:
@@ -234,7 +239,7 @@ class OpenAIServing:
         prompt: dict[str, Any] = ({"input_ids": req.input_ids} if req.input_ids is not None
                                   else {"prompt": text})
         parsing = ChatParsing.of(req, self.tool_call_parser, self.reasoning_parser, text)
-        params = req.sampling_params(req.max_new_tokens)
+        params = req.sampling_params(req.max_new_tokens, self.sampling_defaults)
         if (parsing.tool_names is not None and self.tool_call_parser is not None
                 and params["skip_special_tokens"] is None):
             params["skip_special_tokens"] = False    # a call may open with a special token

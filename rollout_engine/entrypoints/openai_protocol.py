@@ -11,7 +11,8 @@ Structured output: ``constraint()`` turns ``response_format``, the top-level ``r
 (``extra_body``), completions' ``json_schema`` and chat's forcing ``tool_choice`` (a grammar in
 the server's tool-call format) into one ``Constraint`` (a ValueError naming both fields when two
 are given); ``sampling_params`` carries it under SGLang's names (``json_object`` as
-``json_schema="$$ANY$$"``, as SGLang sends it).
+``json_schema="$$ANY$$"``, as SGLang sends it), and fills the sampling fields the request omits
+from ``defaults`` (the model's, under ``--sampling-defaults model``).
 """
 
 from __future__ import annotations
@@ -106,9 +107,12 @@ class _SamplingFields(_Strict):
                              "tool call); give only one")
         return found[0] if found else None
 
-    def sampling_params(self, max_new_tokens: Optional[int]) -> dict[str, Any]:
+    def sampling_params(self, max_new_tokens: Optional[int],
+                        defaults: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        """SGLang's ``sampling_params``; a field the request omits (null) takes its value
+        from ``defaults`` when that has one (an explicit value wins, even the default's)."""
         seed = self.seed if self.seed is not None else self.sampling_seed
-        return {**constraint_params(self.constraint()),
+        params = {**constraint_params(self.constraint()),
             "max_new_tokens": max_new_tokens, "min_new_tokens": self.min_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "presence_penalty": self.presence_penalty,
@@ -119,6 +123,10 @@ class _SamplingFields(_Strict):
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "no_stop_trim": self.no_stop_trim, "n": self.n, "sampling_seed": seed,
         }
+        for key, value in (defaults or {}).items():
+            if params.get(key) is None:
+                params[key] = value
+        return params
 
     @property
     def include_usage(self) -> bool:

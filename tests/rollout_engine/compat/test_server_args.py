@@ -243,7 +243,7 @@ def test_kv_cache_dtype_that_names_the_served_dtype_is_accepted(qwen2_path: str)
     ["--tool-call-parser", "qwen25"],                           # miles examples/.../run_hud2048
     ["--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3"],   # miles verify_session_tito
     ["--reasoning-parser", "deepseek-r1", "--tool-call-parser", "llama3"],
-    ["--tool-call-parser", "hermes"],
+    ["--tool-call-parser", "hermes", "--sampling-defaults", "openai"],
 ])
 def test_implemented_output_parsers_are_accepted(qwen2_path: str, argv: list[str]) -> None:
     kwargs = parse_args(["--model-path", qwen2_path, *argv])
@@ -260,7 +260,9 @@ def test_implemented_output_parsers_are_accepted(qwen2_path: str, argv: list[str
      "EngineConfig.reasoning_parser: 'glm45' is one of SGLang's parsers that this engine does "
      "not implement; the reasoning parsers implemented: deepseek-r1, interns1, minimax, qwen3, "
      "qwen3-thinking, step3, step3p5"),
-], ids=["qwen3_coder", "glm45"])
+    (["--sampling-defaults", "vllm"],
+     "EngineConfig.sampling_defaults: must be one of ['model', 'openai'], got 'vllm'"),
+], ids=["qwen3_coder", "glm45", "sampling-defaults"])
 def test_output_parsers_we_lack_exit_2_listing_ours(
         qwen2_path: str, argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
