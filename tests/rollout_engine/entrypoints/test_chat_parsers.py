@@ -183,3 +183,35 @@ def test_no_parser_flags_keep_todays_output(tokenizer: Any) -> None:
     message = tools.json()["choices"][0]["message"]
     assert message["content"] == "<think>x</think>" and len(message["tool_calls"]) == 1
     assert service.submitted[1]["sampling_params"]["skip_special_tokens"] is None
+
+
+def test_a_forced_tool_choice_is_not_read_as_reasoning(tokenizer: Any) -> None:
+    """Under a grammar the output starts outside the think block: a forced call is a call
+    even with a reasoning parser whose outputs otherwise start inside it."""
+    client, _ = _route(tokenizer, f"<tool_call>\n{CALL}\n</tool_call>",
+                       reasoning_parser="deepseek-r1")
+    choice = client.post("/v1/chat/completions", json={
+        "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"}).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["reasoning_content"] is None
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
+
+
+def test_the_openai_client_reads_reasoning_content(tokenizer: Any) -> None:
+    import openai
+
+    client, _ = _route(tokenizer, "Hmm, zones.</think>It is noon.",
+                       reasoning_parser="deepseek-r1")
+    oc = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0,
+                       http_client=client)
+    r = oc.chat.completions.create(model="m", messages=MESSAGES)   # type: ignore[arg-type]
+    message = r.choices[0].message
+    assert (message.reasoning_content, message.content) == (   # type: ignore[attr-defined]
+        "Hmm, zones.", "It is noon.")
+    reasoning, content = "", ""
+    for chunk in oc.chat.completions.create(model="m", messages=MESSAGES,  # type: ignore
+                                            stream=True):
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        content += delta.content or ""
+    assert (reasoning, content) == ("Hmm, zones.", "It is noon.")
