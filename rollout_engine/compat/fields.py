@@ -368,19 +368,21 @@ CHAT_REQUEST = FieldList(
            "(false for 'none') unless given, as SGLang does"),
         _f("response_format", None, S, _GRAMMAR + "text (none), json_object, json_schema or "
            "structural_tag", _TEXT_FORMAT),
-        _f("tools", None, S, "rendered by the chat template; <tool_call>{...}</tool_call> in the "
-           "output (Qwen / Hermes) becomes message.tool_calls", []),
+        _f("tools", None, S, "rendered by the chat template; calls in the output (the "
+           "--tool-call-parser format: qwen / qwen25 / hermes <tool_call> blocks, llama3 JSON; "
+           "<tool_call> blocks without one) become message.tool_calls", []),
         _f("tool_choice", "auto", S, "auto / none; required or a named function force a call "
-           "with a grammar (a structural tag over <tool_call> blocks)", "none"),
+           "with a grammar (a structural tag over calls in the --tool-call-parser format)", "none"),
         _f("parallel_tool_calls", True, S, "false: only the first tool call is returned"),
         _f("return_prompt_token_ids", False, S, "choices[i].prompt_token_ids: the prompt's ids "
            "(not with stream)"),
         _f("return_meta_info", False, S, "choices[i].meta_info: /generate's meta_info (token "
            "logprobs with logprobs = true, completion_tokens, finish_reason; not with stream)"),
         _f("task", None, D, "DeepSeek-V4 quick instructions"),
-        _f("separate_reasoning", True, X, "no reasoning parser is configured (SGLang's default), "
-           "so nothing is separated"),
-        _f("stream_reasoning", True, X, "no reasoning parser is configured"),
+        _f("separate_reasoning", True, S, "with --reasoning-parser: the think block comes back "
+           "as reasoning_content (false: left in content); without one, nothing is split"),
+        _f("stream_reasoning", True, S, "with --reasoning-parser: delta.reasoning_content as it "
+           "comes (false: in one piece when the block ends)"),
         _f("max_dynamic_patch", None, D, _MULTIMODAL),
         _f("min_dynamic_patch", None, D, _MULTIMODAL),
         _f("use_audio_in_video", False, D, _MULTIMODAL),

@@ -179,11 +179,21 @@ def _speculative_algorithm(flag: SglangFlag, value: Any, given: Mapping[str, Any
     return {"speculative_algorithm": value}
 
 
+def _kv_cache_dtype(flag: SglangFlag, value: Any, given: Mapping[str, Any],
+                    ours: Mapping[str, Any]) -> dict[str, Any]:
+    if value not in ("auto", "bf16", "bfloat16"):
+        raise UnsupportedFlagError(flag, value, "the KV cache is kept in the served dtype: "
+                                   "auto is accepted, and bf16 / bfloat16 when the model runs "
+                                   "in bfloat16; quantized KV caches (fp8_e5m2, fp8_e4m3, "
+                                   "fp4_e2m1) are not implemented")
+    return {"kv_cache_dtype": value}
+
+
 _CONVERT: dict[str, Convert] = {
     "dtype": _dtype, "attention_backend": _attention_backend,
     "chunked_prefill_size": _chunked_prefill_size, "base_gpu_id": _base_gpu_id,
     "load_format": _load_format, "stream_output": _stream_output,
-    "speculative_algorithm": _speculative_algorithm,
+    "speculative_algorithm": _speculative_algorithm, "kv_cache_dtype": _kv_cache_dtype,
 }
 
 

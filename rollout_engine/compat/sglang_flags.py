@@ -317,7 +317,7 @@ kt_method                                    str     'AMXINT4'            defaul
 kt_num_gpu_experts                           int     None                 default
 kt_threadpool_count                          int     2                    default
 kt_weight_path                               str     None                 default
-kv_cache_dtype                               str     'auto'               default:quant
+kv_cache_dtype                               str     'auto'               ours
 kv_canary                                    str     'none'               default
 kv_canary_real_data                          str     'none'               default
 kv_canary_sweep_interval                     int     0                    default
@@ -451,7 +451,7 @@ radix_cache_backend                          str     None                 defaul
 radix_eviction_policy                        str     'lru'                default
 radix_eviction_policy_config                 json    None                 default
 random_seed                                  int     None                 ours
-reasoning_parser                             str     None                 default
+reasoning_parser                             str     None                 ours
 remote_instance_weight_loader_backend        str     'nccl'               default
 remote_instance_weight_loader_seed_instance_ip str     None                 default
 remote_instance_weight_loader_seed_instance_service_port int     None                 default
@@ -466,7 +466,7 @@ revision                                     str     None                 defaul
 rl_on_policy_target                          str     None                 default
 rl_quant_profile                             str     None                 default
 sampling_backend                             str     None                 ignore:perf
-sampling_defaults                            str     'model'              default
+sampling_defaults                            str     'model'              ours
 sampling_mask_max_tokens                     int     4096                 default
 schedule_conservativeness                    float   1.0                  ignore:perf
 schedule_low_priority_values_first           switch  False                default
@@ -544,7 +544,7 @@ tokenizer_metrics_custom_labels_header       str     'x-custom-labels'    ignore
 tokenizer_mode                               str     'auto'               default
 tokenizer_path                               str     None                 ours
 tokenizer_worker_num                         int     1                    ignore:launch
-tool_call_parser                             str     None                 default
+tool_call_parser                             str     None                 ours
 tool_server                                  str     None                 default
 torch_compile_max_bs                         int     32                   ignore:perf
 torchao_config                               str     ''                   default:quant

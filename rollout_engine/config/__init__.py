@@ -19,12 +19,16 @@ import torch
 
 from rollout_engine.compat.server_args import to_engine_kwargs
 from rollout_engine.config import speculative as spec_options
+from rollout_engine.config.generation_defaults import read_sampling_defaults
 from rollout_engine.dp.dispatch import LOAD_BALANCE_METHODS
+from rollout_engine.parsers import reasoning_parser_problem, tool_call_parser_problem
 
 _DTYPES = {"auto", "float32", "float16", "bfloat16"}
 _POLICIES = {"lpm", "fcfs"}
 _BACKENDS = {None, "torch_native", "triton", "flashinfer"}
 _GRAMMAR_BACKENDS = {"xgrammar", "none"}
+_SAMPLING_DEFAULTS = ("model", "openai")
+_KV_CACHE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16}   # besides "auto"
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,18 @@ class EngineConfig:
     # refused unless trusted (vLLM's rule); every render is bounded in time and size
     trust_request_chat_template: bool = False
     max_template_render_s: float = 5.0
+    # OpenAI chat output (SGLang's flags; rollout_engine/parsers/): tool calls in this format
+    # become message.tool_calls (None: <tool_call> blocks), the think block reasoning_content
+    # (None: not split)
+    tool_call_parser: Optional[str] = None
+    reasoning_parser: Optional[str] = None
+    # what a chat request omits of temperature, top_p, top_k, min_p, repetition_penalty:
+    # "model" (SGLang's default) takes it from the model's generation_config.json, "openai"
+    # leaves SamplingParams' defaults (config/generation_defaults.py)
+    sampling_defaults: str = "model"
+    # SGLang's KV cache dtype: "auto" or the served dtype's name (bf16 / bfloat16 when the
+    # model runs in bfloat16); the KV cache is always kept in the served dtype
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> None:
@@ -199,6 +215,7 @@ class EngineConfig:
             bad("max_stop_str_len", f"must be >= 1 character, got {self.max_stop_str_len}")
         if not self.max_template_render_s > 0:
             bad("max_template_render_s", f"must be > 0 seconds, got {self.max_template_render_s}")
+        _check_serving(self, bad)
         object.__setattr__(self, "speculative_algorithm",
                            spec_options.normalized_algorithm(self.speculative_algorithm))
         for name, why in spec_options.check(self):
@@ -271,6 +288,30 @@ def _check_tp(c: EngineConfig, bad: Any) -> None:
                      ("enable_hierarchical_cache", c.enable_hierarchical_cache)):
         if on:
             bad(name, f"is not supported with tp_size > 1 yet (got tp_size={c.tp_size})")
+
+
+def _check_serving(c: EngineConfig, bad: Any) -> None:
+    """The output parsers, the sampling defaults' source and the KV cache dtype."""
+    for name, problem in (("tool_call_parser", tool_call_parser_problem(c.tool_call_parser)),
+                          ("reasoning_parser", reasoning_parser_problem(c.reasoning_parser))):
+        if problem is not None:
+            bad(name, problem)
+    if c.sampling_defaults not in _SAMPLING_DEFAULTS:
+        bad("sampling_defaults", f"must be one of {list(_SAMPLING_DEFAULTS)}, "
+            f"got {c.sampling_defaults!r}")
+    if c.sampling_defaults == "model":
+        try:
+            read_sampling_defaults(str(c.model_path))
+        except ValueError as e:
+            bad("sampling_defaults", f"'model' reads {e}; fix the file or use 'openai' "
+                "(--sampling-defaults openai) to ignore it")
+    served = c.resolved_dtype() if c.kv_cache_dtype != "auto" else None
+    if served is not None and _KV_CACHE_DTYPES.get(c.kv_cache_dtype) != served:
+        named = "'auto', 'bf16', 'bfloat16'" if served == torch.bfloat16 else "'auto'"
+        bad("kv_cache_dtype", f"{c.kv_cache_dtype!r} is not supported: the KV cache is kept in "
+            f"the served dtype ({str(served).removeprefix('torch.')} here; bf16 / bfloat16 "
+            "name it when the model runs in bfloat16, and quantized KV caches such as "
+            f"fp8_e4m3 are not implemented); accepted here: {named}")
 
 
 _WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")

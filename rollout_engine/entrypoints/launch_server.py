@@ -129,6 +129,17 @@ HELP: dict[str, str] = {
                                    "request gets 400 and the server's own template is used.",
     "max_template_render_s": "Seconds one chat-template render may take; a slower one gets "
                              "400.",
+    "tool_call_parser": "Tool calls in chat output become message.tool_calls in this format: "
+                        "qwen / qwen25 / hermes (<tool_call> blocks) or llama3 (JSON calls, "
+                        "<|python_tag|>); default: <tool_call> blocks.",
+    "reasoning_parser": "Split the think block of chat output into reasoning_content: "
+                        "deepseek-r1, qwen3, qwen3-thinking (and SGLang's aliases step3, "
+                        "step3p5, interns1, minimax); default: no split.",
+    "sampling_defaults": "model: a chat request's omitted temperature / top_p / top_k / min_p "
+                         "/ repetition_penalty come from the model's generation_config.json "
+                         "(SGLang's default); openai: the usual defaults.",
+    "kv_cache_dtype": "KV cache dtype: auto (the served dtype), or bf16 / bfloat16 when the "
+                      "model runs in bfloat16; quantized KV caches are not implemented.",
 }
 
 

@@ -6,8 +6,12 @@ and logprobs are the engine's. Choice ``index`` is ``prompt_index * n + sample_i
 A constraint (``response_format``, ``regex``, ``ebnf``, a forcing ``tool_choice``) is put to the
 engine's request builder first, so its 400 names the OpenAI field; so are the per-request caps
 (``logprobs`` / ``top_logprobs``, ``stop``, ``stop_token_ids``). Chat ``tools`` go to the chat
-template; ``<tool_call>`` blocks in the output come back as ``message.tool_calls`` (streamed as
-``delta.tool_calls``) with ``finish_reason`` ``"tool_calls"``.
+template; calls in the output (in the ``--tool-call-parser`` format; ``<tool_call>`` blocks
+without one) come back as ``message.tool_calls`` (streamed as ``delta.tool_calls``) with
+``finish_reason`` ``"tool_calls"``; with ``--reasoning-parser`` the think block comes back as
+``reasoning_content`` (``chat_output.py``). A chat request's omitted sampling fields come from
+the model's ``generation_config.json`` under ``--sampling-defaults model`` (SGLang's default;
+as SGLang, only on this route).
 
 Chat messages are rendered by ``ChatTemplateRenderer`` (bounded by ``--max-template-render-s``)
 in the service's template threads. A template sent with the request is refused (400) unless
@@ -25,6 +29,8 @@ from typing import Any, Optional, Union
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
+from rollout_engine.config.generation_defaults import read_sampling_defaults
+from rollout_engine.entrypoints.chat_output import ChatParsing
 from rollout_engine.entrypoints.chat_template import ChatTemplateRenderer
 from rollout_engine.entrypoints.http_utils import (
     SSE_DONE,
@@ -36,7 +42,7 @@ from rollout_engine.entrypoints.http_utils import (
 from rollout_engine.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from rollout_engine.entrypoints.serving import GenerationService
 from rollout_engine.entrypoints.token_pieces import TokenPieces
-from rollout_engine.entrypoints.tool_calls import ToolCallStream, parse_tool_calls
+from rollout_engine.parsers import tool_format
 from rollout_engine.tokenizer_manager import RequestState, SchedulerDeadError
 
 
@@ -80,6 +86,10 @@ class OpenAIServing:
         self.trust_request_template = config.trust_request_chat_template
         self.renderer = ChatTemplateRenderer(service.engine.tokenizer,
                                              config.max_template_render_s)
+        self.tool_call_parser: Optional[str] = config.tool_call_parser
+        self.reasoning_parser: Optional[str] = config.reasoning_parser
+        self.sampling_defaults = (read_sampling_defaults(config.model_path)
+                                  if config.sampling_defaults == "model" else {})
 
     def check_request(self, req: Union[CompletionRequest, ChatCompletionRequest],
                       top_logprobs: Optional[int], top_logprobs_field: str) -> None:
@@ -210,6 +220,7 @@ class OpenAIServing:
         return found[1]
 
     def render_chat(self, req: ChatCompletionRequest, template: Optional[str]) -> str:
+        """The prompt text of ``req``'s messages."""
         return self.renderer.render(
             [m.template_dict() for m in req.messages],
             tools=[t.model_dump(exclude_none=True) for t in req.active_tools],
@@ -218,34 +229,37 @@ class OpenAIServing:
             template_kwargs=req.template_kwargs, template=template)
 
     async def chat_completions(self, request: Request) -> Response:
-        req = ChatCompletionRequest.parse(await read_json(request))
+        req = ChatCompletionRequest.parse(await read_json(request),
+                                          tool_format(self.tool_call_parser))
         req.check_unsupported()
         self.check_request(req, req.top_logprobs, "top_logprobs")
         template = self.request_template(req)
-        prompt: dict[str, Any] = {"input_ids": req.input_ids} if req.input_ids is not None else {
-            "prompt": await self.service.offload_template(self.render_chat, req, template)}
+        text = "" if req.input_ids is not None else await self.service.offload_template(
+            self.render_chat, req, template)
+        prompt: dict[str, Any] = ({"input_ids": req.input_ids} if req.input_ids is not None
+                                  else {"prompt": text})
+        parsing = ChatParsing.of(req, self.tool_call_parser, self.reasoning_parser, text)
+        params = req.sampling_params(req.max_new_tokens, self.sampling_defaults)
+        if (parsing.tool_names is not None and self.tool_call_parser is not None
+                and params["skip_special_tokens"] is None):
+            params["skip_special_tokens"] = False    # a call may open with a special token
         states, _ = await self.service.submit(
-            **prompt, sampling_params=req.sampling_params(req.max_new_tokens),
+            **prompt, sampling_params=params,
             return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
             stream=req.stream, rid=req.rid, extra_key=req.extra_key, cache_salt=req.cache_salt)
         if req.stream:
-            return sse_response(self._stream_chat(req, states))
+            return sse_response(self._stream_chat(req, states, parsing))
         results = await self.service.collect(states, request)
-        names = [t.function.name for t in req.active_tools]
         choices = []
         for i, res in enumerate(results):
             meta = res["meta_info"]
-            message: dict[str, Any] = {"role": "assistant", "content": res["text"]}
-            calls = []
-            if names:
-                content, calls = parse_tool_calls(res["text"], names, req.parallel_tool_calls)
-                if calls:
-                    message.update(content=content, tool_calls=[c.to_openai() for c in calls])
+            output = parsing.output()
+            message = output.message(res["text"])
             choices.append({
                 "index": i, "message": message,
                 "logprobs": self.chat_logprobs(meta) if req.logprobs else None,
                 "finish_reason": _tool_finish(_finish_reason(meta["finish_reason"]),
-                                              bool(calls)),
+                                              output.has_calls),
                 "matched_stop": _matched_stop(meta["finish_reason"])})
             if req.return_meta_info:
                 choices[-1]["meta_info"] = meta
@@ -254,13 +268,11 @@ class OpenAIServing:
         return json_response({**self._header("chatcmpl", "chat.completion"), "choices": choices,
                               "usage": _usage([r["meta_info"] for r in results], req.n)})
 
-    async def _stream_chat(self, req: ChatCompletionRequest,
-                           states: list[RequestState]) -> AsyncIterator[bytes]:
+    async def _stream_chat(self, req: ChatCompletionRequest, states: list[RequestState],
+                           parsing: ChatParsing) -> AsyncIterator[bytes]:
         header = self._header("chatcmpl", "chat.completion.chunk")
         metas: list[Optional[dict[str, Any]]] = [None] * len(states)
-        names = [t.function.name for t in req.active_tools]
-        parsers = [ToolCallStream(names, req.parallel_tool_calls) for _ in states] \
-            if names else None
+        outputs = [parsing.output() for _ in states]
         try:
             for i in range(len(states)):
                 yield sse({**header, "choices": [{
@@ -272,18 +284,13 @@ class OpenAIServing:
                     reason = meta["finish_reason"]
                     logprobs = (self.chat_logprobs(meta) if req.logprobs and chunk["output_ids"]
                                 else None)
-                    if parsers is None:
-                        deltas = [{"content": chunk["text"]}] if chunk["text"] else []
-                        finish = _finish_reason(reason)
-                    else:
-                        deltas = parsers[i].feed(chunk["text"])
-                        if reason is not None:
-                            deltas += parsers[i].finish()
-                        finish = _tool_finish(_finish_reason(reason), bool(parsers[i].calls))
+                    deltas = outputs[i].feed(chunk["text"])
                     if reason is not None:
+                        deltas += outputs[i].finish()
                         metas[i] = meta
                     elif not deltas and logprobs is None:
                         continue
+                    finish = _tool_finish(_finish_reason(reason), outputs[i].has_calls)
                     for delta in deltas[:-1]:
                         yield sse({**header, "choices": [{
                             "index": i, "delta": delta, "logprobs": None,

@@ -8,9 +8,11 @@ neither we nor SGLang know is an error, so a typo is a 400 rather than a silentl
 option. Beyond SGLang's fields: ``spaces_between_special_tokens`` and ``add_generation_prompt``.
 
 Structured output: ``constraint()`` turns ``response_format``, the top-level ``regex`` / ``ebnf``
-(``extra_body``), completions' ``json_schema`` and chat's forcing ``tool_choice`` into one
-``Constraint`` (a ValueError naming both fields when two are given); ``sampling_params`` carries
-it under SGLang's names (``json_object`` as ``json_schema="$$ANY$$"``, as SGLang sends it).
+(``extra_body``), completions' ``json_schema`` and chat's forcing ``tool_choice`` (a grammar in
+the server's tool-call format) into one ``Constraint`` (a ValueError naming both fields when two
+are given); ``sampling_params`` carries it under SGLang's names (``json_object`` as
+``json_schema="$$ANY$$"``, as SGLang sends it), and fills the sampling fields the request omits
+from ``defaults`` (the model's, under ``--sampling-defaults model``).
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar, Literal, Optional, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from rollout_engine.compat.fields import CHAT_REQUEST, COMPLETION_REQUEST, FieldList
 from rollout_engine.constrained.spec import ANY_JSON, Constraint, make_constraint
-from rollout_engine.entrypoints.tool_calls import tool_call_constraint
+from rollout_engine.parsers import DEFAULT_TOOL_FORMAT, tool_call_constraint
 
 M = TypeVar("M", bound="_SamplingFields")
 
@@ -105,9 +107,12 @@ class _SamplingFields(_Strict):
                              "tool call); give only one")
         return found[0] if found else None
 
-    def sampling_params(self, max_new_tokens: Optional[int]) -> dict[str, Any]:
+    def sampling_params(self, max_new_tokens: Optional[int],
+                        defaults: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        """SGLang's ``sampling_params``; a field the request omits (null) takes its value
+        from ``defaults`` when that has one (an explicit value wins, even the default's)."""
         seed = self.seed if self.seed is not None else self.sampling_seed
-        return {**constraint_params(self.constraint()),
+        params = {**constraint_params(self.constraint()),
             "max_new_tokens": max_new_tokens, "min_new_tokens": self.min_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "presence_penalty": self.presence_penalty,
@@ -118,6 +123,10 @@ class _SamplingFields(_Strict):
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "no_stop_trim": self.no_stop_trim, "n": self.n, "sampling_seed": seed,
         }
+        for key, value in (defaults or {}).items():
+            if params.get(key) is None:
+                params[key] = value
+        return params
 
     @property
     def include_usage(self) -> bool:
@@ -224,6 +233,20 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
     return_meta_info: bool = False
     return_prompt_token_ids: bool = False
+    # with --reasoning-parser: split the think block out (False: leave it in content), and
+    # stream it as it comes (False: in one piece when it ends)
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    _tool_format: str = PrivateAttr(default=DEFAULT_TOOL_FORMAT)
+
+    @classmethod
+    def parse(cls, body: Any, tool_format: str = DEFAULT_TOOL_FORMAT
+              ) -> ChatCompletionRequest:   # type: ignore[override]
+        """``_SamplingFields.parse``; ``tool_format``: the server's tool-call format (the
+        shape a forcing ``tool_choice``'s grammar takes)."""
+        req = super().parse(body)
+        req._tool_format = tool_format
+        return req
 
     @property
     def active_tools(self) -> list[Tool]:
@@ -235,7 +258,7 @@ class ChatCompletionRequest(_SamplingFields):
         found = super()._constraints()
         if self.tool_choice not in (None, "auto", "none"):
             c = tool_call_constraint(self.tools or [], self.tool_choice,
-                                     self.parallel_tool_calls)
+                                     self.parallel_tool_calls, fmt=self._tool_format)
             if c is not None:
                 found.append(c)
         return found

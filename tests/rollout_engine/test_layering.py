@@ -10,8 +10,8 @@ from tests.rollout_engine.test_import_graph import circles, import_graph
 # Bottom to top. Each name is a subpackage or a top-level module of rollout_engine; "" is the
 # package's own __init__.
 LAYERS: list[tuple[str, ...]] = [
-    ("env_knobs", "host_lists", "compat", "constrained", "penalties", "sampling_filters",
-     "detokenizer", "testing"),                                  # foundations: no engine imports
+    ("env_knobs", "host_lists", "compat", "constrained", "parsers", "penalties",
+     "sampling_filters", "detokenizer", "testing"),              # foundations: no engine imports
     ("sampling_params", "protocol"),                             # what crosses a process boundary
     ("parallel", "dp"),                                          # rank and replica math, policy
     ("models",),                                                 # the nn.Modules and their input

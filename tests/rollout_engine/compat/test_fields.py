@@ -86,8 +86,7 @@ CHAT_REFUSED = {
     "functions": [{"name": "lookup"}],
 }
 CHAT_IGNORED = {
-    **OPENAI_COMMON_IGNORED, "separate_reasoning": False,
-    "stream_reasoning": False, "metadata": {"run": "7"}, "service_tier": "auto",
+    **OPENAI_COMMON_IGNORED, "metadata": {"run": "7"}, "service_tier": "auto",
     "prompt_cache_key": "k", "safety_identifier": "sid",
 }
 # the request itself: not sent on their own

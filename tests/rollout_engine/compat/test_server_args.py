@@ -189,7 +189,17 @@ def test_sglang_spellings_are_converted() -> None:
     (["--nnodes", "2"], "--nnodes 2"),
     (["--enable-lora"], "--enable-lora True: LoRA adapters are not implemented"),
     (["--quantization", "fp8"], "--quantization 'fp8'"),
-    (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm 'EAGLE'"),
+    (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm 'EAGLE': speculative "
+     "decoding: --speculative-algorithm NGRAM and STANDALONE (a draft model) are implemented"),
+    (["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm 'EAGLE3': speculative "
+     "decoding: --speculative-algorithm NGRAM and STANDALONE"),
+    (["--speculative-algorithm", "MTP"], "--speculative-algorithm 'MTP': speculative "
+     "decoding: --speculative-algorithm NGRAM and STANDALONE"),
+    (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype 'fp8_e4m3': the KV cache is kept in "
+     "the served dtype: auto is accepted, and bf16 / bfloat16 when the model runs in bfloat16; "
+     "quantized KV caches (fp8_e5m2, fp8_e4m3, fp4_e2m1) are not implemented"),
+    (["--enable-deterministic-inference"], "--enable-deterministic-inference True"),
+    (["--rl-on-policy-target", "fsdp"], "--rl-on-policy-target 'fsdp'"),
     (["--disaggregation-mode", "prefill"], "--disaggregation-mode 'prefill'"),
     (["--load-format", "gguf"], "--load-format 'gguf'"),
     (["--base-gpu-id", "1", "--device", "cpu"], "--base-gpu-id 1"),
@@ -203,6 +213,63 @@ def test_flags_we_cannot_honour_exit_2_naming_them(
     err = capsys.readouterr().err
     assert f"error: {named}" in err
     assert "usage:" in err
+
+
+# -- flags slime and miles pass at values that cost nothing --------------------------------------
+# miles scripts/run_glm5_744b_a40b.py (and run_deepseek_v32.py, run_qwen3_30b_a3b.py): the
+# --sglang-* arguments, prefix dropped, that this engine takes (its dp-attention / ep / nsa
+# flags are refused or ignored on their own)
+MILES_BF16_KV = ["--mem-fraction-static", "0.70", "--kv-cache-dtype", "bf16", "--page-size",
+                 "64", "--cuda-graph-max-bs", "256", "--max-running-requests", "512",
+                 "--chunked-prefill-size", "16384", "--watchdog-timeout", "3600"]
+
+
+def test_kv_cache_dtype_that_names_the_served_dtype_is_accepted(qwen2_path: str) -> None:
+    kwargs = parse_args(["--model-path", qwen2_path, *MILES_BF16_KV])
+    assert kwargs["kv_cache_dtype"] == "bf16" and kwargs["page_size"] == 64
+    on_gpu = EngineConfig.from_kwargs(**kwargs, device="cuda")     # auto: bfloat16 there
+    assert (on_gpu.kv_cache_dtype, str(on_gpu.resolved_dtype())) == ("bf16", "torch.bfloat16")
+    for name in ("bf16", "bfloat16", "auto"):
+        EngineConfig.from_kwargs(**{**kwargs, "kv_cache_dtype": name}, dtype="bfloat16",
+                                 device="cpu")
+    # the same flag on an engine that serves float32 would be a promise it does not keep
+    with pytest.raises(ValueError, match=r"^EngineConfig.kv_cache_dtype: 'bf16' is not "
+                       r"supported: the KV cache is kept in the served dtype \(float32 here;.*"
+                       r"accepted here: 'auto'$"):
+        EngineConfig.from_kwargs(**kwargs, device="cpu")
+
+
+@pytest.mark.parametrize("argv", [
+    ["--tool-call-parser", "qwen25"],                           # miles examples/.../run_hud2048
+    ["--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3"],   # miles verify_session_tito
+    ["--reasoning-parser", "deepseek-r1", "--tool-call-parser", "llama3"],
+    ["--tool-call-parser", "hermes", "--sampling-defaults", "openai"],
+])
+def test_implemented_output_parsers_are_accepted(qwen2_path: str, argv: list[str]) -> None:
+    kwargs = parse_args(["--model-path", qwen2_path, *argv])
+    cfg = EngineConfig.from_kwargs(**kwargs)
+    for flag, value in zip(argv[::2], argv[1::2]):
+        assert getattr(cfg, flag[2:].replace("-", "_")) == value
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3"],   # slime coding agent
+     "EngineConfig.tool_call_parser: 'qwen3_coder' is one of SGLang's parsers that this engine "
+     "does not implement; the tool-call parsers implemented: hermes, llama3, qwen, qwen25"),
+    (["--reasoning-parser", "glm45", "--tool-call-parser", "qwen25"],       # miles glm scripts
+     "EngineConfig.reasoning_parser: 'glm45' is one of SGLang's parsers that this engine does "
+     "not implement; the reasoning parsers implemented: deepseek-r1, interns1, minimax, qwen3, "
+     "qwen3-thinking, step3, step3p5"),
+    (["--sampling-defaults", "vllm"],
+     "EngineConfig.sampling_defaults: must be one of ['model', 'openai'], got 'vllm'"),
+], ids=["qwen3_coder", "glm45", "sampling-defaults"])
+def test_output_parsers_we_lack_exit_2_listing_ours(
+        qwen2_path: str, argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rollout_engine.entrypoints.launch_server import main
+
+    assert main(["--model-path", qwen2_path, *argv]) == 2
+    assert f"error: {named}" in capsys.readouterr().err
 
 
 def test_a_flag_sglang_lacks_too_is_unrecognized(capsys: pytest.CaptureFixture[str]) -> None:

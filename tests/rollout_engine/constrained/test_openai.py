@@ -224,7 +224,9 @@ class _FixedOutput:
         self.text = text
         builder = SimpleNamespace(check_constraint=lambda c: None,
                                   limits=RequestLimits(20, 64, 256, 1024))
-        config = SimpleNamespace(trust_request_chat_template=False, max_template_render_s=5.0)
+        config = SimpleNamespace(trust_request_chat_template=False, max_template_render_s=5.0,
+                                 tool_call_parser=None, reasoning_parser=None,
+                                 sampling_defaults="openai", model_path="unused")
         self.engine = SimpleNamespace(tokenizer=tokenizer, config=config,
                                       tm=SimpleNamespace(builder=builder))
 

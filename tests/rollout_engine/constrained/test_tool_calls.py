@@ -1,6 +1,6 @@
 """Qwen / Hermes tool calls: parsing finished and streamed output into OpenAI tool_calls, and
-the grammar that tool_choice "required" / a named function needs (every output it admits
-parses into a valid call)."""
+the grammar that tool_choice "required" / a named function needs, in each --tool-call-parser
+format (every output it admits parses into a valid call)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollout_engine.constrained import XGrammarBackend, check_grammar
-from rollout_engine.entrypoints.tool_calls import (
-    ToolCallStream,
+from rollout_engine.parsers import tool_call_stream, tool_format
+from rollout_engine.parsers.tool_calls import (
+    TaggedCallStream,
     parse_tool_calls,
     tool_call_constraint,
 )
@@ -69,7 +70,7 @@ def test_arguments_as_json_text_and_parameters_key() -> None:
 
 
 def _stream(text: str, cuts: list[int]) -> list[dict[str, Any]]:
-    parser = ToolCallStream(NAMES)
+    parser = TaggedCallStream(NAMES)
     bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
     deltas: list[dict[str, Any]] = []
     for a, b in zip(bounds, bounds[1:]):
@@ -96,7 +97,7 @@ def test_streaming_equals_the_finished_parse(cuts: list[int], text: str) -> None
 
 
 def test_no_text_is_held_back_longer_than_needed() -> None:
-    parser = ToolCallStream(NAMES)
+    parser = TaggedCallStream(NAMES)
     assert parser.feed("hello <tool") == [{"content": "hello "}]
     assert parser.feed("box>") == [{"content": "<toolbox>"}]
 
@@ -119,14 +120,18 @@ def test_bad_choices_are_named() -> None:
     ({"type": "function", "function": {"name": "time_in"}}, {"time_in"}),
 ], ids=["required", "named"])
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("parser", ["qwen25", "llama3"])
 def test_forced_calls_always_parse(backend: XGrammarBackend, tokenizer: Any, choice: Any,
-                                   allowed: set[str], greedy: bool) -> None:
-    c = tool_call_constraint(TOOLS, choice, parallel=False)
+                                   allowed: set[str], greedy: bool, parser: str) -> None:
+    """The grammar of a forcing tool_choice, in the server's format, admits only outputs that
+    format's parser reads back as one valid call."""
+    c = tool_call_constraint(TOOLS, choice, parallel=False, fmt=tool_format(parser))
     assert c is not None and c.kind == "structural_tag"
     check_grammar(c)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     for text in decode(backend, tokenizer, c.kind, c.spec, random_logits(11), greedy, 11):
-        content, calls = parse_tool_calls(text, NAMES, parallel=False)
+        content, calls = parse_tool_calls(
+            text, stream=tool_call_stream(parser, NAMES, parallel=False))
         assert content is None and len(calls) == 1, text
         assert calls[0].name in allowed
         jsonschema.validate(json.loads(calls[0].arguments), schemas[calls[0].name])
