@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("control",),                                                # control calls over a scheduler
     ("runtime", "request_state", "request_builder", "tokenizer_manager"),  # processes; frontend
     ("entrypoints", "launch_server", ""),                        # Engine, HTTP server, CLI
+    ("integrations",),                                           # RL frameworks (verl) on top
 ]
 
 
