@@ -111,3 +111,27 @@ def test_refit_through_the_trainer_side_adapter(seen):
     assert seen["after_bad"]["token_ids"] == seen["first"]["token_ids"]
     assert seen["after_bad"]["global_steps"] == 8                     # refused: nothing changed
     assert seen["exit_code"] == 0
+
+
+@pytest.mark.slow
+def test_verl_colocated_replica_on_ray(verl_python: Path, qwen2_path: str, tmp_path: Path):
+    """verl's replica on a local Ray: ``init_colocated`` starts verl's CheckpointEngineWorker
+    (whose adapter verl builds by name in the worker) and our server actor; generation, sleep /
+    wake, a rejecting pause and two refits by the worker's adapter go through the actors
+    (about a minute: Ray, three processes importing verl and the server)."""
+    plugins = _plugin_dir(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "VERL_USE_EXTERNAL_MODULES"}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([str(verl_python), str(Path(__file__).with_name("verl_ray_driver.py")),
+                           qwen2_path, str(plugins), str(ROOT)], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["address"].startswith("127.0.0.1:")
+    first = seen["first"]
+    assert len(first["token_ids"]) == GREEDY_LEN and first["stop_reason"] == "completed"
+    assert seen["woken"] == first
+    assert seen["rejected"] == {"token_ids": [], "stop_reason": "aborted", "global_steps": None}
+    assert seen["refit"]["global_steps"] == 5 and seen["refit"]["token_ids"] != first["token_ids"]
+    assert seen["restored"] == {**first, "global_steps": 6}
+    assert seen["exit_code"] == 0
