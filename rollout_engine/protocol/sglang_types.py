@@ -5,6 +5,9 @@ What SGLang-based trainers put in `serialized_named_tensors` (read from SGLang, 
     MultiprocessingSerializer.serialize(obj)   ForkingPickler(buf).dump(obj), optionally base64
     FlattenedTensorMetadata                    @dataclass(name, shape: torch.Size, dtype,
                                                start_idx, end_idx, numel) -> NEWOBJ + BUILD
+    FlattenedTensorBucket                      flattened_tensor + metadata as instance state
+                                               (SGLang's unpickler admits the object; its senders
+                                               pickle the two as a dict)
     LocalSerializedTensor                      @dataclass(values: list[bytes]): values[tp_rank]
                                                is a nested MultiprocessingSerializer pickle
     _rebuild_cuda_tensor_modified              monkey_patch_torch_reductions(): torch's
@@ -12,7 +15,9 @@ What SGLang-based trainers put in `serialized_named_tensors` (read from SGLang, 
                                                sent as the GPU's uuid string
 
 Each class is listed under every module path SGLang has defined it in, since a pickle names the
-defining module. A nested pickle is read by the same restricted unpickler with the same byte
+defining module: LocalSerializedTensor lived in model_executor.model_runner, then (from SGLang
+0.5.16) in model_executor.model_runner_components.weight_updater, which is where verl's
+`sglang.srt.weight_sync.utils.update_weights` pickles it from today. A nested pickle is read by the same restricted unpickler with the same byte
 budget, and must hold exactly one tensor (SGLang's `_unwrap_tensor` reads it the same way).
 """
 
@@ -118,6 +123,22 @@ class _LocalSerializedTensor(Record):
         return tensor
 
 
+class _FlattenedTensorBucket(Record):
+    FIELDS = ("metadata", "flattened_tensor")
+    QUALNAME = "FlattenedTensorBucket"
+
+    def check(self, state: dict[str, Any]) -> None:
+        if not isinstance(state["metadata"], (list, tuple)):
+            raise UnsafePayloadError("FlattenedTensorBucket.metadata must be a list of "
+                                     f"FlattenedTensorMetadata, got {type(state['metadata']).__name__}")
+
+    def materialize(self, ctx, convert):
+        # the dict SGLang's senders pickle instead: sglang_payloads reads that form
+        state = self.filled()
+        return {"flattened_tensor": convert(state["flattened_tensor"]),
+                "metadata": convert(state["metadata"])}
+
+
 def _rebuild_cuda_tensor_modified(ctx: ReadContext, *args: Any):
     return rebuild_cuda_tensor_args(ctx, args, "_rebuild_cuda_tensor_modified")
 
@@ -128,6 +149,9 @@ SGLANG_GLOBALS: dict[tuple[str, str], Any] = {
     ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): _FlattenedTensorMetadata,
     ("sglang.srt.model_executor.model_runner", "FlattenedTensorMetadata"):
         _FlattenedTensorMetadata,
+    ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorBucket"): _FlattenedTensorBucket,
+    ("sglang.srt.model_executor.model_runner_components.weight_updater",
+     "LocalSerializedTensor"): _LocalSerializedTensor,
     ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"): _LocalSerializedTensor,
     ("sglang.srt.model_executor.weight_updater", "LocalSerializedTensor"):
         _LocalSerializedTensor,

@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("runtime", "request_state", "request_builder", "selected_ids", "control_client",
      "tokenizer_manager"),                                       # processes; frontend
     ("entrypoints", "launch_server", ""),                        # Engine, HTTP server, CLI
+    ("integrations",),                                           # RL frameworks (verl) on top
 ]
 
 

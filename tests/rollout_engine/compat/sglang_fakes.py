@@ -17,6 +17,11 @@ fake modules: they are removed before anything is read.
     verl (sglang weight_sync.update_weights)   [(name, LocalSerializedTensor(values=[raw
                                           pickle per TP rank]))] serialized raw, then base64
                                           by verl's HTTP adapter, load_format=None
+
+Module paths are those of SGLang 0.5.23's sources: LocalSerializedTensor is defined in
+model_executor/model_runner_components/weight_updater.py (since 0.5.16; verl 0.9.1 imports it
+from there, falling back to model_runner before that), FlattenedTensorMetadata and
+FlattenedTensorBucket in weight_sync/tensor_bucket.py.
 """
 
 from __future__ import annotations
@@ -33,7 +38,10 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 
 BUCKET_MODULE = "sglang.srt.weight_sync.tensor_bucket"
-RUNNER_MODULE = "sglang.srt.model_executor.model_runner"
+RUNNER_MODULE = "sglang.srt.model_executor.model_runner"   # LocalSerializedTensor before 0.5.16
+WEIGHT_UPDATER_MODULE = "sglang.srt.model_executor.model_runner_components.weight_updater"
+SGLANG_VERSIONS = ("0.5.15", "0.5.23")
+"""The SGLang releases whose module paths the fakes reproduce: before and after the move."""
 
 
 @dataclass
@@ -46,24 +54,47 @@ class FlattenedTensorMetadata:
     numel: int
 
 
-@dataclass
-class LocalSerializedTensor:
-    values: list[bytes]
+class FlattenedTensorBucket:
+    """SGLang's bucket object (its unpickler admits it; its senders pickle a dict instead)."""
+
+    supports_multi_dtypes = True
+
+    def __init__(self, flattened_tensor: torch.Tensor, metadata: list[FlattenedTensorMetadata]
+                 ) -> None:
+        self.metadata = metadata
+        self.flattened_tensor = flattened_tensor
+
+
+def _local_serialized_tensor(module: str) -> type:
+    @dataclass
+    class LocalSerializedTensor:
+        values: list[bytes]
+
+    LocalSerializedTensor.__module__ = module
+    LocalSerializedTensor.__qualname__ = "LocalSerializedTensor"
+    return LocalSerializedTensor
 
 
 FlattenedTensorMetadata.__module__ = BUCKET_MODULE
-LocalSerializedTensor.__module__ = RUNNER_MODULE
+FlattenedTensorBucket.__module__ = BUCKET_MODULE
+LocalSerializedTensor = _local_serialized_tensor(WEIGHT_UPDATER_MODULE)
+LegacyLocalSerializedTensor = _local_serialized_tensor(RUNNER_MODULE)
+LOCAL_SERIALIZED_TENSOR = {"0.5.15": LegacyLocalSerializedTensor, "0.5.23": LocalSerializedTensor}
+"""SGLang version -> its LocalSerializedTensor (pickled under that version's module path)."""
 
 
 @contextlib.contextmanager
 def sglang_modules() -> Iterator[None]:
     """SGLang's module paths in sys.modules, for pickling only; removed on exit."""
     names = ["sglang", "sglang.srt", "sglang.srt.weight_sync", BUCKET_MODULE,
-             "sglang.srt.model_executor", RUNNER_MODULE]
+             "sglang.srt.model_executor", RUNNER_MODULE,
+             "sglang.srt.model_executor.model_runner_components", WEIGHT_UPDATER_MODULE]
     assert not any(n in sys.modules for n in names), "a real or stale sglang is imported"
     modules = {n: types.ModuleType(n) for n in names}
     modules[BUCKET_MODULE].FlattenedTensorMetadata = FlattenedTensorMetadata
-    modules[RUNNER_MODULE].LocalSerializedTensor = LocalSerializedTensor
+    modules[BUCKET_MODULE].FlattenedTensorBucket = FlattenedTensorBucket
+    for cls in LOCAL_SERIALIZED_TENSOR.values():
+        modules[cls.__module__].LocalSerializedTensor = cls
     sys.modules.update(modules)
     try:
         yield
@@ -126,14 +157,16 @@ def slime_payloads(named_tensors: list[tuple[str, torch.Tensor]], as_bytes: bool
 
 
 def verl_payload(named_tensors: list[tuple[str, torch.Tensor]], tp_size: int = 1,
-                 other_ranks: bytes | None = None) -> list[str]:
+                 other_ranks: bytes | None = None, sglang_version: str = "0.5.23") -> list[str]:
     """sglang weight_sync.update_weights as verl calls it, then verl's HTTP base64 encoding.
 
     Rank 0's values are the real tensors; other ranks' values are `other_ranks` (what a
-    tp_size > 1 gather would hold for other GPUs), never read by a rank-0 receiver."""
+    tp_size > 1 gather would hold for other GPUs), never read by a rank-0 receiver.
+    `sglang_version` picks the module path LocalSerializedTensor is pickled under."""
+    local_tensor = LOCAL_SERIALIZED_TENSOR[sglang_version]
     with sglang_modules():
         batch = [(name, mp_serialize(tensor)) for name, tensor in named_tensors]
-        named = [(name, LocalSerializedTensor(values=[data] + [other_ranks] * (tp_size - 1)))
+        named = [(name, local_tensor(values=[data] + [other_ranks] * (tp_size - 1)))
                  for name, data in batch]
         serialized = [mp_serialize(named) for _ in range(tp_size)]
     return [base64.b64encode(s).decode("utf-8") for s in serialized]

@@ -15,6 +15,10 @@ from rollout_engine.protocol.sglang_payloads import named_tensors_from_sglang, u
 from rollout_engine.protocol.sglang_types import SglangTensorMetadata
 from rollout_engine.protocol.tensor_payload import UnsafePayloadError, deserialize_named_tensors
 from tests.rollout_engine.compat.sglang_fakes import (
+    LOCAL_SERIALIZED_TENSOR,
+    SGLANG_VERSIONS,
+    WEIGHT_UPDATER_MODULE,
+    FlattenedTensorBucket,
     FlattenedTensorMetadata,
     LocalSerializedTensor,
     file_system_sharing,
@@ -96,6 +100,30 @@ def test_our_aligned_layout_described_by_sglang_metadata():
     _assert_same(named_tensors_from_sglang(payload, "flattened_bucket"), tensors)
 
 
+def test_pickled_bucket_object_reads_as_its_dict():
+    """SGLang's unpickler admits a FlattenedTensorBucket object; it reads as slime's dict."""
+    tensors = _mixed()
+    bucket = flattened_bucket(tensors)
+    with sglang_modules():
+        data = mp_serialize(FlattenedTensorBucket(bucket["flattened_tensor"], bucket["metadata"]),
+                            output_str=True)
+    payload = deserialize_named_tensors(data)
+    assert set(payload) == {"flattened_tensor", "metadata"}
+    _assert_same(named_tensors_from_sglang(payload, "flattened_bucket"), tensors)
+
+
+def test_bucket_object_with_other_fields_is_refused():
+    with sglang_modules():
+        bucket = FlattenedTensorBucket(torch.zeros(4, dtype=torch.uint8), "not a list")
+        data = mp_serialize(bucket, output_str=True)
+        bucket.extra = 1
+        extra = mp_serialize(bucket, output_str=True)
+    with pytest.raises(UnsafePayloadError, match="metadata must be a list"):
+        deserialize_named_tensors(data)
+    with pytest.raises(UnsafePayloadError, match="exactly the fields"):
+        deserialize_named_tensors(extra)
+
+
 def test_dict_metadata_and_list_of_buckets():
     tensors = _mixed()[:3]
     bucket = flattened_bucket(tensors)
@@ -140,18 +168,28 @@ def test_bucket_must_be_one_dimensional():
 # ---- verl: LocalSerializedTensor with nested pickles ------------------------------------------
 
 
-def test_verl_local_serialized_tensors_round_trip():
+def test_fakes_pickle_under_the_current_module_path():
+    """What SGLang >= 0.5.16 (and so verl 0.9.1) puts in the payload names the new module."""
+    (data,) = verl_payload([("w", torch.ones(1))])
+    assert WEIGHT_UPDATER_MODULE.encode() in base64.b64decode(data)
+    assert LOCAL_SERIALIZED_TENSOR["0.5.23"] is LocalSerializedTensor
+
+
+@pytest.mark.parametrize("sglang_version", SGLANG_VERSIONS)
+def test_verl_local_serialized_tensors_round_trip(sglang_version):
     tensors = _mixed()
-    (data,) = verl_payload(tensors)
+    (data,) = verl_payload(tensors, sglang_version=sglang_version)
     payload = deserialize_named_tensors(data)
     _assert_same(payload, tensors)
 
 
-def test_verl_other_ranks_values_are_never_read():
+@pytest.mark.parametrize("sglang_version", SGLANG_VERSIONS)
+def test_verl_other_ranks_values_are_never_read(sglang_version):
     """tp_size 2: rank 1's values are other GPUs' handles; a rank-0 receiver ignores them."""
     tensors = _mixed()[:2]
     garbage = pickle.dumps(print)  # would be refused if it were read
-    serialized = verl_payload(tensors, tp_size=2, other_ranks=garbage)
+    serialized = verl_payload(tensors, tp_size=2, other_ranks=garbage,
+                              sglang_version=sglang_version)
     assert len(serialized) == 2
     _assert_same(deserialize_named_tensors(serialized[0]), tensors)
     with pytest.raises(UnsafePayloadError, match="refers to builtins.print"):

@@ -66,8 +66,10 @@ def _ours_as_sglang_dict(weights):
     (lambda w: _slime(w, as_bytes=False), "flattened_bucket"),
     (_ours_as_sglang_dict, "flattened_bucket"),
     (lambda w: (verl_payload(w), None), None),
+    (lambda w: (verl_payload(w, sglang_version="0.5.15"), None), None),
     (lambda w: (verl_payload(w, tp_size=2, other_ranks=b"never read"), None), "direct"),
-], ids=["slime-uint8", "slime-per-dtype", "ours-aligned-in-sglang-dict", "verl", "verl-tp2"])
+], ids=["slime-uint8", "slime-per-dtype", "ours-aligned-in-sglang-dict", "verl",
+        "verl-sglang-before-0.5.16", "verl-tp2"])
 def test_refit_with_sglang_trainer_payloads(make_engine, qwen2_path, build, load_format):
     engine = make_engine(qwen2_path)
     weights = _trainer_weights(qwen2_path, seed=1)
