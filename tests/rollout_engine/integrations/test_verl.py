@@ -16,11 +16,11 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
-import tomllib
 
 ROOT = Path(__file__).resolve().parents[3]
 VERL_PACKAGES = ["verl==0.9.1", "tensordict==0.10.0", "pyvers==0.2.3", "omegaconf==2.4.0",
