@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 import time
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ import httpx
 import pytest
 
 from tests.rollout_engine.entrypoints.conftest import LiveServer, bound_socket
+from tests.venvs import client_venv
 
 CLIENT_PACKAGES = ["sglang==0.5.2", "sglang-router==0.3.2", "pybase64"]
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
@@ -30,16 +30,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": 8}
 
 @pytest.fixture(scope="session")
 def clients_venv() -> Path:
-    root = Path(os.environ.get("ROLLOUT_ENGINE_CACHE", Path.home() / ".cache" / "rollout_engine"))
-    venv = root / "clients-venv"
-    python = venv / "bin" / "python"
-    stamp = venv / "installed.json"
-    if not (stamp.is_file() and json.loads(stamp.read_text()) == CLIENT_PACKAGES):
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", *CLIENT_PACKAGES],
-                       check=True, timeout=900)
-        stamp.write_text(json.dumps(CLIENT_PACKAGES))
-    return python
+    return client_venv("clients-venv", CLIENT_PACKAGES)
 
 
 def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:

@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.venvs import client_venv
 
 ROOT = Path(__file__).resolve().parents[3]
 VERL_PACKAGES = ["verl==0.9.1", "tensordict==0.10.0", "pyvers==0.2.3", "omegaconf==2.4.0",
@@ -30,17 +31,7 @@ GREEDY_LEN = 6
 
 @pytest.fixture(scope="session")
 def verl_python() -> Path:
-    root = Path(os.environ.get("ROLLOUT_ENGINE_CACHE", Path.home() / ".cache" / "rollout_engine"))
-    venv = root / "verl-venv"
-    python = venv / "bin" / "python"
-    stamp = venv / "installed.json"
-    if not (stamp.is_file() and json.loads(stamp.read_text()) == VERL_PACKAGES):
-        subprocess.run([sys.executable, "-m", "venv", "--clear", "--system-site-packages",
-                        str(venv)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", *VERL_PACKAGES],
-                       check=True, timeout=900)
-        stamp.write_text(json.dumps(VERL_PACKAGES))
-    return python
+    return client_venv("verl-venv", VERL_PACKAGES, system_site_packages=True, no_deps=True)
 
 
 def _plugin_dir(tmp_path: Path) -> Path:
