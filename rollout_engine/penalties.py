@@ -1,7 +1,8 @@
 """Penalties for the sampler: repetition / frequency / presence entries and the min_new_tokens
 ban (``Penalties``, one step's sparse entries), built from each request's incrementally kept
 token counts (``PenaltyCounts``, one device row per penalised request). ``sampler.sample``
-applies them to the sampling distribution only, never to the returned logprobs.
+applies them to the sampling distribution only, never to the returned logprobs;
+``penalty_csr`` hands them to the one-pass kernel as per-row CSR.
 """
 
 from __future__ import annotations
@@ -118,3 +119,68 @@ class PenaltyCounts:
         ids = self.ids.index_select(0, r)[:, :width].masked_select(listed)
         flat = r.repeat_interleave(num) * self.vocab_size + ids
         return num, ids, self.counts.view(-1).index_select(0, flat)
+
+
+def penalty_csr(logits: torch.Tensor, pen: Optional[Penalties], rows: torch.Tensor
+                ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``pen`` (a sampling batch's penalties) of ``rows`` as the one-pass kernel takes them: (offsets, ids, penalised logits)
+    by kernel row, bans (-inf) after the penalties of their row so that they win. The
+    scheduler lists both by row already (``build_sampling_batch``): then nothing is sorted."""
+    if pen is None:
+        return None
+    b, vocab = logits.shape
+    n = rows.numel()
+    parts = []
+    if pen.rows.numel():
+        x = logits.view(-1).index_select(0, pen.rows * vocab + pen.ids)
+        parts.append((pen.rows, pen.ids, penalised_logits(x, pen)))
+    if pen.banned is not None:
+        parts.append((*pen.banned, torch.full(pen.banned[1].shape, float("-inf"))))
+    if not parts:
+        return None
+    if n < b:   # batch rows -> kernel rows, dropping the rows the kernel does not sample
+        where = torch.full((b,), -1, dtype=torch.int64)
+        where[rows] = torch.arange(n)
+        kept = []
+        for at, ids, values in parts:
+            at = where[at]
+            keep = at >= 0
+            kept.append((at[keep], ids[keep], values[keep]))
+        parts = kept
+    return merge_by_row(parts, n)
+
+
+def merge_by_row(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], n: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CSR over ``n`` rows of the ``(row, id, value)`` entries of ``parts``: within a row, the
+    first part's entries, then the next part's, each in its own order. Parts listed by row
+    (as the scheduler builds them) are placed without a sort."""
+    counts = [torch.bincount(at, minlength=n) for at, _, _ in parts]
+    offsets = torch.zeros(n + 1, dtype=torch.int64)
+    offsets[1:] = sum(counts).cumsum(0)  # type: ignore[union-attr]
+    if len(parts) == 1 and bool((parts[0][0][1:] >= parts[0][0][:-1]).all()):
+        _, ids, values = parts[0]            # already in place
+        return offsets, ids.contiguous(), values.to(torch.float32).contiguous()
+    total = int(offsets[-1])
+    ids_out = torch.empty(total, dtype=torch.int64)
+    values_out = torch.empty(total, dtype=torch.float32)
+    base = offsets[:-1].clone()
+    for (at, ids, values), count in zip(parts, counts):
+        if not bool((at[1:] >= at[:-1]).all()):
+            at, order = at.sort(stable=True)
+            ids, values = ids[order], values[order]
+        first = count.cumsum(0) - count          # where each row starts within this part
+        pos = base[at] + torch.arange(at.numel()) - first[at]
+        ids_out[pos] = ids
+        values_out[pos] = values.to(torch.float32)
+        base += count
+    return offsets, ids_out, values_out
+
+
+def penalised_logits(x: torch.Tensor, pen: Penalties) -> torch.Tensor:
+    """Logits ``x`` of ``pen``'s entries after their penalties (repetition, then the bias)."""
+    if pen.repetition is not None:
+        x = torch.where(x > 0, x / pen.repetition, x * pen.repetition)
+    if pen.bias is not None:
+        x = x + pen.bias
+    return x

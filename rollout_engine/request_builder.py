@@ -15,8 +15,8 @@ from typing import Any, Optional
 from rollout_engine.constrained.backend import NoGrammarBackend, check_grammar
 from rollout_engine.constrained.spec import Constraint
 from rollout_engine.protocol.messages import GenerateReq
-from rollout_engine.sampler import derive_seed
 from rollout_engine.sampling_params import SamplingParams
+from rollout_engine.sampling_seeds import derive_seed
 from rollout_engine.selected_ids import check_scoring, per_prompt_ids, per_prompt_positions
 
 MAX_REQUESTS_PER_CALL = 4096   # prompts x n of one generate call; more is a 400, not an OOM

@@ -1,8 +1,8 @@
 """Logits -> next tokens and logprobs, batched and seeded per request.
 
-Randomness is counter-based: the uniform number behind output token ``k`` of a request is a hash
-of ``(sampling_seed, k)``, and each row is sampled by inverse CDF from its own filtered
-distribution. A request therefore draws the same sample whatever else is in the batch, and a
+Randomness is counter-based (``sampling_seeds.py``): the uniform number behind output token ``k``
+of a request is a hash of ``(sampling_seed, k)``, and each row is sampled by inverse CDF from its
+own filtered distribution. A request therefore draws the same sample whatever else is in the batch, and a
 retracted request that is recomputed continues exactly where it stopped.
 
 Every returned logprob is ``log_softmax(logits / T)`` over the full vocabulary, ``T`` the request's
@@ -25,66 +25,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-import numpy as np
 import torch
 from rollout_engine_kernels.cpu.fused_ops import load_fused_ops
 
 from rollout_engine.constrained.matcher import TokenMask, masked_logprobs, masked_top_logprobs
-from rollout_engine.penalties import Penalties, PenaltyCounts
-from rollout_engine.sampling_filters import sample_plain, sample_truncated
+from rollout_engine.penalties import Penalties, PenaltyCounts, penalised_logits, penalty_csr
+from rollout_engine.sampling_filters import plain_kept, sample_plain, sample_truncated
 
 __all__ = ["Penalties", "PenaltyCounts", "SampleOutput", "SamplingBatch", "compute_logprobs",
-           "derive_seed", "greedy_rows", "sample", "sample_reference", "uniform_for",
-           "uniforms_for"]
-
-_MASK64 = (1 << 64) - 1
-
-
-def splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def uniform_for(seed: int, step: int) -> float:
-    """A uniform in [0, 1) that depends only on ``(seed, step)`` (53 random bits)."""
-    return (splitmix64(splitmix64(seed) ^ step) >> 11) * (1.0 / (1 << 53))
-
-
-def uniforms_for(seeds: list[int], steps: list[int]) -> torch.Tensor:
-    """``[uniform_for(s, k) for s, k in zip(seeds, steps)]`` as a float64 tensor, computed on
-    uint64 arrays (numpy's wrap around 2^64 is splitmix64's ``& _MASK64``): bit-identical, and
-    a batch's worth of Python big-int arithmetic less per step."""
-    return uniforms_from_mix(seed_mix(seeds), steps)
-
-
-def seed_mix(seeds: list[int]) -> np.ndarray:
-    """``splitmix64(seed)`` of each seed (uint64): the per-request half of ``uniform_for``."""
-    x = np.array([s & _MASK64 for s in seeds], dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        return _splitmix64_array(x)
-
-
-def uniforms_from_mix(mix: np.ndarray, steps: list[int]) -> torch.Tensor:
-    """``uniforms_for`` from the seeds' ``seed_mix``."""
-    k = np.array(steps, dtype=np.int64).astype(np.uint64)
-    with np.errstate(over="ignore"):
-        u = _splitmix64_array(mix ^ k) >> np.uint64(11)
-    return torch.from_numpy(u.astype(np.float64) * (1.0 / (1 << 53)))
-
-
-def _splitmix64_array(x: np.ndarray) -> np.ndarray:
-    x = x + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-def derive_seed(seed: int, index: int) -> int:
-    """Seed of the ``index``-th parallel sample (``n > 1``) of a request seeded ``seed``."""
-    return splitmix64(seed ^ splitmix64(index + 1)) & ((1 << 63) - 1)
-
+           "greedy_rows", "sample", "sample_reference"]
 
 @dataclass
 class SamplingBatch:
@@ -232,73 +181,7 @@ def _sample_one_pass(ops: Any, logits: torch.Tensor, sb: SamplingBatch, greedy: 
             derived["kernel_args"] = args
     temps, min_ps, greedy_u8, top_ks = args
     return ops.sample_rows(pick(logits), temps, min_ps, pick(sb.uniforms.to(torch.float64)),
-                           greedy_u8, _penalty_csr(logits, sb, rows), top_ks)
-
-
-def _penalty_csr(logits: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor
-                 ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """``sb.penalties`` of ``rows`` as the kernel takes them: (offsets, ids, penalised logits)
-    by kernel row, bans (-inf) after the penalties of their row so that they win. The
-    scheduler lists both by row already (``build_sampling_batch``): then nothing is sorted."""
-    pen = sb.penalties
-    if pen is None:
-        return None
-    b, vocab = logits.shape
-    n = rows.numel()
-    parts = []
-    if pen.rows.numel():
-        x = logits.view(-1).index_select(0, pen.rows * vocab + pen.ids)
-        parts.append((pen.rows, pen.ids, _penalised(x, pen)))
-    if pen.banned is not None:
-        parts.append((*pen.banned, torch.full(pen.banned[1].shape, float("-inf"))))
-    if not parts:
-        return None
-    if n < b:   # batch rows -> kernel rows, dropping the rows the kernel does not sample
-        where = torch.full((b,), -1, dtype=torch.int64)
-        where[rows] = torch.arange(n)
-        kept = []
-        for at, ids, values in parts:
-            at = where[at]
-            keep = at >= 0
-            kept.append((at[keep], ids[keep], values[keep]))
-        parts = kept
-    return _merge_by_row(parts, n)
-
-
-def _merge_by_row(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], n: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CSR over ``n`` rows of the ``(row, id, value)`` entries of ``parts``: within a row, the
-    first part's entries, then the next part's, each in its own order. Parts listed by row
-    (as the scheduler builds them) are placed without a sort."""
-    counts = [torch.bincount(at, minlength=n) for at, _, _ in parts]
-    offsets = torch.zeros(n + 1, dtype=torch.int64)
-    offsets[1:] = sum(counts).cumsum(0)  # type: ignore[union-attr]
-    if len(parts) == 1 and bool((parts[0][0][1:] >= parts[0][0][:-1]).all()):
-        _, ids, values = parts[0]            # already in place
-        return offsets, ids.contiguous(), values.to(torch.float32).contiguous()
-    total = int(offsets[-1])
-    ids_out = torch.empty(total, dtype=torch.int64)
-    values_out = torch.empty(total, dtype=torch.float32)
-    base = offsets[:-1].clone()
-    for (at, ids, values), count in zip(parts, counts):
-        if not bool((at[1:] >= at[:-1]).all()):
-            at, order = at.sort(stable=True)
-            ids, values = ids[order], values[order]
-        first = count.cumsum(0) - count          # where each row starts within this part
-        pos = base[at] + torch.arange(at.numel()) - first[at]
-        ids_out[pos] = ids
-        values_out[pos] = values.to(torch.float32)
-        base += count
-    return offsets, ids_out, values_out
-
-
-def _penalised(x: torch.Tensor, pen: Penalties) -> torch.Tensor:
-    """Logits ``x`` of ``pen``'s entries after their penalties (repetition, then the bias)."""
-    if pen.repetition is not None:
-        x = torch.where(x > 0, x / pen.repetition, x * pen.repetition)
-    if pen.bias is not None:
-        x = x + pen.bias
-    return x
+                           greedy_u8, penalty_csr(logits, sb.penalties, rows), top_ks)
 
 
 def sample_reference(logits: torch.Tensor, sb: SamplingBatch, mask: Optional[TokenMask] = None,
@@ -373,17 +256,6 @@ def sample_reference(logits: torch.Tensor, sb: SamplingBatch, mask: Optional[Tok
     return SampleOutput(tokens.tolist(), chosen.tolist(), top, kept)
 
 
-def plain_kept(lp: torch.Tensor, min_p: float, weights: Optional[torch.Tensor]) -> list[int]:
-    """The ids a row without top-k / top-p may sample (``sample_plain``'s nonzero mass)."""
-    probs = lp.exp()
-    if weights is not None:
-        probs = probs * weights
-    ok = probs > 0
-    if min_p > 0:
-        ok &= probs >= probs.max() * min_p
-    return ok.nonzero().squeeze(1).tolist()
-
-
 def _log_totals(dist: torch.Tensor, partial: torch.Tensor) -> Optional[torch.Tensor]:
     """log of each row's total mass where it is not 1 (penalised or grammar rows; top-p needs
     it), 0 elsewhere; None when every row sums to 1."""
@@ -442,7 +314,7 @@ def _penalise(logits: torch.Tensor, scaled: torch.Tensor, logprobs: torch.Tensor
 
     if pen.rows.numel():
         idx = pen.rows * vocab + pen.ids
-        x = _penalised(x_flat.index_select(0, idx), pen)
+        x = penalised_logits(x_flat.index_select(0, idx), pen)
         s = x
         if scaled is not logits:   # as _scaled: a row with T = 1 divides by 1, exactly
             t = sb.temperatures.index_select(0, pen.rows)

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["inverse_cdf", "sample_plain", "sample_truncated"]
+__all__ = ["inverse_cdf", "plain_kept", "sample_plain", "sample_truncated"]
 
 
 _BLOCK = 256
@@ -28,6 +28,17 @@ def sample_plain(dist: torch.Tensor, min_ps: torch.Tensor, uniforms: torch.Tenso
         threshold = probs.amax(dim=-1, keepdim=True) * min_ps[:, None]
         probs.masked_fill_(probs < threshold, 0.0)
     return inverse_cdf(probs, uniforms)
+
+
+def plain_kept(lp: torch.Tensor, min_p: float, weights: Optional[torch.Tensor]) -> list[int]:
+    """The ids a row without top-k / top-p may sample (``sample_plain``'s nonzero mass)."""
+    probs = lp.exp()
+    if weights is not None:
+        probs = probs * weights
+    ok = probs > 0
+    if min_p > 0:
+        ok &= probs >= probs.max() * min_p
+    return ok.nonzero().squeeze(1).tolist()
 
 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

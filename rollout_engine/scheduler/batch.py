@@ -11,12 +11,8 @@ import torch
 from rollout_engine.host_lists import list_tensor
 from rollout_engine.models.forward_batch import ForwardBatch, ForwardMode
 from rollout_engine.penalties import Penalties, PenaltyCounts
-from rollout_engine.sampler import (
-    SamplingBatch,
-    compute_logprobs,
-    seed_mix,
-    uniforms_from_mix,
-)
+from rollout_engine.sampler import SamplingBatch, compute_logprobs
+from rollout_engine.sampling_seeds import seed_mix, uniforms_from_mix
 from rollout_engine.scheduler.request import Req
 
 

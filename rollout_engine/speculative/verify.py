@@ -29,7 +29,8 @@ from typing import Optional
 import torch
 
 from rollout_engine.models.forward_batch import ForwardBatch, ForwardMode
-from rollout_engine.sampler import SampleOutput, uniform_for
+from rollout_engine.sampler import SampleOutput
+from rollout_engine.sampling_seeds import uniform_for
 from rollout_engine.scheduler.request import Req
 
 __all__ = ["Accepted", "accept_walk", "verify_forward_batch", "verify_uniforms"]

@@ -11,7 +11,8 @@ from tests.rollout_engine.test_import_graph import circles, import_graph
 # package's own __init__.
 LAYERS: list[tuple[str, ...]] = [
     ("env_knobs", "host_lists", "compat", "constrained", "parsers", "penalties",
-     "sampling_filters", "detokenizer", "testing"),              # foundations: no engine imports
+     "sampling_filters", "sampling_seeds", "detokenizer",
+     "testing"),                                                 # foundations: no engine imports
     ("sampling_params", "protocol"),                             # what crosses a process boundary
     ("parallel", "dp"),                                          # rank and replica math, policy
     ("models",),                                                 # the nn.Modules and their input

@@ -20,16 +20,9 @@ from typing import Optional
 import pytest
 import torch
 
-from rollout_engine.sampler import (
-    Penalties,
-    PenaltyCounts,
-    SamplingBatch,
-    compute_logprobs,
-    sample,
-    uniform_for,
-    uniforms_for,
-)
+from rollout_engine.sampler import Penalties, PenaltyCounts, SamplingBatch, compute_logprobs, sample
 from rollout_engine.sampling_params import SamplingParams
+from rollout_engine.sampling_seeds import uniform_for, uniforms_for
 from rollout_engine.scheduler.batch import SamplingRowsCache, build_sampling_batch
 
 N = 20_000

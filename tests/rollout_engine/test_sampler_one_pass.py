@@ -12,7 +12,8 @@ import torch
 from rollout_engine_kernels.cpu.fused_ops import load_fused_ops
 
 from rollout_engine.penalties import Penalties
-from rollout_engine.sampler import SamplingBatch, sample, sample_reference, uniform_for
+from rollout_engine.sampler import SamplingBatch, sample, sample_reference
+from rollout_engine.sampling_seeds import uniform_for
 
 OPS = load_fused_ops()
 pytestmark = pytest.mark.skipif(OPS is None, reason="the CPU fused ops did not build here")
@@ -167,12 +168,12 @@ def test_a_banned_token_is_never_drawn_even_holding_the_mass():
 def test_penalty_entries_merge_by_row_with_bans_last():
     """The kernel's CSR: per row the penalty entries, then the bans (a ban of a penalised id
     wins); parts out of row order are placed all the same."""
-    from rollout_engine.sampler import _merge_by_row
+    from rollout_engine.penalties import merge_by_row
 
     pens = (torch.tensor([0, 0, 2, 1]), torch.tensor([5, 6, 7, 8]),
             torch.tensor([1.0, 2.0, 3.0, 4.0]))
     bans = (torch.tensor([0, 2]), torch.tensor([6, 9]), torch.full((2,), float("-inf")))
-    offsets, ids, values = _merge_by_row([pens, bans], 3)
+    offsets, ids, values = merge_by_row([pens, bans], 3)
     assert offsets.tolist() == [0, 3, 4, 6]
     assert ids.tolist() == [5, 6, 6, 8, 7, 9]
     assert values.tolist() == [1.0, 2.0, float("-inf"), 4.0, 3.0, float("-inf")]

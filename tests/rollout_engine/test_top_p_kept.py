@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from rollout_engine.sampler import SamplingBatch, sample, uniforms_for
+from rollout_engine.sampler import SamplingBatch, sample
+from rollout_engine.sampling_seeds import uniforms_for
 from tests.rollout_engine.engines import app_client, thread_engine
 
 VOCAB = 300

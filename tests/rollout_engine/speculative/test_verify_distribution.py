@@ -20,7 +20,8 @@ import math
 import pytest
 import torch
 
-from rollout_engine.sampler import SamplingBatch, sample, uniform_for
+from rollout_engine.sampler import SamplingBatch, sample
+from rollout_engine.sampling_seeds import uniform_for
 from rollout_engine.speculative.verify import accept_walk
 
 N = 6000
