@@ -13,6 +13,7 @@ The cache hands its bookkeeping over as a `RadixBook`; nothing here reads its pr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,8 @@ import torch
 from rollout_engine.memory.prefix_cache import CacheIntegrityError, CacheNamespace, empty_slots
 from rollout_engine.memory.radix_node import TreeNode, child_key
 
-__all__ = ["RadixBook", "check_radix"]
+__all__ = ["Check", "RadixBook", "check_book", "check_links", "check_pages", "check_radix",
+           "checker"]
 
 
 @dataclass(frozen=True)
@@ -38,9 +40,63 @@ class RadixBook:
     evictable_leaves: list[TreeNode]       # the nodes eviction may take now
 
 
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise CacheIntegrityError(f"RadixCache integrity: {message}")
+Check = Callable[[bool, str], None]
+
+
+def checker(cache: str) -> Check:
+    """``check(condition, message)``: raise CacheIntegrityError naming ``cache`` if false."""
+    def check(condition: bool, message: str) -> None:
+        if not condition:
+            raise CacheIntegrityError(f"{cache} integrity: {message}")
+    return check
+
+
+def check_links(node: TreeNode, root: TreeNode, ps: int, check: Check) -> None:
+    """``node``'s own locks and lock_ref, and its children's back links and keys (the root's
+    children are namespace roots: no key, kept only while they hold nodes or locks)."""
+    where = f"{node!r} (key[:8]={node.key[:8]})"
+    expected_lock = node.num_own_locks + sum(c.lock_ref for c in node.children.values())
+    check(node.num_own_locks >= 0, f"{where}: negative own lock count")
+    check(node.lock_ref == expected_lock, f"{where}: lock_ref != own locks + children's")
+    for key, child in node.children.items():
+        check(child.parent is node, f"{where}: child {child!r} has another parent")
+        if node is root:
+            check(isinstance(key, CacheNamespace), f"root child key {key!r}")
+            check(not child.key, f"namespace root {key} has a key")
+            check(bool(child.children) or child.lock_ref > 0, f"empty ns {key} kept")
+        else:
+            check(key == child_key(child.key, ps), f"{where}: child key mismatch")
+
+
+def check_book(root: TreeNode, retired: list[CacheNamespace], counted: tuple[int, int, int],
+               kept: tuple[int, int, int], leaves: list[TreeNode], in_heap: set[int],
+               check: Check) -> None:
+    """What both caches' bookkeeping must agree on: a retired namespace keeps only locked
+    nodes; (nodes, evictable, protected) ``counted`` in the tree equal the ``kept`` counts;
+    every evictable leaf has a live LRU heap entry."""
+    for namespace in retired:  # retired KV lives only as long as its users
+        stack = list(root.children[namespace].children.values())
+        while stack:
+            node = stack.pop()
+            check(node.lock_ref > 0, f"retired namespace {namespace} keeps unlocked {node!r}")
+            stack.extend(node.children.values())
+    for name, got, want in zip(("node count", "evictable", "protected"), counted, kept):
+        check(got == want, f"{name} {want} != {got}")
+    for node in leaves:
+        check(id(node) in in_heap, f"evictable leaf {node!r} missing from the LRU heap")
+
+
+def check_pages(slots: torch.Tensor, ps: int, tier: str, check: Check) -> None:
+    """No slot held twice; with ``ps > 1``, whole page-aligned pages."""
+    check(slots.unique().numel() == slots.numel(), f"a {tier} slot is held twice")
+    if ps > 1 and slots.numel():  # every node holds whole pages: so does the concatenation
+        pages = slots.view(-1, ps)
+        offsets = torch.arange(ps, device=pages.device)
+        aligned = (pages[:, 0] % ps == 0).all() and (pages - pages[:, :1] == offsets).all()
+        check(bool(aligned), f"{tier} slots are not whole, page-aligned pages")
+
+
+_check = checker("RadixCache")
 
 
 def check_radix(book: RadixBook) -> None:
@@ -48,18 +104,8 @@ def check_radix(book: RadixBook) -> None:
     ps = book.page_size
     evictable = protected = num_nodes = 0
     for node in book.nodes:
+        check_links(node, book.root, ps, _check)
         where = f"{node!r} (key[:8]={node.key[:8]})"
-        expected_lock = node.num_own_locks + sum(c.lock_ref for c in node.children.values())
-        _check(node.num_own_locks >= 0, f"{where}: negative own lock count")
-        _check(node.lock_ref == expected_lock, f"{where}: lock_ref != own locks + children's")
-        for key, child in node.children.items():
-            _check(child.parent is node, f"{where}: child {child!r} has another parent")
-            if node is book.root:
-                _check(isinstance(key, CacheNamespace), f"root child key {key!r}")
-                _check(not child.key, f"namespace root {key} has a key")
-                _check(bool(child.children) or child.lock_ref > 0, f"empty ns {key} kept")
-            else:
-                _check(key == child_key(child.key, ps), f"{where}: child key mismatch")
         if node is book.root or not node.key:
             _check(node.value.numel() == 0, f"{where}: root holds slots")
             continue
@@ -71,22 +117,8 @@ def check_radix(book: RadixBook) -> None:
             protected += len(node.key)
         else:
             evictable += len(node.key)
-    for namespace in book.retired:  # retired KV lives only as long as its users
-        stack = list(book.root.children[namespace].children.values())
-        while stack:
-            node = stack.pop()
-            _check(node.lock_ref > 0, f"retired namespace {namespace} keeps unlocked {node!r}")
-            stack.extend(node.children.values())
-    _check(num_nodes == book.num_nodes, f"node count {book.num_nodes} != {num_nodes}")
-    _check(evictable == book.evictable_size, f"evictable {book.evictable_size}!={evictable}")
-    _check(protected == book.protected_size, f"protected {book.protected_size}!={protected}")
+    check_book(book.root, book.retired, (num_nodes, evictable, protected),
+               (book.num_nodes, book.evictable_size, book.protected_size),
+               book.evictable_leaves, book.in_heap, _check)
     values = [n.value for n in book.nodes if n.key]
-    slots = torch.cat(values) if values else empty_slots()
-    _check(slots.unique().numel() == slots.numel(), "a slot is held by two tree positions")
-    if ps > 1:  # every node holds whole pages, so the concatenation is page-shaped too
-        pages = slots.view(-1, ps)
-        offsets = torch.arange(ps, device=pages.device)
-        aligned = (pages[:, 0] % ps == 0).all() and (pages - pages[:, :1] == offsets).all()
-        _check(bool(aligned), "slots are not whole, page-aligned pages")
-    for node in book.evictable_leaves:
-        _check(id(node) in book.in_heap, f"evictable leaf {node!r} missing from the LRU heap")
+    check_pages(torch.cat(values) if values else empty_slots(), ps, "device", _check)

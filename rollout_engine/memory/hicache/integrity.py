@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from rollout_engine.memory.prefix_cache import CacheIntegrityError, CacheNamespace
-from rollout_engine.memory.radix_node import TreeNode, child_key
+from rollout_engine.memory.prefix_cache import CacheNamespace
+from rollout_engine.memory.radix_integrity import check_book, check_links, check_pages, checker
+from rollout_engine.memory.radix_node import TreeNode
 
 __all__ = ["TreeBook", "check_hiradix"]
 
@@ -40,9 +41,7 @@ class TreeBook:
     host_allocator: Any                    # the host tier's page allocator
 
 
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise CacheIntegrityError(f"HiRadixCache integrity: {message}")
+_check = checker("HiRadixCache")
 
 
 def check_hiradix(book: TreeBook) -> None:
@@ -50,18 +49,10 @@ def check_hiradix(book: TreeBook) -> None:
     ps = book.page_size
     evictable = protected = num_nodes = 0
     for node in book.nodes:
-        where = f"{node!r} (key[:8]={node.key[:8]})"
-        expected = node.num_own_locks + sum(c.lock_ref for c in node.children.values())
-        _check(node.lock_ref == expected, f"{where}: lock_ref != own locks + children's")
-        for key, child in node.children.items():
-            _check(child.parent is node, f"{where}: child {child!r} has another parent")
-            if node is book.root:
-                _check(isinstance(key, CacheNamespace), f"root child key {key!r}")
-                _check(bool(child.children) or child.lock_ref > 0, f"empty ns {key} kept")
-            else:
-                _check(key == child_key(child.key, ps), f"{where}: child key mismatch")
+        check_links(node, book.root, ps, _check)
         if not node.key:
             continue
+        where = f"{node!r} (key[:8]={node.key[:8]})"
         num_nodes += 1
         parent = node.parent
         assert parent is not None
@@ -84,31 +75,14 @@ def check_hiradix(book: TreeBook) -> None:
         if host is not None:
             _check(not parent.key or parent.host_value is not None,  # type: ignore[attr-defined]
                    f"{where}: on the host below a parent that is not")
-    for namespace in book.retired:
-        stack = list(book.root.children[namespace].children.values())
-        while stack:
-            node = stack.pop()
-            _check(node.lock_ref > 0, f"retired namespace {namespace} keeps unlocked {node!r}")
-            stack.extend(node.children.values())
-    _check(num_nodes == book.num_nodes, f"node count {book.num_nodes} != {num_nodes}")
-    _check(evictable == book.evictable_size, f"evictable {book.evictable_size}!={evictable}")
-    _check(protected == book.protected_size, f"protected {book.protected_size}!={protected}")
-    _check_pages(book.device_slots, ps, "device")
-    _check_pages(book.host_slots, ps, "host")
+    check_book(book.root, book.retired, (num_nodes, evictable, protected),
+               (book.num_nodes, book.evictable_size, book.protected_size),
+               book.evictable_leaves, book.in_heap, _check)
+    check_pages(book.device_slots, ps, "device", _check)
+    check_pages(book.host_slots, ps, "host", _check)
     held = {int(s) // ps for s in book.host_slots.tolist()[::ps]}
     free = book.host_allocator.free_pages()
     _check(not (held & free), "a host page is both free and held by a node")
     _check(len(held) + len(free) == book.host_allocator.num_pages,
            f"host pages leak: held {len(held)} + free {len(free)} != "
            f"{book.host_allocator.num_pages}")
-    for node in book.evictable_leaves:
-        _check(id(node) in book.in_heap, f"evictable leaf {node!r} missing from the LRU heap")
-
-
-def _check_pages(slots: torch.Tensor, ps: int, tier: str) -> None:
-    _check(slots.unique().numel() == slots.numel(), f"a {tier} slot is held twice")
-    if ps > 1 and slots.numel():
-        pages = slots.view(-1, ps)
-        offsets = torch.arange(ps)
-        aligned = (pages[:, 0] % ps == 0).all() and (pages - pages[:, :1] == offsets).all()
-        _check(bool(aligned), f"{tier} slots are not whole, page-aligned pages")
