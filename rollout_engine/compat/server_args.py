@@ -11,7 +11,8 @@ take every one of them too (as well as ``EngineConfig``'s own), and treat each a
                    reads safetensors; ``dummy`` loads the real weights, which a refit then
                    overwrites), ``stream_output`` (0.5.9's name of incremental streaming)
     ignore:WHY     accepted with any value and without effect: logging, kernel and launch
-                   knobs that do not change what is generated (WHY: see ``IGNORED``)
+                   knobs that do not change what is generated (WHY: see ``IGNORED``); the value
+                   given is kept (``EngineConfig.ignored_sglang_args``) and reported back
     default[:WHY]  accepted at SGLang's default only (e.g. ``--tp-size 1``); any other value is
                    an ``UnsupportedFlagError`` that names the flag (the launcher exits 2)
 
@@ -37,12 +38,16 @@ from typing import Any
 
 from rollout_engine.compat.sglang_flags import SGLANG_FLAG_TABLE
 
-__all__ = ["SGLANG_FLAGS", "SGLANG_VERSIONS", "SglangFlag", "UnsupportedFlagError",
-           "add_sglang_flags", "parse_size", "server_args_view", "to_engine_kwargs"]
+__all__ = ["IGNORED_ARGS_FIELD", "SGLANG_FLAGS", "SGLANG_VERSIONS", "SglangFlag",
+           "UnsupportedFlagError", "add_sglang_flags", "parse_size", "server_args_view",
+           "to_engine_kwargs"]
 
 logger = logging.getLogger(__name__)
 
 SGLANG_VERSIONS = ("0.5.9", "0.5.23")
+IGNORED_ARGS_FIELD = "ignored_sglang_args"
+"""The EngineConfig field that keeps the SGLang flags given that change nothing here (every
+``ignore`` row, and ``load_format``) as they were given, for ``server_args_view``."""
 
 # why a flag is accepted only at its default (the tag after "default:")
 UNSUPPORTED = {
@@ -201,10 +206,13 @@ def to_engine_kwargs(given: Mapping[str, Any], ours: Mapping[str, Any]
                      ) -> tuple[dict[str, Any], list[str]]:
     """``given`` (SGLang ``ServerArgs`` names and ``EngineConfig``'s own) -> (``EngineConfig``
     keywords, names neither knows). ``ours`` maps each EngineConfig field to its default.
-    Raises ``UnsupportedFlagError`` for a value we cannot honour. Idempotent on its output."""
+    Raises ``UnsupportedFlagError`` for a value we cannot honour. Idempotent on its output.
+    An ignored flag, and ``load_format``, given a value not SGLang's default is kept under
+    ``IGNORED_ARGS_FIELD``."""
     out: dict[str, Any] = {}
     unknown: list[str] = []
     specials = []
+    kept: dict[str, Any] = {}
     for name, value in given.items():
         flag = SGLANG_FLAGS.get(name)
         if flag is None:
@@ -218,13 +226,18 @@ def to_engine_kwargs(given: Mapping[str, Any], ours: Mapping[str, Any]
             out.update(_CONVERT.get(name, _same_name)(flag, value, given, ours))
         elif flag.treatment == "special":
             specials.append((flag, value))
+            if name == "load_format" and not _is_default(flag, value):
+                kept[name] = value
         elif flag.treatment == "ignore":
             if not _is_default(flag, value):
                 logger.info("%s %r ignored: %s", flag.option, value, IGNORED[flag.why])
+                kept[name] = value
         elif not _is_default(flag, value):
             raise _refuse(flag, value)
     for flag, value in specials:     # after the named fields they may refine (device)
         out.update(_CONVERT[flag.name](flag, value, given, ours))
+    if kept:
+        out[IGNORED_ARGS_FIELD] = {**out.get(IGNORED_ARGS_FIELD, {}), **kept}
     return out, unknown
 
 
@@ -247,18 +260,20 @@ def _is_number(value: Any) -> bool:
 
 
 def server_args_view(config: Mapping[str, Any]) -> dict[str, Any]:
-    """SGLang's ``ServerArgs`` as this engine runs, for ``get_server_info``: a field we map
-    has our value (``config``: ``EngineConfig.to_dict()``), a field accepted only at its default
-    has that default; ignored fields are left out (what they were given is not kept)."""
+    """SGLang's ``ServerArgs`` as this engine runs, for ``get_server_info``: every field of the
+    table. One we map has our value (``config``: ``EngineConfig.to_dict()``), one accepted only
+    at its default has that default, an ignored one (and ``load_format``) the value it was
+    given or else SGLang's default; ``base_gpu_id`` and ``stream_output`` follow ``device`` and
+    ``incremental_streaming_output``."""
+    given = config.get(IGNORED_ARGS_FIELD) or {}
     view: dict[str, Any] = {}
     for name, flag in SGLANG_FLAGS.items():
         if flag.treatment == "ours":
             view[name] = config[name]
-        elif flag.treatment == "default":
-            view[name] = copy.deepcopy(flag.default)
+        else:
+            view[name] = copy.deepcopy(given.get(name, flag.default))
     device = str(config["device"])
     view["base_gpu_id"] = int(device.split(":", 1)[1]) if device.startswith("cuda:") else 0
-    view["load_format"] = "auto"
     view["stream_output"] = config["incremental_streaming_output"]
     return view
 

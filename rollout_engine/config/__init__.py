@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from rollout_engine.compat.server_args import to_engine_kwargs
+from rollout_engine.compat.server_args import SGLANG_FLAGS, to_engine_kwargs
 from rollout_engine.config import speculative as spec_options
 from rollout_engine.config.generation_defaults import read_sampling_defaults
 from rollout_engine.dp.dispatch import LOAD_BALANCE_METHODS
@@ -139,6 +139,9 @@ class EngineConfig:
     # SGLang's KV cache dtype: "auto" or the served dtype's name (bf16 / bfloat16 when the
     # model runs in bfloat16); the KV cache is always kept in the served dtype
     kv_cache_dtype: str = "auto"
+    # SGLang flags given that change nothing here (logging, kernel and launch knobs;
+    # load_format), as given: get_server_info reports them (compat/server_args.py)
+    ignored_sglang_args: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> None:
@@ -223,6 +226,7 @@ class EngineConfig:
         if not self.weight_update_group_timeout > 0:
             bad("weight_update_group_timeout",
                 f"must be > 0 seconds, got {self.weight_update_group_timeout}")
+        _check_ignored_args(self.ignored_sglang_args, bad)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -344,6 +348,17 @@ def _check_hicache(c: EngineConfig, bad: Any) -> None:
         bad("hicache_storage_flush", "needs hicache_storage_backend")
     if c.hicache_storage_backend is not None and not c.enable_hierarchical_cache:
         bad("hicache_storage_backend", "needs enable_hierarchical_cache")
+
+
+def _check_ignored_args(args: Any, bad: Any) -> None:
+    """Only SGLang flags that change nothing here (``ignore`` rows, ``load_format``)."""
+    if not isinstance(args, dict):
+        bad("ignored_sglang_args", f"must be a dict of SGLang flags, got {args!r}")
+    wrong = sorted(k for k in args if k != "load_format" and (
+        k not in SGLANG_FLAGS or SGLANG_FLAGS[k].treatment != "ignore"))
+    if wrong:
+        bad("ignored_sglang_args", f"{wrong} are not SGLang flags this engine ignores; give "
+            "them as flags (SGLang's names are accepted as keyword arguments)")
 
 
 def _importable(module: str) -> bool:

@@ -31,11 +31,12 @@ the last disk refit's): refit it again after waking to bring a trainer's draft b
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Unpack
 
 import torch
 from torch import nn
 
+from rollout_engine.compat.update_requests import SglangFlags, SglangUpdateFlags
 from rollout_engine.control.rl_control import MAX_TRUNCATE_ROWS, MAX_WEIGHT_ELEMENTS, RLControl
 from rollout_engine.protocol.messages import BusyError, WeightSlice
 from rollout_engine.speculative.selector import DRAFT_PREFIX, resolve_selector
@@ -105,6 +106,11 @@ class DraftRLControl(RLControl):
     def _target(self) -> nn.Module:
         return self.runner.model
 
+    def checked_models(self, selector: str) -> list[tuple[str, nn.Module]]:
+        """The target and / or the draft (its weights named ``draft.<name>``)."""
+        draft = [("draft", self.draft.runner.model)] if selector in ("draft", "all") else []
+        return [*super().checked_models(selector), *draft]
+
     # -- disk ------------------------------------------------------------------------------------
     def rpc_update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
                                      weight_version: Optional[str] = None,
@@ -113,7 +119,8 @@ class DraftRLControl(RLControl):
                                      torch_empty_cache: bool = False, keep_pause: bool = False,
                                      selector: Optional[str] = None,
                                      draft_model_path: Optional[str] = None,
-                                     **sglang_flags: Any) -> dict[str, Any]:
+                                     **sglang_flags: Unpack[SglangFlags]
+                                     ) -> dict[str, Any]:
         sel = resolve_selector(selector)
         if draft_model_path is not None and sel != "all":
             raise ValueError(f"draft_model_path: only with selector 'all' (or null); with "
@@ -151,7 +158,7 @@ class DraftRLControl(RLControl):
         return _combined(target, self._read_draft(draft_path))
 
     # -- tensors ---------------------------------------------------------------------------------
-    def _tensor_destination(self, flags: dict[str, Any]
+    def _tensor_destination(self, flags: SglangUpdateFlags
                             ) -> tuple[nn.Module, Callable[[NamedTensors], WeightLoadReport]]:
         """Read against both models; each tensor goes where SGLang's ``selector`` (or
         ``disable_draft_model``) sends it."""
@@ -175,7 +182,7 @@ class DraftRLControl(RLControl):
         return _combined(target, draft)
 
     # -- broadcast -------------------------------------------------------------------------------
-    def _load_broadcast(self, received: NamedTensors, sglang_flags: dict[str, Any]
+    def _load_broadcast(self, received: NamedTensors, sglang_flags: SglangUpdateFlags
                         ) -> WeightLoadReport:
         """A received broadcast (drained before anything is refused), routed by ``selector``."""
         return self._load_named(received, resolve_selector(sglang_flags.get("selector")))

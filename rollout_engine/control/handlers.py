@@ -17,41 +17,59 @@ from rollout_engine.control.draft_refit import DraftRLControl
 from rollout_engine.control.introspection import Introspection
 from rollout_engine.control.profiler import Profiler
 from rollout_engine.control.rl_control import RLControl
+from rollout_engine.control.weight_checks import WeightChecks
 from rollout_engine.protocol.messages import AbortReq, ControlReq, ControlResult, GenerateReq
 from rollout_engine.scheduler.scheduler import Scheduler
 from rollout_engine.speculative.scheduler import SpeculativeScheduler
 from rollout_engine.weights.update_groups import WeightUpdateGroups
 
-__all__ = ["ControlPlane", "build_control", "handler_table"]
+__all__ = ["CALLS", "ControlPlane", "build_control", "declared_calls", "handler_table"]
+
+
+# every control call the engine answers: name -> (owner, method); the owner classes'
+# annotations are the calls' declared argument types (``call_types.py``)
+CALLS: dict[str, tuple[str, str]] = {
+    # cache and introspection
+    "flush_cache": ("info", "rpc_flush_cache"),
+    "check_integrity": ("info", "rpc_check_integrity"),
+    "get_server_info": ("info", "rpc_get_server_info"),
+    "get_load": ("info", "rpc_get_load"),
+    # sleep / wake
+    "release_memory_occupation": ("rl", "rpc_release_memory_occupation"),
+    "resume_memory_occupation": ("rl", "rpc_resume_memory_occupation"),
+    # refit
+    "update_weights_from_disk": ("rl", "rpc_update_weights_from_disk"),
+    "update_weights_from_tensor": ("rl", "rpc_update_weights_from_tensor"),
+    "init_weights_update_group": ("rl", "rpc_init_weights_update_group"),
+    "update_weights_from_distributed": ("rl", "rpc_update_weights_from_distributed"),
+    "destroy_weights_update_group": ("rl", "rpc_destroy_weights_update_group"),
+    "get_weights_by_name": ("rl", "rpc_get_weights_by_name"),
+    # versions and pausing
+    "get_weight_version": ("rl", "rpc_get_weight_version"),
+    "update_weight_version": ("rl", "rpc_update_weight_version"),
+    "pause_generation": ("rl", "rpc_pause_generation"),
+    "continue_generation": ("rl", "rpc_continue_generation"),
+    # the weight-update session and the weight checker
+    "begin_weight_update": ("rl", "rpc_begin_weight_update"),
+    "end_weight_update": ("rl", "rpc_end_weight_update"),
+    "weights_checker": ("checks", "rpc_weights_checker"),
+    # the torch profiler
+    "start_profile": ("profiler", "rpc_start_profile"),
+    "stop_profile": ("profiler", "rpc_stop_profile"),
+}
+OWNER_CLASSES: dict[str, type] = {"info": Introspection, "rl": RLControl, "checks": WeightChecks,
+                                  "profiler": Profiler}
+
+
+def declared_calls() -> dict[str, Callable[..., Any]]:
+    """Every control call's handler as its class declares it (unbound: for its signature)."""
+    return {name: getattr(OWNER_CLASSES[owner], attr) for name, (owner, attr) in CALLS.items()}
 
 
 def handler_table(info: Introspection, rl: RLControl, profiler: Profiler) -> dict[str, Handler]:
     """Every control call the engine answers, by the name a ``ControlReq`` gives."""
-    return {
-        # cache and introspection
-        "flush_cache": info.rpc_flush_cache,
-        "check_integrity": info.rpc_check_integrity,
-        "get_server_info": info.rpc_get_server_info,
-        "get_load": info.rpc_get_load,
-        # sleep / wake
-        "release_memory_occupation": rl.rpc_release_memory_occupation,
-        "resume_memory_occupation": rl.rpc_resume_memory_occupation,
-        # refit
-        "update_weights_from_disk": rl.rpc_update_weights_from_disk,
-        "update_weights_from_tensor": rl.rpc_update_weights_from_tensor,
-        "init_weights_update_group": rl.rpc_init_weights_update_group,
-        "update_weights_from_distributed": rl.rpc_update_weights_from_distributed,
-        "destroy_weights_update_group": rl.rpc_destroy_weights_update_group,
-        "get_weights_by_name": rl.rpc_get_weights_by_name,
-        # versions and pausing
-        "get_weight_version": rl.rpc_get_weight_version,
-        "update_weight_version": rl.rpc_update_weight_version,
-        "pause_generation": rl.rpc_pause_generation,
-        "continue_generation": rl.rpc_continue_generation,
-        # the torch profiler
-        "start_profile": profiler.rpc_start_profile,
-        "stop_profile": profiler.rpc_stop_profile,
-    }
+    owners: dict[str, Any] = {"info": info, "rl": rl, "checks": rl.checks, "profiler": profiler}
+    return {name: getattr(owners[owner], attr) for name, (owner, attr) in CALLS.items()}
 
 
 class ControlPlane:

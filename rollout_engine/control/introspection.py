@@ -35,10 +35,18 @@ class Introspection:
         self.throughput = ThroughputMeter()
 
     def rpc_flush_cache(self) -> dict[str, Any]:
-        if self.serving.has_work:
-            raise BusyError(f"cannot flush the cache while {len(self.serving.by_rid)} "
-                            "request(s) are in flight; retry when idle")
+        """Empty the prefix cache unless a request holds KV (running, or its prompt being
+        chunked): 409 then. Requests that only wait hold none, so they do not stop a flush:
+        those retracted by ``pause_generation(mode="retract")`` are recomputed from their
+        tokens when generation continues, as SGLang documents for that mode (miles pauses so,
+        then retries ``GET /flush_cache`` until it answers 200, while nothing can change)."""
+        holding = self.serving.active_reqs()
+        if holding:
+            raise BusyError(f"cannot flush the cache while {len(holding)} request(s) hold KV "
+                            f"({len(self.serving.by_rid)} in flight); retry when idle, or "
+                            "pause_generation with mode 'retract' or 'abort' first")
         self.kv.flush()
+        self.weights.flush_pending = False
         return {"flushed": True}
 
     def rpc_check_integrity(self) -> dict[str, Any]:

@@ -6,10 +6,11 @@ spare parameter storage (``weights/shadow.py``)."""
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Unpack
 
 import torch
 
+from rollout_engine.compat.update_requests import SglangUpdateFlags
 from rollout_engine.control.dispatch import Deferred
 from rollout_engine.memory.memory_saver import MemorySaver
 from rollout_engine.model_runner.model_runner import ModelRunner
@@ -61,7 +62,8 @@ class BroadcastRefits:
                                             weight_version: Optional[str] = None,
                                             abort_all_requests: bool = False,
                                             torch_empty_cache: bool = False,
-                                            **sglang_flags: Any) -> Deferred:
+                                            **sglang_flags: Unpack[SglangUpdateFlags]
+                                            ) -> Deferred:
         """Receive the broadcast in the declared ``dtypes``, then load (floating tensors are
         cast into the parameters). ``sglang_flags``: pp_rank. The receives are posted and the
         call returns to the loop: the update is applied (in the order the calls came) once
@@ -103,7 +105,7 @@ class BroadcastRefits:
         return Deferred(receipt.future, finish)
 
     def _in_place_plan(self, names: list[str], dtypes: list[Any], shapes: list[list[int]],
-                       load_format: Optional[str], sglang_flags: dict[str, Any]
+                       load_format: Optional[str], sglang_flags: SglangUpdateFlags
                        ) -> Optional[InPlacePlan]:
         """Receive an unbucketed update straight into spare parameter storage
         (`weights/shadow.py`) when it is a plain target update the model takes as announced;
@@ -126,7 +128,7 @@ class BroadcastRefits:
         return self.shadow
 
     def _load_broadcast(self, received: list[tuple[str, torch.Tensor]],
-                        sglang_flags: dict[str, Any]) -> WeightLoadReport:
+                        sglang_flags: SglangUpdateFlags) -> WeightLoadReport:
         """Load a received broadcast (a speculative engine also routes draft weights)."""
         return load_weights(self.runner.model, received)
 

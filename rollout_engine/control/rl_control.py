@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, Optional, Unpack
 
 import torch
 from torch import nn
 
+from rollout_engine.compat.update_requests import SglangUpdateFlags
 from rollout_engine.control.rl_broadcast import BroadcastRefits
 from rollout_engine.control.serving import Serving
+from rollout_engine.control.weight_checks import WeightChecks
 from rollout_engine.memory.kv_pool import PageAllocator
 from rollout_engine.memory.memory_saver import TAGS, MemorySaver
 from rollout_engine.model_runner.model_runner import ModelRunner
@@ -39,7 +41,7 @@ from rollout_engine.protocol.messages import AbortReq, BusyError, WeightSlice
 from rollout_engine.scheduler.kv_manager import KVManager
 from rollout_engine.scheduler.request import ReqState
 from rollout_engine.scheduler.weight_state import WeightState
-from rollout_engine.speculative.selector import check_target_only
+from rollout_engine.speculative.selector import SELECTORS, check_target_only
 from rollout_engine.weights import refit
 from rollout_engine.weights.disk_reader import PartialLoadError
 from rollout_engine.weights.loader import WeightLoadReport, read_weight, weight_names
@@ -104,6 +106,14 @@ class RLControl(BroadcastRefits):
         self.mapped: Optional[refit.MappedStorages] = None  # trainer shm kept mapped (1st refit)
         self.shadow: Optional[ShadowWeights] = None   # spare weights a broadcast lands in
         self.num_refits = 0
+        self.session: Optional[str] = None   # an open weight-update session's selector
+        tp_size = runner.tp.size if runner.tp is not None else 1
+        self.checks = WeightChecks(self.checked_models, serving, kv, weights, memory_saver,
+                                   tp_size)
+
+    def checked_models(self, selector: str) -> list[tuple[str, nn.Module]]:
+        """The (role, model) pairs ``selector`` names: the target, unless it says draft."""
+        return [("target", self.runner.model)] if selector in ("target", "all") else []
 
     def spare_bytes(self) -> int:
         """Bytes of spare parameter storage held for broadcasts (``weights/shadow.py``)."""
@@ -193,7 +203,8 @@ class RLControl(BroadcastRefits):
                                      flush_cache: bool = True,
                                      abort_all_requests: bool = False,
                                      torch_empty_cache: bool = False, keep_pause: bool = False,
-                                     **sglang_flags: Any) -> dict[str, Any]:
+                                     **sglang_flags: Unpack[SglangUpdateFlags]
+                                     ) -> dict[str, Any]:
         """``sglang_flags``: is_async, recapture_cuda_graph, token_step, manifest, pp_rank."""
         return self._disk_update(lambda: self._read_checkpoint(model_path), load_format,
                                  weight_version, flush_cache, abort_all_requests,
@@ -202,7 +213,7 @@ class RLControl(BroadcastRefits):
     def _disk_update(self, load: Callable[[], WeightLoadReport], load_format: Optional[str],
                      weight_version: Optional[str], flush_cache: bool,
                      abort_all_requests: bool, torch_empty_cache: bool, keep_pause: bool,
-                     **sglang_flags: Any) -> dict[str, Any]:
+                     **sglang_flags: Unpack[SglangUpdateFlags]) -> dict[str, Any]:
         """A disk refit's checks, then `load` (what reads the checkpoint) applied."""
         self._refuse_while_receiving("update_weights_from_disk")
         if load_format not in (None, "auto", "safetensors"):
@@ -228,7 +239,8 @@ class RLControl(BroadcastRefits):
                                        abort_all_requests: bool = False,
                                        torch_empty_cache: bool = False,
                                        read_by_others: bool = False,
-                                       **sglang_flags: Any) -> dict[str, Any]:
+                                       **sglang_flags: Unpack[SglangUpdateFlags]
+                                       ) -> dict[str, Any]:
         """``sglang_flags``: disable_draft_model (no draft model here), pp_rank.
         ``read_by_others`` (set by the data-parallel host, not a client): another replica
         reads the same payload and drops the sender's shm references. A call refused before
@@ -254,7 +266,7 @@ class RLControl(BroadcastRefits):
             model, serialized_named_tensors, load_format, mapped, read_by_others, load=load),
             weight_version, flush_cache, torch_empty_cache)
 
-    def _tensor_destination(self, flags: dict[str, Any]
+    def _tensor_destination(self, flags: SglangUpdateFlags
                             ) -> tuple[nn.Module, Optional[Callable[[refit.NamedTensors],
                                                                     WeightLoadReport]]]:
         """The model a tensor update is read against and how its tensors are written
@@ -284,6 +296,30 @@ class RLControl(BroadcastRefits):
                              f"may return; ask for at most {MAX_WEIGHT_ELEMENTS // row} rows")
         flat = part.detach().float().contiguous().cpu()
         return WeightSlice(list(flat.shape), flat.numpy().tobytes())
+
+    # -- the weight-update session ---------------------------------------------------------------
+    def rpc_begin_weight_update(self, selector: str = "all") -> dict[str, Any]:
+        """SGLang's ``begin_weight_update``: opens the session a trainer brackets its update
+        with (miles does, around every refit), recording ``selector``. The weights are written
+        in place, so there is nothing to unpack; updates outside a session are served too
+        (slime, verl and AReaL never open one). A second begin before an end is refused."""
+        if selector not in SELECTORS:
+            raise ValueError(f"selector: must be one of {list(SELECTORS)}, got {selector!r}")
+        if self.session is not None:
+            raise ValueError(f"begin_weight_update: a weight-update session (selector "
+                             f"{self.session!r}) is already open; call end_weight_update first")
+        self.session = selector
+        return {"selector": selector}
+
+    def rpc_end_weight_update(self) -> dict[str, Any]:
+        """SGLang's ``end_weight_update``: closes the session (every write has already taken
+        effect; nothing is post-processed). The answer says whether weights are still
+        unwritten (``weights_stale``: after a wake without a backup, or ``reset_tensors``)."""
+        if self.session is None:
+            raise ValueError("end_weight_update: no weight-update session is open; call "
+                             "begin_weight_update first")
+        selector, self.session = self.session, None
+        return {"selector": selector, **self._stale_info()}
 
     # -- versions and pausing -------------------------------------------------------------------
     def rpc_get_weight_version(self) -> dict[str, Any]:

@@ -5,8 +5,10 @@ one scheduler expects (so SGLang clients of ``/update_weights_*``, ``/get_weight
     success     every replica succeeded; else the first failure (status and message,
                 prefixed "dp rank i: "), the other replicas' answers still under dp_results
     dict result replica 0's, plus ``dp_results`` (each replica's dict), counters summed
-                (``SUMMED``, and the ``stats`` / ``hicache`` tables /metrics reads), and for
-                get_server_info ``dp_internal_states``
+                (``SUMMED``, and the ``stats`` / ``hicache`` tables /metrics reads), for
+                get_server_info ``dp_internal_states``, and for weights_checker every
+                replica's ``ranks`` one after another, each with its ``dp_rank`` and its
+                global ``rank`` (``dp_rank * tp_size + tp_rank``, as SGLang numbers them)
     get_load    the list of every replica's LoadReport (the load routes list one per rank)
     other       (a WeightSlice, None) replica 0's: the replicas hold the same weights
 """
@@ -52,8 +54,19 @@ def _merge_dicts(method: str, results: Sequence[dict[str, Any]]) -> dict[str, An
     if method == "get_server_info":
         merged["dp_internal_states"] = [r.get("internal_state") for r in results]
         merged["dp_size"] = len(results)
+    if method == "weights_checker" and all(isinstance(r.get("ranks"), list) for r in results):
+        merged["ranks"] = [_on_replica(entry, i, len(results))
+                           for i, r in enumerate(results) for entry in r["ranks"]]
     merged["dp_results"] = list(results)
     return merged
+
+
+def _on_replica(entry: dict[str, Any], dp_rank: int, dp_size: int) -> dict[str, Any]:
+    """A weights_checker rank entry of replica ``dp_rank`` (which numbered it as alone)."""
+    infos = [{**info, "dp_rank": dp_rank, "dp_size": dp_size,
+              "rank": dp_rank * info["tp_size"] + info["tp_rank"],
+              "size": dp_size * info["tp_size"]} for info in entry["parallelism_info"]]
+    return {**entry, "parallelism_info": infos}
 
 
 def merge_results(call_id: int, method: str, parts: Sequence[ControlResult]) -> ControlResult:

@@ -13,7 +13,11 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Optional, Union
 
 from rollout_engine.compat.fields import GENERATE_REQUEST, Treatment
-from rollout_engine.compat.server_args import SGLANG_VERSIONS, server_args_view
+from rollout_engine.compat.server_args import (
+    IGNORED_ARGS_FIELD,
+    SGLANG_VERSIONS,
+    server_args_view,
+)
 from rollout_engine.config import EngineConfig
 from rollout_engine.protocol.messages import ControlResult
 from rollout_engine.protocol.shm_lease import ShmLease
@@ -181,10 +185,11 @@ class Engine:
         }
 
     def get_server_info(self) -> dict[str, Any]:
-        """SGLang's ``get_server_info``: its ``ServerArgs`` fields as this engine runs them
-        (``rollout_engine/compat/server_args.py``; ``tp_size`` and ``enable_memory_saver`` as
-        given, ...) with our own flags, its scheduler info (``status``, ``max_total_num_tokens``,
-        ``max_req_input_len``), ``internal_states`` (one per DP rank: the flags plus
+        """SGLang's ``get_server_info``: every field of its ``ServerArgs`` as this engine runs
+        it (``rollout_engine/compat/server_args.py``: ours as configured, ignored ones as
+        given, the rest at SGLang's defaults, e.g. ``gpu_id_step`` 1), ``num_gpus``
+        (``dp_size * tp_size``), our own flags, its scheduler info (``status``,
+        ``max_total_num_tokens``, ``max_req_input_len``), ``internal_states`` (one per DP rank: the flags plus
         ``last_gen_throughput``, ``memory_usage`` in GB, ``effective_max_running_requests_per_dp``)
         and ``version``. ``version`` is rollout_engine's, not SGLang's: the SGLang releases whose
         flags and routes we follow are ``sglang_compatible_versions``. Then our own state:
@@ -196,7 +201,11 @@ class Engine:
         internal = runtime.pop("internal_state")
         per_rank = runtime.pop("dp_internal_states", [internal])   # one per DP replica
         config = self.config.to_dict()
-        flags = {**server_args_view(config), **config, "random_seed": self.tm.random_seed}
+        view = server_args_view(config)
+        del config[IGNORED_ARGS_FIELD]   # reported under their own names, in ``view``
+        # every GPU the server drives (slime sizes its weight-update group by it)
+        flags = {**view, **config, "random_seed": self.tm.random_seed,
+                 "num_gpus": self.config.dp_size * self.config.tp_size}
         return {**flags, **runtime, "internal_states": [{**flags, **x} for x in per_rank],
                 "version": rollout_engine_version(),
                 "sglang_compatible_versions": list(SGLANG_VERSIONS)}

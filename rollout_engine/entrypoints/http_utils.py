@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from rollout_engine.control.call_types import coerce_call
 from rollout_engine.protocol.messages import WeightSlice
 from rollout_engine.tokenizer_manager import (
     EngineAsleepError,
@@ -248,9 +249,18 @@ class APIKeys:
 
 # -- control calls -----------------------------------------------------------------------------
 async def control(engine: Engine, method: str, status_map: Optional[Mapping[int, int]] = None,
-                  **kwargs: Any) -> Response:
+                  lift: tuple[str, ...] = (), **kwargs: Any) -> Response:
     """Proxy one scheduler control call: ``{"success", "message"[, "result"]}`` with the call's
-    status (200, 400 bad input, 409 busy, 503 dead, 504 timeout), remapped by ``status_map``."""
+    status (200, 400 bad input, 409 busy, 503 dead, 504 timeout), remapped by ``status_map``.
+    ``kwargs`` are first coerced to the call's declared types as SGLang's request models coerce
+    a body (``control/call_types.py``: ``"29500"`` for an int, ``"false"`` for a bool); a value
+    that does not coerce is a 400 naming the field. ``lift``: keys of a dict result that are
+    also put at the top of the body (where SGLang's answer has them)."""
+    try:
+        kwargs = coerce_call(method, kwargs)
+    except ValueError as e:
+        return json_response({"success": False, "message": str(e), "status": "error",
+                              "error": {"message": str(e), "code": 400}}, 400)
     try:
         r = await engine.tm.async_call(method, **kwargs)
     except SchedulerDeadError as e:
@@ -265,6 +275,8 @@ async def control(engine: Engine, method: str, status_map: Optional[Mapping[int,
         body["result"] = await asyncio.to_thread(r.result.tolist)
     elif r.result is not None:
         body["result"] = r.result
+        if isinstance(r.result, dict):
+            body.update({k: r.result[k] for k in lift if k in r.result})
     if not r.success:
         body["error"] = {"message": message, "code": status}
     return json_response(body, status)

@@ -14,6 +14,7 @@ import typing
 from typing import Any, Optional, Union
 
 from rollout_engine.compat.server_args import (
+    IGNORED_ARGS_FIELD,
     SGLANG_FLAGS,
     SGLANG_VERSIONS,
     UnsupportedFlagError,
@@ -167,6 +168,8 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
+        if f.name == IGNORED_ARGS_FIELD:   # filled from SGLang's own flags, not a flag itself
+            continue
         sglang = SGLANG_FLAGS.get(f.name)
         flags = sglang.option_strings if sglang else ("--" + f.name.replace("_", "-"),)
         tp = _base_type(hints[f.name])

@@ -1,8 +1,12 @@
-"""RL control-plane routes: weight version, sleep / wake, refit, pause / continue.
+"""RL control-plane routes: weight version, sleep / wake, refit, pause / continue, the
+weight-update session (``/begin_weight_update``, ``/end_weight_update``) and ``/weights_checker``.
 
-Each route is a thin proxy of one scheduler control call through ``http_utils.control``, which
-maps ``ControlResult.status`` to the HTTP status with a ``{"success", "message"}`` body. Every
-route but ``/get_weight_version`` changes state or reads weights and needs the admin key.
+Each route (``CONTROL_ROUTES``) is a thin proxy of one scheduler control call through
+``http_utils.control``, which coerces the body's values to the call's declared types as SGLang's
+pydantic request models do (``"master_port": "29500"`` is 29500; ``"abc"`` for an int is a 400
+naming the field) and maps ``ControlResult.status`` to the HTTP status with a
+``{"success", "message"}`` body. Every route but ``/get_weight_version`` changes state or reads
+weights and needs the admin key.
 
 The weight routes take every field of SGLang's request dataclasses (``io_struct.py``:
 ``UpdateWeightFromDiskReqInput``, ``UpdateWeightsFromTensorReqInput``,
@@ -14,6 +18,8 @@ naming the field; a name SGLang does not define either is still a 400.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -50,6 +56,53 @@ INIT_GROUP_FIELDS = {
     "world_size": REQUIRED, "group_name": "weight_update_group", "backend": "nccl"}
 DESTROY_GROUP_FIELDS = {"group_name": "weight_update_group"}
 WEIGHT_VERSION_FIELDS = {"new_version": REQUIRED, "abort_all_requests": True}
+# SGLang's weight-update session (miles brackets every update with it) and weight checker
+BEGIN_UPDATE_FIELDS = {"selector": "all"}
+CHECK_WEIGHTS_FIELDS = {"action": "checksum", "allow_quant_error": False, "selector": "all",
+                        "skip_tensor_list": None}
+
+
+@dataclass(frozen=True)
+class ControlRoute:
+    """A route that forwards a JSON body's ``fields`` (name -> SGLang's default) to the control
+    call ``method``; ``base_req``: the body may also carry SGLang's BaseReq fields; ``lift``:
+    keys of the call's result also put at the top of the answer (where SGLang has them)."""
+
+    path: str
+    method: str
+    fields: Mapping[str, Any]
+    http_methods: tuple[str, ...] = ("POST",)
+    base_req: bool = False
+    lift: tuple[str, ...] = ()
+
+
+CONTROL_ROUTES = (
+    ControlRoute("/release_memory_occupation", "release_memory_occupation", {"tags": None}),
+    ControlRoute("/resume_memory_occupation", "resume_memory_occupation", {"tags": None}),
+    ControlRoute("/update_weights_from_disk", "update_weights_from_disk", DISK_FIELDS,
+                 base_req=True),
+    ControlRoute("/update_weights_from_tensor", "update_weights_from_tensor", TENSOR_FIELDS,
+                 base_req=True),
+    ControlRoute("/init_weights_update_group", "init_weights_update_group", INIT_GROUP_FIELDS,
+                 base_req=True),
+    ControlRoute("/update_weights_from_distributed", "update_weights_from_distributed",
+                 DISTRIBUTED_FIELDS, base_req=True),
+    ControlRoute("/destroy_weights_update_group", "destroy_weights_update_group",
+                 DESTROY_GROUP_FIELDS, base_req=True),
+    ControlRoute("/update_weight_version", "update_weight_version", WEIGHT_VERSION_FIELDS,
+                 base_req=True),
+    ControlRoute("/pause_generation", "pause_generation", {"mode": "abort"}),
+    ControlRoute("/continue_generation", "continue_generation", {}),
+    ControlRoute("/begin_weight_update", "begin_weight_update", BEGIN_UPDATE_FIELDS,
+                 base_req=True),
+    ControlRoute("/end_weight_update", "end_weight_update", {}, base_req=True),
+    ControlRoute("/weights_checker", "weights_checker", CHECK_WEIGHTS_FIELDS, base_req=True,
+                 lift=("ranks",)),
+    # admin only: it reads the weights (bounded: rl_control.MAX_TRUNCATE_ROWS rows, 400 beyond)
+    ControlRoute("/get_weights_by_name", "get_weights_by_name",
+                 {"name": REQUIRED, "truncate_size": 100}, http_methods=("GET", "POST")),
+)
+"""Every RL control route, in the order they are registered."""
 
 if TYPE_CHECKING:
     from rollout_engine.entrypoints.engine import Engine
@@ -65,51 +118,34 @@ def add_rl_routes(app: FastAPI, engine: Engine, admin: list[Any]) -> None:
             raise HTTPError(r.status, r.message)
         return json_response({"weight_version": r.result["weight_version"]})
 
-    def proxy(route: str, method: str, fields: dict[str, Any], http_method: str = "POST",
-              base_req: bool = False) -> None:
-        """One route forwarding a JSON body's ``fields`` (name -> default) to a control call;
-        ``base_req``: the body may also carry SGLang's BaseReq fields."""
-        where = route.strip("/")
+    for route in CONTROL_ROUTES:
+        app.add_api_route(route.path, _proxy(engine, route), methods=list(route.http_methods),
+                          dependencies=admin, name=route.method)
 
-        async def handler(request: Request) -> Response:
-            if request.method == "GET":
-                body: dict[str, Any] = {k: int(v) if v.lstrip("-").isdigit() else v
-                                        for k, v in request.query_params.items()}
-            else:
-                body = await read_json(request, optional=True)
-            check_fields(body, set(fields) | set(BASE_REQ if base_req else ()), where)
-            if base_req:
-                _check_base_req(body, where)
-            missing = [k for k, d in fields.items() if d is REQUIRED and body.get(k) is None]
-            if missing:
-                raise HTTPError(400, f"{where}: missing required field(s) {missing}")
-            # null means the default, as in SGLang's dataclasses
-            kwargs = {k: d if body.get(k) is None and d is not REQUIRED else body.get(k)
-                      for k, d in fields.items()}
-            return await control(engine, method, **kwargs)
 
-        app.add_api_route(route, handler, methods=[http_method],
-                          dependencies=admin, name=method)
+def _proxy(engine: Engine, route: ControlRoute) -> Callable[[Request], Awaitable[Response]]:
+    """The handler of one ``ControlRoute``: a body's values are coerced to the call's declared
+    types by ``http_utils.control`` (a GET's query strings alike)."""
+    where = route.path.strip("/")
+    fields = route.fields
 
-    proxy("/release_memory_occupation", "release_memory_occupation", {"tags": None})
-    proxy("/resume_memory_occupation", "resume_memory_occupation", {"tags": None})
-    proxy("/update_weights_from_disk", "update_weights_from_disk", DISK_FIELDS, base_req=True)
-    proxy("/update_weights_from_tensor", "update_weights_from_tensor", TENSOR_FIELDS,
-          base_req=True)
-    proxy("/init_weights_update_group", "init_weights_update_group", INIT_GROUP_FIELDS,
-          base_req=True)
-    proxy("/update_weights_from_distributed", "update_weights_from_distributed",
-          DISTRIBUTED_FIELDS, base_req=True)
-    proxy("/destroy_weights_update_group", "destroy_weights_update_group",
-          DESTROY_GROUP_FIELDS, base_req=True)
-    proxy("/update_weight_version", "update_weight_version", WEIGHT_VERSION_FIELDS,
-          base_req=True)
-    proxy("/pause_generation", "pause_generation", {"mode": "abort"})
-    proxy("/continue_generation", "continue_generation", {})
-    # admin only: it reads the weights (bounded: rl_control.MAX_TRUNCATE_ROWS rows, 400 beyond)
-    for http_method in ("GET", "POST"):
-        proxy("/get_weights_by_name", "get_weights_by_name",
-              {"name": REQUIRED, "truncate_size": 100}, http_method=http_method)
+    async def handler(request: Request) -> Response:
+        if request.method == "GET":
+            body: dict[str, Any] = dict(request.query_params.items())
+        else:
+            body = await read_json(request, optional=True)
+        check_fields(body, set(fields) | set(BASE_REQ if route.base_req else ()), where)
+        if route.base_req:
+            _check_base_req(body, where)
+        missing = [k for k, d in fields.items() if d is REQUIRED and body.get(k) is None]
+        if missing:
+            raise HTTPError(400, f"{where}: missing required field(s) {missing}")
+        # null means the default, as in SGLang's dataclasses
+        kwargs = {k: d if body.get(k) is None and d is not REQUIRED else body.get(k)
+                  for k, d in fields.items()}
+        return await control(engine, route.method, lift=route.lift, **kwargs)
+
+    return handler
 
 
 def _check_base_req(body: dict[str, Any], where: str) -> None:

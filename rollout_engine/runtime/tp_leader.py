@@ -7,7 +7,8 @@ ranks hold a shard of the model and of the KV pool and do what rank 0 tells them
     weight updates     mirrored as they arrive (``begin_call``: the ranks read, receive or map
                        their part while rank 0 does), then agreed (``LeaderCommit``: every rank
                        checked its part, or none writes), then answered (``finish_call``)
-    sleep, wake, ...   mirrored once rank 0 has done them (``finish_call``)
+    sleep, wake, ...   mirrored once rank 0 has done them (``finish_call``), the weight
+                       checker too (each rank checks its own slices; checksums appended)
 
 ``TPLeaderChannel`` is rank 0's channel to the frontend with these hooks on it, so the
 scheduler and its loop stay as they are. A rank that exits, crashes or stops answering raises
@@ -41,7 +42,8 @@ AGREED = ("update_weights_from_disk", "update_weights_from_tensor",
           "update_weights_from_distributed")
 AT_ARRIVAL = (*AGREED, "init_weights_update_group")   # the ranks must run these with rank 0
 AFTER_SUCCESS = ("release_memory_occupation", "resume_memory_occupation",
-                 "destroy_weights_update_group", "check_integrity", "get_weights_by_name")
+                 "destroy_weights_update_group", "check_integrity", "get_weights_by_name",
+                 "weights_checker")
 
 
 class TPRankDied(RuntimeError):
@@ -291,6 +293,8 @@ def merge(call: _Call, result: ControlResult, finals: list[wire.Final],
                 return ControlResult(result.call_id, False, status=500,
                                      message=f"tensor-parallel rank {rank} {why}")
         out = {**out, "tp_ranks": [f.result for f in finals]}
+    elif method == "weights_checker" and "ranks" in out:   # every rank's checksums
+        out = {**out, "ranks": [*out["ranks"], *(r for f in finals for r in f.result["ranks"])]}
     elif method == "get_weights_by_name":
         shards = leader.model.tp_shards() if leader.model is not None else {}
         out = _joined_slice(out, [f.result for f in finals], shards.get(call.kwargs["name"]),

@@ -30,11 +30,13 @@ from typing import Any, Optional
 import torch
 
 from rollout_engine.config import EngineConfig
+from rollout_engine.control.weight_checks import RankChecker, check_args
 from rollout_engine.memory.memory_saver import TAGS, create_memory_saver
 from rollout_engine.model_runner.model_runner import ModelRunner
 from rollout_engine.parallel.context import TPContext, replicated_checksum
 from rollout_engine.protocol.messages import BusyError, WeightSlice
 from rollout_engine.runtime import tp_wire as wire
+from rollout_engine.runtime.tp_leader import AGREED
 from rollout_engine.weights import refit
 from rollout_engine.weights.disk_reader import PartialLoadError
 from rollout_engine.weights.loader import load_weights, plan_targets, read_weight
@@ -90,6 +92,7 @@ class TPWorker:
         self.mapped: Optional[refit.MappedStorages] = None
         self.commit = WorkerCommit(conn)
         tp.commit = self.commit
+        self.checker = RankChecker(tp.rank, tp.size)   # weights_checker's snapshots
         self.forward_passes = 0
         self.joining: list[tuple[int, str, Future]] = []   # (call id, group, rendezvous)
         self.receiving: list[_Receiving] = []
@@ -127,7 +130,9 @@ class TPWorker:
 
     def _control(self, op: wire.ControlOp) -> None:
         handler = getattr(self, f"rpc_{op.method}")
-        self.commit.call_id, self.commit.agreed = op.call_id, False
+        # only a weight update waits for rank 0's verdict; any other call just answers
+        self.commit.call_id = op.call_id if op.method in AGREED else None
+        self.commit.agreed = False
         try:
             result = handler(op.call_id, **op.kwargs)
             final = None if result is _DEFERRED else wire.Final(op.call_id, True, result)
@@ -248,6 +253,15 @@ class TPWorker:
         t = read_weight(self.model, name)
         part = (t[:truncate_size] if t.dim() else t).detach().float().contiguous().cpu()
         return WeightSlice(list(part.shape), part.numpy().tobytes())
+
+    def rpc_weights_checker(self, call_id: int, action: str = "checksum",
+                            allow_quant_error: bool = False, selector: str = "all",
+                            skip_tensor_list: Optional[list[str]] = None) -> dict[str, Any]:
+        """This rank's part of ``weights_checker`` (rank 0 checked the arguments and did its
+        own): its slices snapshotted, reset, compared or hashed."""
+        skip = check_args(action, selector, skip_tensor_list)
+        models = [("target", self.model)] if selector in ("target", "all") else []
+        return self.checker.run(action, models, skip)
 
     # -- memory and invariants -----------------------------------------------------------------
     def rpc_release_memory_occupation(self, call_id: int,

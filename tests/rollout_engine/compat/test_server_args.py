@@ -159,6 +159,11 @@ def test_areal_command_line() -> None:
         # SGLang's -1 (no chunking): one chunk per prefill budget
         "chunked_prefill_size": 32768, "max_prefill_tokens": 32768, "dtype": "bfloat16",
         "host": "10.0.0.1", "port": 30001,
+        # logging and launch knobs: no effect here, kept to be reported by get_server_info
+        "ignored_sglang_args": {
+            "trust_remote_code": True, "max_loaded_loras": 8, "lora_backend": "triton",
+            "log_level_http": "warning", "log_requests_level": 0, "enable_metrics": True,
+            "decode_log_interval": 1},
     }   # fa3: not ours, the device's default backend; lpm / warning: our defaults already
 
 
@@ -175,7 +180,8 @@ def test_sglang_spellings_are_converted() -> None:
     assert parse_args([*base, "--tensor-parallel-size", "1", "--dp-size", "1", "--pp-size",
                        "1", "--enable-memory-saver", "--attention-backend", "triton",
                        "--load-format", "dummy", "--skip-tokenizer-init"]) == {
-        "model_path": "/m", "enable_memory_saver": True, "attention_backend": "triton"}
+        "model_path": "/m", "enable_memory_saver": True, "attention_backend": "triton",
+        "ignored_sglang_args": {"load_format": "dummy", "skip_tokenizer_init": True}}
     assert parse_args([*base, "--data-parallel-size", "2", "--load-balance-method",
                        "total_requests"]) == {
         "model_path": "/m", "dp_size": 2, "load_balance_method": "total_requests"}

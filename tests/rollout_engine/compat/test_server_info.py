@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rollout_engine.compat.server_args import SGLANG_VERSIONS
+from rollout_engine.compat.server_args import SGLANG_FLAGS, SGLANG_VERSIONS
 from rollout_engine.control.introspection import ThroughputMeter
 from rollout_engine.entrypoints.engine import rollout_engine_version
 from tests.rollout_engine.compat.test_server_args import slime_kwargs
@@ -86,8 +86,12 @@ def test_server_info_carries_sglangs_fields(make_engine: Any, qwen2_path: str) -
     assert (info["tp_size"], info["dp_size"], info["pp_size"], info["ep_size"]) == (1, 1, 1, 1)
     assert (info["nnodes"], info["node_rank"], info["disaggregation_mode"]) == (1, 0, "null")
     assert info["enable_memory_saver"] is True and info["random_seed"] == 7
-    # an ignored flag is not reported (what it was given is not kept)
-    assert "trust_remote_code" not in info and "skip_server_warmup" not in info
+    # every ServerArgs field is reported: an ignored flag as given, else at SGLang's default
+    assert set(SGLANG_FLAGS) <= set(info)
+    assert info["trust_remote_code"] is True and info["skip_server_warmup"] is True
+    assert info["dist_init_addr"] == "127.0.0.1:15002" and info["nccl_port"] == 15001
+    assert info["gpu_id_step"] == 1 and info["decode_log_interval"] == 40
+    assert info["num_gpus"] == 1 and "ignored_sglang_args" not in info
     assert info["mem_fraction_static"] == 0.8 and info["page_size"] == 1
     assert info["chunked_prefill_size"] == 2048 and info["schedule_policy"] == "lpm"
     assert info["disable_radix_cache"] is False and info["served_model_name"] is None

@@ -288,7 +288,8 @@ def test_init_weights_update_group_takes_sglangs_fields(http):
     ("/update_weights_from_disk", "token_step", -1, "token_step"),
     ("/update_weights_from_tensor", "pp_rank", 1, "one pipeline stage"),
     ("/update_weights_from_disk", "pp_rank", 2, "one pipeline stage"),
-    ("/update_weights_from_tensor", "abort_all_requests", "yes", "abort_all_requests"),
+    # "yes" is true to SGLang's pydantic model (and so here); "perhaps" is no boolean to either
+    ("/update_weights_from_tensor", "abort_all_requests", "perhaps", "abort_all_requests"),
     ("/update_weights_from_tensor", "http_worker_ipc", "ipc://x", "http_worker_ipc"),
     ("/update_weights_from_tensor", "weight_version", 3, "weight_version"),
 ])

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from rollout_engine.compat.server_args import SGLANG_FLAGS
+from rollout_engine.compat.server_args import IGNORED_ARGS_FIELD, SGLANG_FLAGS
 from rollout_engine.config import EngineConfig
 from rollout_engine.entrypoints import cli
 from rollout_engine.entrypoints.launch_server import HELP, build_parser, parse_args
@@ -26,7 +26,8 @@ from tests.rollout_engine.entrypoints.conftest import bound_socket
 def test_every_config_field_is_a_flag_with_help() -> None:
     parser = build_parser()
     flags = {a.dest: a for a in parser._actions if a.dest != "help"}
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    # (ignored_sglang_args is filled from SGLang's own flags: it is no flag itself)
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {IGNORED_ARGS_FIELD}
     # our fields, and every SGLang flag (compat/server_args.py), nothing else
     assert set(flags) == fields | set(SGLANG_FLAGS)
     assert set(HELP) == fields, "every flag of ours has its own help text"

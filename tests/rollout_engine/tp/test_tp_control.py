@@ -108,6 +108,33 @@ def test_weight_reads_join_every_ranks_slice(tp2, one_kv_head):
         assert torch.equal(got, full[name][:rows].float()), name
 
 
+def test_weights_checker_checks_every_ranks_slices(tp2, one_rank, one_kv_head):
+    """SGLang's /weights_checker under tp 2: each rank snapshots, resets, compares and hashes
+    its own slices; a rank whose slice differs fails the compare, naming it."""
+    def check(action: str, **kw: Any) -> Any:
+        return tp2.tm.call("weights_checker", action=action, **kw)
+
+    good = list(iter_safetensors(one_kv_head))
+    ranks = check("checksum").result["ranks"]
+    assert [r["parallelism_info"][0]["tp_rank"] for r in ranks] == [0, 1]
+    name = "model.layers.1.mlp.gate_proj.weight"            # rows split: 64 a rank
+    assert ranks[0]["checksums"][name] != ranks[1]["checksums"][name]
+    assert check("snapshot").success and check("reset_tensors").success
+    assert tp2.get_server_info()["weights_stale"] is True
+    assert tp2.update_weights_from_tensor(good)[0]
+    assert check("compare").success
+    assert check("checksum").result["ranks"] == ranks
+    # rank 1's rows of one weight differ from the snapshot
+    other = [(n, torch.cat([t[:64], t[64:] + 1]) if n == name else t) for n, t in good]
+    assert tp2.update_weights_from_tensor(other)[0]
+    r = check("compare")
+    assert not r.success and r.status == 400
+    assert r.message.startswith("tensor-parallel rank 1: ") and f"name={name} " in r.message
+    assert tp2.update_weights_from_tensor(good)[0]
+    assert check("compare").success
+    _same(_rollouts(tp2), one_rank)
+
+
 def test_a_retracted_request_resumes_as_it_would_have_run(tp2, one_rank):
     stream = tp2.generate(input_ids=PROMPTS[2], sampling_params=GREEDY, stream=True)
     next(stream)
