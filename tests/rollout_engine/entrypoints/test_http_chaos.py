@@ -22,6 +22,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -121,6 +122,7 @@ class Chaos:
         self.weights = "w1"        # the checkpoint the server serves
         self.version: Optional[str] = None
         self.stop = threading.Event()
+        self.traces = tempfile.mkdtemp(prefix="chaos-traces-")   # /start_profile writes here
 
     def client(self, timeout: float = REQUEST_TIMEOUT_S) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=timeout)
@@ -132,13 +134,14 @@ class Chaos:
             while not self.stop.is_set() and time.monotonic() < self.deadline:
                 kind = rng.choice(CLIENT_KINDS)
                 try:
-                    self._one(c, rng, kind)
+                    self._one(c, rng, kind, rid_prefix=f"c{index}-")
                 except httpx.TimeoutException:
                     self.tally.fail(f"{kind}: no answer within {REQUEST_TIMEOUT_S:g} s")
                 except httpx.HTTPError as e:
                     self.tally.fail(f"{kind}: {type(e).__name__}: {e}")
 
-    def _one(self, c: httpx.Client, rng: random.Random, kind: str) -> None:
+    def _one(self, c: httpx.Client, rng: random.Random, kind: str,
+             rid_prefix: Optional[str] = None) -> None:
         ids = [rng.randrange(3, 500) for _ in range(rng.randint(1, 60))]
         sp = {"max_new_tokens": rng.randint(0, 40), "temperature": rng.choice([0.0, 1.0])}
         status: Optional[int] = None
@@ -147,7 +150,8 @@ class Chaos:
                 sp["n"] = 3
             if kind == "oversized":
                 ids = list(range(5, 5 + POOL_TOKENS + 50))
-            r = c.post("/generate", json={"input_ids": ids, "sampling_params": sp,
+            rid = None if rid_prefix is None else f"{rid_prefix}{rng.getrandbits(48):x}"
+            r = c.post("/generate", json={"input_ids": ids, "sampling_params": sp, "rid": rid,
                                           "return_logprob": rng.random() < 0.5})
             status = r.status_code
             if status == 200:
@@ -229,7 +233,7 @@ class Chaos:
             self.c = c
             while time.monotonic() < self.deadline:
                 action = rng.choice(["pause", "disk", "tensor", "sleep", "flush", "abort_all",
-                                     "version"])
+                                     "version", "checked", "profile", "abort_prefix"])
                 try:
                     getattr(self, "_" + action)(rng)
                 except AssertionError as e:
@@ -325,6 +329,32 @@ class Chaos:
     def _abort_all(self, rng: random.Random) -> None:
         assert self.post("/abort_request", {"abort_all": True}).status_code == 200
 
+    def _checked(self, rng: random.Random) -> None:
+        """miles' checked update: snapshot, compare (equal), a bracketed refit, compare again:
+        equal only when the refit wrote the same checkpoint back."""
+        before, target = self.weights, rng.choice(["w1", "w2"])
+        assert self.post("/weights_checker", {"action": "snapshot"}).status_code == 200
+        r = self.post("/weights_checker", {"action": "compare"})
+        assert r.status_code == 200, r.text
+        assert self.post("/begin_weight_update", {"selector": "target"}).status_code == 200
+        try:
+            self._refit("tensor", target)
+        finally:
+            assert self.post("/end_weight_update").status_code == 200
+        r = self.post("/weights_checker", {"action": "compare"})
+        assert r.status_code == (200 if target == before else 400), r.text
+
+    def _profile(self, rng: random.Random) -> None:
+        r = self.post("/start_profile", {"output_dir": self.traces,
+                                         "num_steps": rng.randint(1, 4)})
+        assert r.status_code == 200, r.text
+        assert self.post("/stop_profile").status_code == 200
+
+    def _abort_prefix(self, rng: random.Random) -> None:
+        r = self.post("/abort_request", {"rid": f"c{rng.randrange(6)}-", "prefix": True,
+                                         "abort_message": "chaos"})
+        assert r.status_code == 200, r.text
+
     def _version(self, rng: random.Random) -> None:
         label = f"relabel-{rng.randrange(1000)}"
         r = self.post("/update_weight_version", {"new_version": label,
@@ -364,6 +394,8 @@ def _chaos(world: dict[str, Any], tmp_path: Any, seconds: float, clients: int = 
                 warm._one(c, random.Random(kind), kind)
             warm._disk(random.Random(0))
             warm._tensor(random.Random(1))
+            warm._checked(random.Random(2))   # a weights snapshot is held from here on
+            warm._profile(random.Random(3))
             warm._refit("disk", "w1")
         assert not warm.tally.failures, warm.tally.failures
         rss_before = _rss(procs)
