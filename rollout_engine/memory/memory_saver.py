@@ -24,7 +24,7 @@ from torch import nn
 
 from rollout_engine.memory import huge_pages
 from rollout_engine.memory.kv_pool import KVPool
-from rollout_engine.models import weight_packs
+from rollout_engine.models import weight_writes
 
 TAGS = ("weights", "kv_cache", "cuda_graph")
 
@@ -133,28 +133,29 @@ class MemorySaver(ABC):
         return stale
 
     def _release_weights(self) -> int:
-        weight_packs.weights_changed()   # the packed copies go with the weights they were made of
         freed = 0
         params = dict(self.model.named_parameters())
-        if self.weights_cpu_backup:
-            self._backup = {n: self._backup_copy(p.data) for n, p in params.items()}
-        for name, p in params.items():
-            self._shapes[name] = (p.shape, p.dtype, p.device)
-            freed += p.numel() * p.element_size()
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        # the block's start drops the packed copies (before the backup is made: they go with
+        # the weights they were made of)
+        with weight_writes.writing():
+            if self.weights_cpu_backup:
+                self._backup = {n: self._backup_copy(p.data) for n, p in params.items()}
+            for name, p in params.items():
+                self._shapes[name] = (p.shape, p.dtype, p.device)
+                freed += p.numel() * p.element_size()
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         return freed
 
     def _resume_weights(self) -> bool:
         params = dict(self.model.named_parameters())
-        for name, (shape, dtype, device) in self._shapes.items():
-            params[name].data = huge_pages.zeros(shape, dtype, device)
         backup, stale = self._backup, self._backup is None
-        if backup is not None:
-            with torch.no_grad():
+        with weight_writes.writing(), torch.no_grad():
+            for name, (shape, dtype, device) in self._shapes.items():
+                params[name].data = huge_pages.zeros(shape, dtype, device)
+            if backup is not None:
                 for name, saved in backup.items():
                     params[name].data.copy_(saved)
-            self._backup = None
-        weight_packs.weights_changed()
+        self._backup = None
         return stale
 
     @abstractmethod

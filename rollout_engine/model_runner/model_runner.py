@@ -19,6 +19,7 @@ from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool, row_width
 from rollout_engine.model_runner.attention import create_attention_backend
 from rollout_engine.model_runner.attention.torch_native import KernelDecodeMeta
 from rollout_engine.model_runner.cuda_graph import create_decode_graphs
+from rollout_engine.models import weight_writes
 from rollout_engine.models.cpu_decode import CpuDecodeForward
 from rollout_engine.models.forward_batch import ForwardBatch
 from rollout_engine.models.layers import compute_inv_freq
@@ -48,9 +49,10 @@ class ModelRunner:
         with torch.device("meta"):
             model = build_model(self.arch, self.tp)
         model = model.to_empty(device=self.device).to(self.dtype)
-        for p in model.parameters():   # memory of their own (memory/huge_pages.py)
-            if p.numel() * p.element_size() >= huge_pages.HUGE_PAGE:
-                p.data = huge_pages.empty(p.shape, p.dtype, p.device)
+        with weight_writes.writing():   # memory of their own (memory/huge_pages.py)
+            for p in model.parameters():
+                if p.numel() * p.element_size() >= huge_pages.HUGE_PAGE:
+                    p.data = huge_pages.empty(p.shape, p.dtype, p.device)
         # meta -> empty left the RoPE buffer uninitialised; it stays float32 whatever the dtype
         model.rotary.inv_freq = compute_inv_freq(
             self.arch.head_dim, self.arch.rope_theta, self.arch.rope_scaling).to(self.device)

@@ -8,14 +8,13 @@ head 19.8 -> 18.8 ms), 1-16 rows 1.4-2.2x (the LM head at 4 rows 2.07 -> 1.20 ms
 engine, offline batch 256 +5.8% tok/s (paired rollouts alternating in one process).
 
 A packed copy is the weight's value when it was made. Weights change in place (refits write
-raw bytes into the parameters) or get new storage (the shadow swap, sleep and wake), so every
-path that writes parameters calls `weights_changed` after writing (`LoadPlan.apply`, the
-checkpoint reader, the shadow commit, the memory saver), which makes every copy made before
-it unusable: the next product re-packs (~70 ms for the 55M model's 156 MB of matrices, once
-per refit, on the first forward after it). Each copy is also keyed by the weight's storage
-address, shape and autograd version, so a swap or an in-place torch op that misses the call
-is still caught. The copies cost as much memory as the weights they pack; the call drops them
-all (the memory saver makes it before releasing the weights).
+raw bytes into the parameters) or get new storage (the shadow swap, sleep and wake); every
+such write runs inside ``weight_writes.writing()``, which moves the one weight generation. A
+copy is keyed by the generation it was made under, and all are dropped when it moves: the
+next product re-packs (~70 ms for the 55M model's 156 MB of matrices, once per refit, on the
+first forward after it). The key also holds the weight's storage address, shape and autograd
+version, so an in-place torch op outside the block is still caught. The copies cost as much
+memory as the weights they pack; a sleep drops them with the weights.
 
 ``ROLLOUT_ENGINE_PREPACK=0`` turns packing off (products use the plain weight).
 """
@@ -29,18 +28,14 @@ from typing import Optional
 
 import torch
 
+from rollout_engine.models import weight_writes
+
 PREPACK_ENV = "ROLLOUT_ENGINE_PREPACK"
 PACK_ROWS = 128   # the row count oneDNN is told to pack for (64-2048 measured within noise)
 
 # id(weight) -> (weakref to the weight, key it was packed under, packed copy)
 _packs: dict[int, tuple[weakref.ref, tuple, torch.Tensor]] = {}
-
-
-def weights_changed() -> None:
-    """Parameters were written (or given new storage, or are about to be released): every
-    packed copy is dropped, so none made before is used again. Call it after every write to
-    model weights."""
-    _packs.clear()
+weight_writes.on_change(_packs.clear)   # a write makes every copy stale
 
 
 def num_bytes() -> int:
@@ -72,7 +67,7 @@ def _forget(key: int) -> None:
 def _key(weight: torch.Tensor) -> tuple:
     # an inference tensor has no version counter (and changes only inside inference mode)
     version = None if weight.is_inference() else weight._version
-    return (weight.data_ptr(), tuple(weight.shape), version)
+    return (weight_writes.generation(), weight.data_ptr(), tuple(weight.shape), version)
 
 
 def _current(weight: torch.Tensor) -> Optional[torch.Tensor]:

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from rollout_engine.models import weight_packs
+from rollout_engine.models import weight_writes
 from rollout_engine.weights.loader import read_weight, weight_table
 
 __all__ = ["Mismatch", "check_equal", "checksums", "digest", "named_weights", "overall",
@@ -53,18 +53,18 @@ def reset(model: nn.Module, skip: Iterable[str] = ()) -> list[str]:
     for integer tensors); returns the names written."""
     skip = list(skip)
     written = []
-    for name, t in named_weights(model).items():
-        if _skipped(name, skip):
-            continue
-        if t.dtype.is_floating_point:
-            t.copy_(torch.rand(t.shape, dtype=torch.float32, device=t.device))
-        elif t.dtype == torch.bool:
-            t.copy_(torch.rand(t.shape, device=t.device) > 0.5)
-        else:
-            info = torch.iinfo(t.dtype)
-            t.copy_(torch.randint(info.min, info.max, t.shape, dtype=t.dtype, device=t.device))
-        written.append(name)
-    weight_packs.weights_changed()
+    with weight_writes.writing():
+        for name, t in named_weights(model).items():
+            if _skipped(name, skip):
+                continue
+            if t.dtype.is_floating_point:
+                t.copy_(torch.rand(t.shape, dtype=torch.float32, device=t.device))
+            elif t.dtype == torch.bool:
+                t.copy_(torch.rand(t.shape, device=t.device) > 0.5)
+            else:
+                info = torch.iinfo(t.dtype)
+                t.copy_(torch.randint(info.min, info.max, t.shape, dtype=t.dtype, device=t.device))
+            written.append(name)
     return written
 
 

@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from rollout_engine.models import weight_packs
+from rollout_engine.models import weight_writes
 from rollout_engine.parallel.context import Shard
 from rollout_engine.protocol.byte_copy import copy_into
 from rollout_engine.weights.loader import (
@@ -132,7 +132,7 @@ def load_checkpoint(model: torch.nn.Module, model_path: str) -> WeightLoadReport
     jobs = [job for name, dst, shard in targets for job in _jobs(by_name[name], dst, shard)]
     files = _Files()
     try:
-        with torch.no_grad():
+        with weight_writes.writing(), torch.no_grad():
             if NUM_THREADS == 1 or len(jobs) == 1:
                 for job in jobs:
                     job.run(files)
@@ -146,7 +146,6 @@ def load_checkpoint(model: torch.nn.Module, model_path: str) -> WeightLoadReport
                                frozenset(n for n, _, _ in targets)) from None
     finally:
         files.close()
-        weight_packs.weights_changed()
     num_bytes = sum(dst.numel() * dst.element_size() for _, dst, _ in targets)
     num_cast = sum(by_name[n].dtype != dst.dtype for n, dst, _ in targets)
     return WeightLoadReport(num_tensors=len(targets), num_bytes=num_bytes,

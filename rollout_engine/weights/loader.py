@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 from safetensors import safe_open
 
-from rollout_engine.models import weight_packs
+from rollout_engine.models import weight_writes
 from rollout_engine.parallel.context import Shard
 from rollout_engine.protocol.byte_copy import CopyPlan
 
@@ -131,11 +131,8 @@ class LoadPlan:
         return all(p.data_ptr() == ptr for p, ptr in self.storages.values())
 
     def apply(self) -> None:
-        try:
-            with torch.no_grad():   # casts if dtypes differ
-                self.copies.run()
-        finally:
-            weight_packs.weights_changed()   # also after a partial write
+        with weight_writes.writing(), torch.no_grad():   # casts if dtypes differ
+            self.copies.run()
 
 
 def _source(tensor: torch.Tensor, shard: Optional[Shard]) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from rollout_engine.memory import huge_pages
-from rollout_engine.models import weight_packs
+from rollout_engine.models import weight_writes
 from rollout_engine.protocol.byte_copy import copy_all
 from rollout_engine.weights.loader import WeightLoadReport, weight_table
 
@@ -101,7 +101,7 @@ class ShadowWeights:
     def commit(self, plan: InPlacePlan) -> WeightLoadReport:
         """Every byte arrived: fill each spare's rows the update did not carry from the live
         parameter, then swap spare and parameter."""
-        with torch.no_grad():
+        with weight_writes.writing(), torch.no_grad():
             # one copy_all for every uncovered range (contiguous rows: plain byte copies, on
             # both threads with streaming stores when large: a bucket that splits a fused
             # projection across calls copies the projection's other half here)
@@ -112,7 +112,6 @@ class ShadowWeights:
                 old = param.data
                 param.data = spare
                 self.spares[key] = old
-        weight_packs.weights_changed()
         self.busy.difference_update(plan.params)
         return WeightLoadReport(num_tensors=len(plan.names), num_bytes=plan.num_bytes,
                           names=frozenset(plan.names))

@@ -114,7 +114,7 @@ def test_an_in_place_torch_op_is_seen_by_the_next_product(model):
     w = _weight(model)
     _packed_product_is_current(w)
     with torch.no_grad():
-        w.mul_(-2.0)            # not a writer that calls weights_changed: the version moves
+        w.mul_(-2.0)            # outside weight_writes.writing(): the version moves
     _packed_product_is_current(w)
 
 
