@@ -2,7 +2,10 @@
 
 Workload: P prompts x n=8 samples at batch 64, 128 and 256 (P = 8, 16, 32), 128-token
 prompts (random ids, seeded), 128 new tokens, temperature 1.0, ``ignore_eos`` (equal lengths),
-the sampled token's logprob returned, on the ~55M tiny qwen2 directory, float32, 2 threads.
+the sampled token's logprob returned, on the ~55M tiny qwen2 directory (``--shape`` names a real
+checkpoint's shape with random weights instead: ``testing/real_shapes.py``), float32
+(``--dtype``), 2 threads. A side may name its own dtype (``--sides ours,vllm,vllm:bfloat16``:
+vLLM at its default dtype on bf16 CPUs beside its float32), so each engine's best is in one run.
 Each engine runs in its own process, one after the other (never two at once), is warmed up with
 the same kind of request, and reports its best timed run per shape over ``--rounds`` rounds (each
 side once a round, in turn: ours, vLLM, transformers, ours, ...; ``--repeats`` runs a round), and
@@ -15,12 +18,15 @@ each round's ours / vLLM is printed too:
 
     python benchmarks/bench_offline.py --quick    # batch 64, 64 new tokens
     python benchmarks/bench_offline.py            # batch 64, 128, 256
+    python benchmarks/bench_offline.py --shape qwen3-0.6b --batches 64 \
+        --sides ours,vllm,vllm:bfloat16
 
 The fraction of the roofline is tok/s over (fp32 matmul rate / 2 x matmul params), the rate
 being the fastest of every measurement the run makes: at the start (4 KB and huge pages) and
 right before and after each round's run of ours (this host's speed swings ~40% within minutes,
 so a rate measured once, in a slow minute, would flatter every later run). Each round's ours
-against the rate measured around it is recorded too. The last line printed is ours / vLLM at
+against the rate measured around it is recorded too. A bf16 side is set against the bf16
+product rate measured at the start (``common.matmul_gflops(dtype=torch.bfloat16)``). The last line printed is ours / vLLM at
 the largest batch.
 """
 
@@ -54,7 +60,7 @@ def make_prompts(num: int, length: int, vocab: int = VOCAB, seed: int = 0) -> li
 
 
 def _shapes(spec: dict[str, Any]) -> list[tuple[int, list[list[int]]]]:
-    return [(b, make_prompts(b // spec["n"], spec["prompt_len"], seed=i))
+    return [(b, make_prompts(b // spec["n"], spec["prompt_len"], spec["vocab"], seed=i))
             for i, b in enumerate(spec["batches"])]
 
 
@@ -71,7 +77,7 @@ def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
 
     n, new = spec["n"], spec["new_tokens"]
     biggest = max(spec["batches"])
-    engine = Engine(model_path=spec["model_dir"], dtype="float32", device="cpu",
+    engine = Engine(model_path=spec["model_dir"], dtype=spec["dtype"], device="cpu",
                     num_threads=spec["threads"], max_running_requests=max(256, biggest),
                     max_total_tokens=max(65536, biggest * (spec["prompt_len"] + new)),
                     random_seed=0)
@@ -80,7 +86,7 @@ def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
     results = {}
     try:
         for batch, prompts in _shapes(spec):
-            warm = make_prompts(batch // n, spec["prompt_len"], seed=1000 + batch)
+            warm = make_prompts(batch // n, spec["prompt_len"], spec["vocab"], seed=1000 + batch)
             engine.generate(input_ids=warm, sampling_params={**sp, "max_new_tokens": 8},
                             return_logprob=True)
             runs = []
@@ -104,7 +110,8 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(spec["threads"])
     n, new = spec["n"], spec["new_tokens"]
-    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"],
+                                                 dtype=getattr(torch, spec["dtype"])).eval()
     kwargs = dict(do_sample=True, num_return_sequences=n, max_new_tokens=new,
                   min_new_tokens=new, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0,
                   output_scores=True, return_dict_in_generate=True)
@@ -135,14 +142,16 @@ import torch
 
 def make_prompts(num, length, seed):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(5, %(vocab)d, (num, length), generator=g).tolist()
+    return torch.randint(5, VOCAB, (num, length), generator=g).tolist()
 
 def main():
+    global VOCAB
     spec = json.loads(sys.argv[1])
+    VOCAB = spec["vocab"]
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     n, new, biggest = spec["n"], spec["new_tokens"], max(spec["batches"])
-    llm = LLM(model=spec["model_dir"], dtype="float32", enable_prefix_caching=True,
+    llm = LLM(model=spec["model_dir"], dtype=spec["dtype"], enable_prefix_caching=True,
               max_num_seqs=max(256, biggest), seed=0)
     sp = SamplingParams(n=n, temperature=1.0, max_tokens=new, ignore_eos=True, logprobs=0)
     results = {}
@@ -168,7 +177,7 @@ def main():
 
 if __name__ == "__main__":
     main()
-""" % {"vocab": VOCAB}  # noqa: UP031 - the script has its own braces
+"""
 
 
 def _run_side(side: str, spec: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -182,6 +191,12 @@ def _run_side(side: str, spec: dict[str, Any]) -> Optional[dict[str, Any]]:
     return None
 
 
+def _side_spec(side: str, spec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``ours`` / ``vllm:bfloat16``: the engine, and the spec with the side's dtype."""
+    base, _, dtype = side.partition(":")
+    return base, {**spec, "dtype": dtype or spec["dtype"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="batch 64 only, 64 new tokens")
@@ -193,7 +208,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2,
                     help="rounds of every side in turn (ours, vLLM, transformers, ours, ...): "
                          "the host's speed drifts over minutes, so no side gets only one phase")
-    ap.add_argument("--sides", default="ours,vllm,transformers")
+    ap.add_argument("--sides", default="ours,vllm,transformers",
+                    help="comma-separated; SIDE:DTYPE runs a side in another dtype")
+    ap.add_argument("--shape", default="55m", help="55m, or a real checkpoint's shape: "
+                    "qwen3-0.6b, qwen2.5-0.5b, llama-3.2-1b (random weights)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="every side's dtype unless the side names its own")
     ap.add_argument("--no-vllm-setup", action="store_true",
                     help="skip vLLM's column instead of building its venv when missing")
     ap.add_argument("--name", default=None, help="results/<name>.json")
@@ -207,21 +227,27 @@ def main() -> None:
         return
 
     threads = common.set_threads(args.threads)
+    from rollout_engine.testing.real_shapes import REAL_SHAPES, real_shape_path
     from rollout_engine.testing.tiny_model import PRESET_55M, tiny_model_path
 
-    model_dir = str(tiny_model_path("qwen2", **PRESET_55M))
+    if args.shape == "55m":
+        model_dir, vocab = str(tiny_model_path("qwen2", **PRESET_55M)), VOCAB
+    else:
+        model_dir, vocab = str(real_shape_path(args.shape)), REAL_SHAPES[args.shape]["vocab_size"]
     batches = ([int(b) for b in args.batches.split(",")] if args.batches
                else [64] if args.quick else [64, 128, 256])
     new_tokens = args.new_tokens or (64 if args.quick else 128)
     spec = {"model_dir": model_dir, "batches": batches, "n": N_SAMPLES,
             "prompt_len": args.prompt_len, "new_tokens": new_tokens, "threads": threads,
-            "repeats": args.repeats}
+            "repeats": args.repeats, "vocab": vocab, "dtype": args.dtype}
     mach = common.measure_machine()
     params = common.model_params(model_dir)
     roof = common.compute_roofline_tok_s(mach["matmul_fp32_gflops"], params["matmul"])
+    roof_bf16 = common.compute_roofline_tok_s(mach["matmul_bf16_gflops"], params["matmul"])
     print(f"machine: {mach['cores']} cores, {mach['cpu_model']} ({', '.join(mach['cpu_flags'])}),"
           f" torch {mach['torch']}, {threads} threads; matmul {mach['matmul_fp32_gflops']:.1f} "
-          f"GFLOP/s, copy {mach['copy_gbps']:.1f} GB/s; load {os.getloadavg()[0]:.1f}", flush=True)
+          f"GFLOP/s fp32, {mach['matmul_bf16_gflops']:.1f} bf16, copy {mach['copy_gbps']:.1f} "
+          f"GB/s; load {os.getloadavg()[0]:.1f}", flush=True)
     print(f"workload: batch {batches} (P x n={N_SAMPLES}), {args.prompt_len}-token prompts, "
           f"{new_tokens} new, T=1, logprobs; {params['matmul'] / 1e6:.1f}M matmul params, "
           f"roofline {roof:.0f} tok/s (at the start's rate; the table uses the run's fastest)",
@@ -237,17 +263,18 @@ def main() -> None:
             if found[side] is None:
                 continue   # failed or unavailable in an earlier round
             t0 = time.perf_counter()
-            if side == "vllm":
+            base, side_spec = _side_spec(side, spec)
+            if base == "vllm":
                 py = vllm_peer.vllm_python(setup=not args.no_vllm_setup)
-                got = (vllm_peer.run_vllm_script(py, VLLM_SCRIPT, spec, timeout=3600,
+                got = (vllm_peer.run_vllm_script(py, VLLM_SCRIPT, side_spec, timeout=3600,
                                                  threads=threads) if py else None)
             elif side == "ours":
                 before = common.matmul_gflops(reps=10)
-                got = _run_side(side, spec)
+                got = _run_side(base, side_spec)
                 around = [round(before, 2), round(common.matmul_gflops(reps=10), 2)]
                 rates += around
             else:
-                got = _run_side(side, spec)
+                got = _run_side(base, side_spec)
             print(f"round {rnd + 1}, {side}: {got} ({time.perf_counter() - t0:.0f} s with "
                   "start-up)", flush=True)
             if got is None:
@@ -274,11 +301,15 @@ def main() -> None:
             max(around), params["matmul"]) for b in batches}
         for r, around in zip([r for r in per_round if "ours" in r], around_ours)]
     best = {s: {b: max(r[str(b)]) for b in batches} for s, r in found.items() if r}
+
+    def roof_of(side: str) -> float:   # each side against its own dtype's product rate
+        return roof_bf16 if _side_spec(side, spec)[1]["dtype"] == "bfloat16" else roof
+
     rows = []
     for b in batches:
         row: list[Any] = [b]
         for s in sides:
-            row += [best[s][b], best[s][b] / roof] if s in best else ["-", "-"]
+            row += [best[s][b], best[s][b] / roof_of(s)] if s in best else ["-", "-"]
         if "ours" in best:
             row += [best["ours"][b] / best[o][b] if o in best else "-"
                     for o in sides if o != "ours"]
@@ -287,13 +318,16 @@ def main() -> None:
     if "ours" in best:
         header += [f"ours / {o}" for o in sides if o != "ours"]
     print(common.table(rows, header))
-    name = args.name or ("bench_offline_quick" if args.quick else "bench_offline")
+    name = args.name or "_".join(["bench_offline"] + ["quick"] * args.quick + [
+        args.shape.replace(".", "_")] * (args.shape != "55m"))
     path = common.save_result(name, {
         "machine": mach, "params": params, "roofline_tok_s": roof,
+        "roofline_bf16_tok_s": roof_bf16,
         "roofline_matmul_gflops": rate, "matmul_gflops_around_ours": around_ours,
         "ours_of_adjacent_roofline_by_round": ours_of_adjacent,
         "workload": {k: v for k, v in spec.items() if k != "model_dir"} | {
-            "model": "tiny qwen2 PRESET_55M", "dtype": "float32", "temperature": 1.0,
+            "model": "tiny qwen2 PRESET_55M" if args.shape == "55m" else
+            f"{args.shape} shape, random weights", "temperature": 1.0,
             "ignore_eos": True, "logprobs": True},
         "rounds": args.rounds, "runs_tok_s": found, "runs_by_round": per_round,
         "best_tok_s": best, "ours_over_vllm_by_round": paired,
@@ -303,7 +337,7 @@ def main() -> None:
     if "ours" in best and "vllm" in best:
         print(f"ours / vLLM CPU at batch {top}: {best['ours'][top] / best['vllm'][top]:.2f}x "
               f"({best['ours'][top]:.0f} vs {best['vllm'][top]:.0f} tok/s; "
-              f"{best['ours'][top] / roof:.0%} of the matmul roofline)")
+              f"{best['ours'][top] / roof_of('ours'):.0%} of the matmul roofline)")
     for i, r in enumerate(paired):
         print(f"round {i + 1}: ours / vLLM " + ", ".join(
             f"batch {b} {r[str(b)]:.2f}x" for b in batches))

@@ -96,6 +96,21 @@ def matmul_gflops(m: int = 1024, k: int = 2048, n: int = 2048, reps: int = 5) ->
     return 2.0 * m * k * n / t / 1e9
 
 
+def matmul_bf16_gflops(reps: int = 5) -> float:
+    """bf16 product rate (``F.linear``: oneDNN, fp32 accumulation), GFLOP/s, of the
+    ``matmul_gflops`` shape. On an AVX2-only CPU oneDNN converts to fp32 and runs ~4-7x
+    slower than fp32; a probe under 1 GFLOP/s (no bf16 kernel at all) is returned as it is,
+    so the measurement takes a second, not minutes."""
+    def rate(m: int, k: int, n: int, r: int) -> float:
+        a = torch.randn(m, k).bfloat16()
+        w = torch.randn(n, k).bfloat16()
+        t = _best_time(lambda: torch.nn.functional.linear(a, w), r, warmup=1)
+        return 2.0 * m * k * n / t / 1e9
+
+    probe = rate(64, 512, 512, 2)
+    return probe if probe < 1.0 else max(probe, rate(1024, 2048, 2048, reps))
+
+
 def copy_gbps(nbytes: int = 256 * 1024 * 1024, reps: int = 5) -> float:
     """``dst.copy_(src)`` bandwidth, GB/s counting read + write."""
     src = torch.ones(nbytes // 4, dtype=torch.float32)
@@ -130,6 +145,7 @@ def measure_machine() -> dict[str, Any]:
     return {**machine(), "matmul_fp32_gflops": round(max(plain, huge or 0.0), 2),
             "matmul_fp32_gflops_4k_pages": round(plain, 2),
             "matmul_fp32_gflops_huge_pages": None if huge is None else round(huge, 2),
+            "matmul_bf16_gflops": round(matmul_bf16_gflops(), 2),
             "copy_gbps": round(copy_gbps(), 2)}
 
 

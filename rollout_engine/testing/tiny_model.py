@@ -103,6 +103,9 @@ class TinyModelSpec:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool | None = None  # None: tied for qwen2/qwen3, untied for llama
     rope_scaling: dict | None = None
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    rope_theta: float = ROPE_THETA
+    rms_norm_eps: float = 1e-6
     shard_size_mb: float | None = None
     init_std: float | None = None  # embedding/lm_head std; None: DEFAULT_LOGIT_STD / sqrt(hidden)
 
@@ -121,8 +124,10 @@ class TinyModelSpec:
                 f"num_heads ({self.num_heads}) must be divisible by num_kv_heads "
                 f"({self.num_kv_heads})"
             )
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if self.head_dim % 2:
-            raise ValueError(f"head_dim (hidden_size / num_heads = {self.head_dim}) must be even")
+            raise ValueError(f"head_dim ({self.head_dim}) must be even")
         if self.vocab_size < MIN_VOCAB_SIZE:
             raise ValueError(f"vocab_size must be at least {MIN_VOCAB_SIZE}, got {self.vocab_size}")
         if self.shard_size_mb is not None and self.shard_size_mb <= 0:
@@ -135,8 +140,8 @@ class TinyModelSpec:
             object.__setattr__(self, "init_std", DEFAULT_LOGIT_STD / math.sqrt(self.hidden_size))
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def q_width(self) -> int:
+        return self.num_heads * self.head_dim
 
 
 def hf_config(spec: TinyModelSpec) -> dict[str, Any]:
@@ -156,20 +161,20 @@ def hf_config(spec: TinyModelSpec) -> dict[str, Any]:
         rope_parameters={
             "rope_type": "default",
             **(spec.rope_scaling or {}),
-            "rope_theta": ROPE_THETA,
+            "rope_theta": spec.rope_theta,
         },
         bos_token_id=BOS_TOKEN_ID,
         eos_token_id=EOS_TOKEN_ID,
         pad_token_id=PAD_TOKEN_ID,
-        rms_norm_eps=1e-6,
+        rms_norm_eps=spec.rms_norm_eps,
         dtype="float32",
     )
-    if spec.arch != "qwen2":
+    if spec.arch != "qwen2" or spec.head_dim != spec.hidden_size // spec.num_heads:
         kwargs["head_dim"] = spec.head_dim
     config = config_cls(**kwargs).to_diff_dict()
     config["architectures"] = [_HF_CLASSES[spec.arch][1]]
     # Hub checkpoints (and loaders written against them) use these pre-v5 names.
-    config["rope_theta"] = ROPE_THETA
+    config["rope_theta"] = spec.rope_theta
     config["rope_scaling"] = dict(spec.rope_scaling) if spec.rope_scaling else None
     config["torch_dtype"] = "float32"
     return config
@@ -187,6 +192,7 @@ def init_weights(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
     """
     gen = torch.Generator().manual_seed(spec.seed)
     h, kv, inter = spec.hidden_size, spec.num_kv_heads * spec.head_dim, spec.intermediate_size
+    q = spec.q_width
 
     def normal(*shape: int, std: float, mean: float = 0.0) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float32) * std + mean
@@ -198,17 +204,17 @@ def init_weights(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         weights[p + "input_layernorm.weight"] = normal(h, std=0.1, mean=1.0)
-        weights[p + "self_attn.q_proj.weight"] = linear(h, h)
+        weights[p + "self_attn.q_proj.weight"] = linear(q, h)
         weights[p + "self_attn.k_proj.weight"] = linear(kv, h)
         weights[p + "self_attn.v_proj.weight"] = linear(kv, h)
         if spec.arch == "qwen2":
-            weights[p + "self_attn.q_proj.bias"] = normal(h, std=0.2)
+            weights[p + "self_attn.q_proj.bias"] = normal(q, std=0.2)
             weights[p + "self_attn.k_proj.bias"] = normal(kv, std=0.2)
             weights[p + "self_attn.v_proj.bias"] = normal(kv, std=0.2)
         if spec.arch == "qwen3":
             weights[p + "self_attn.q_norm.weight"] = normal(spec.head_dim, std=0.1, mean=1.0)
             weights[p + "self_attn.k_norm.weight"] = normal(spec.head_dim, std=0.1, mean=1.0)
-        weights[p + "self_attn.o_proj.weight"] = linear(h, h, RESIDUAL_GAIN)
+        weights[p + "self_attn.o_proj.weight"] = linear(h, q, RESIDUAL_GAIN)
         weights[p + "post_attention_layernorm.weight"] = normal(h, std=0.1, mean=1.0)
         weights[p + "mlp.gate_proj.weight"] = linear(inter, h)
         weights[p + "mlp.up_proj.weight"] = linear(inter, h)
@@ -268,6 +274,9 @@ def make_tiny_model(
     rope_scaling: dict | None = None,
     shard_size_mb: float | None = None,
     init_std: float | None = None,
+    head_dim: int | None = None,
+    rope_theta: float = ROPE_THETA,
+    rms_norm_eps: float = 1e-6,
 ) -> Path:
     """Write a random-weight model directory to `out_dir` (new or empty) and return its path.
 
@@ -288,6 +297,9 @@ def make_tiny_model(
         rope_scaling=rope_scaling,
         shard_size_mb=shard_size_mb,
         init_std=init_std,
+        head_dim=head_dim,
+        rope_theta=rope_theta,
+        rms_norm_eps=rms_norm_eps,
     )
     return _write_model(spec, Path(out_dir))
 
