@@ -41,7 +41,7 @@ from rollout_engine.entrypoints.http_utils import (
 )
 from rollout_engine.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from rollout_engine.entrypoints.serving import GenerationService
-from rollout_engine.entrypoints.token_pieces import TokenPieces
+from rollout_engine.entrypoints.token_pieces import TextOffsets, TokenPieces, legacy_logprobs
 from rollout_engine.parsers import tool_format
 from rollout_engine.tokenizer_manager import RequestState, SchedulerDeadError
 
@@ -107,27 +107,6 @@ class OpenAIServing:
                 "model": self.model_name}
 
     # -- logprobs ------------------------------------------------------------------------------
-    def completion_logprobs(self, entries: list[list[Any]], tops: Optional[list[Any]],
-                            before: bytes = b"") -> tuple[dict[str, Any], bytes]:
-        """Legacy shape: parallel lists; each top entry also holds the chosen token.
-        ``before``: the bytes of earlier tokens (for ``text_offset``); returned extended."""
-        piece = self.pieces.piece
-        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
-                               "text_offset": []}
-        for k, (lp, tid, _) in enumerate(entries):
-            s, raw = piece(tid)
-            out["tokens"].append(s)
-            out["token_logprobs"].append(lp)
-            out["text_offset"].append(len(before.decode("utf-8", "ignore")))
-            before += raw
-            top = tops[k] if tops is not None and k < len(tops) else None
-            entry = (None if top is None and lp is None
-                     else {piece(t)[0]: v for v, t, _ in top or []})
-            if entry is not None:
-                entry.setdefault(s, lp)
-            out["top_logprobs"].append(entry)
-        return out, before
-
     def chat_logprobs(self, meta: dict[str, Any]) -> dict[str, Any]:
         def item(lp: float, tid: int) -> dict[str, Any]:
             s, raw = self.pieces.piece(tid)
@@ -171,7 +150,7 @@ class OpenAIServing:
                     entries = meta.get("input_token_logprobs", []) + entries
                     if tops is not None:
                         tops = meta.get("input_top_logprobs", []) + tops
-                logprobs, _ = self.completion_logprobs(entries, tops)
+                logprobs = legacy_logprobs(self.pieces, entries, tops)
             choices.append({"index": i, "text": prefix + res["text"], "logprobs": logprobs,
                             "finish_reason": _finish_reason(meta["finish_reason"]),
                             "matched_stop": _matched_stop(meta["finish_reason"])})
@@ -182,7 +161,7 @@ class OpenAIServing:
                                   states: list[RequestState]) -> AsyncIterator[bytes]:
         header = self._header("cmpl", "text_completion")
         metas: list[Optional[dict[str, Any]]] = [None] * len(states)
-        before = [b""] * len(states)
+        offsets = [TextOffsets() for _ in states]
         try:
             async with aclosing(self.service.stream(states)) as stream:
                 async for i, chunk in stream:
@@ -190,9 +169,10 @@ class OpenAIServing:
                     reason = meta["finish_reason"]
                     logprobs = None
                     if req.logprobs is not None and chunk["output_ids"]:
-                        logprobs, before[i] = self.completion_logprobs(
-                            meta.get("output_token_logprobs") or [],
-                            meta.get("output_top_logprobs") if req.logprobs else None, before[i])
+                        logprobs = legacy_logprobs(
+                            self.pieces, meta.get("output_token_logprobs") or [],
+                            meta.get("output_top_logprobs") if req.logprobs else None,
+                            offsets[i])
                     if reason is not None:
                         metas[i] = meta
                     elif not chunk["text"] and logprobs is None:

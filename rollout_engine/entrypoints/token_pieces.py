@@ -9,8 +9,9 @@ valid UTF-8 is shown as ``"bytes:\\xe2\\x80"``.
 
 from __future__ import annotations
 
+import codecs
 import re
-from typing import Any
+from typing import Any, Optional
 
 _HEX_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")   # sentencepiece byte-fallback tokens
 
@@ -64,3 +65,58 @@ class TokenPieces:
                 text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
             hit = self.cache[token_id] = (text, raw)
         return hit
+
+
+class TextOffsets:
+    """OpenAI's legacy ``text_offset``: how many characters of text come before each token,
+    counting the UTF-8 bytes of the tokens so far with invalid and unfinished sequences left
+    out (``len(b"".join(earlier).decode("utf-8", "ignore"))``). Kept incrementally, so a
+    token costs its own bytes, not the whole text's; one object per choice, carried across a
+    stream's chunks."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
+        self._clean = True   # the decoder holds no unfinished character
+        self.chars = 0
+
+    def push(self, raw: bytes) -> int:
+        """The offset before a token of bytes ``raw``; the token is then counted."""
+        at = self.chars
+        if self._clean:   # whole characters so far: a valid token counts on its own
+            if raw.isascii():
+                self.chars += len(raw)
+                return at
+            try:
+                self.chars += len(raw.decode("utf-8"))
+                return at
+            except UnicodeDecodeError:
+                pass
+        self.chars += len(self._decoder.decode(raw))
+        self._clean = not self._decoder.getstate()[0]
+        return at
+
+
+def legacy_logprobs(pieces: TokenPieces, entries: list[list[Any]], tops: Optional[list[Any]],
+                    offsets: Optional[TextOffsets] = None) -> dict[str, Any]:
+    """``/v1/completions``' logprobs shape from ``[logprob, id, text]`` entries: parallel
+    lists of tokens, logprobs, top-logprob dicts (each also holding the chosen token) and
+    text offsets. ``offsets``: the choice's text so far (a stream passes the same one with
+    every chunk), advanced past these tokens."""
+    piece = pieces.piece
+    offsets = TextOffsets() if offsets is None else offsets
+    tokens: list[str] = []
+    top_logprobs: list[Optional[dict[str, Any]]] = []
+    text_offset: list[int] = []
+    for k, (lp, tid, _) in enumerate(entries):
+        s, raw = piece(tid)
+        tokens.append(s)
+        text_offset.append(offsets.push(raw))
+        top = tops[k] if tops is not None and k < len(tops) else None
+        if top is None:
+            top_logprobs.append(None if lp is None else {s: lp})
+            continue
+        entry = {piece(t)[0]: v for v, t, _ in top}
+        entry.setdefault(s, lp)
+        top_logprobs.append(entry)
+    return {"tokens": tokens, "token_logprobs": [e[0] for e in entries],
+            "top_logprobs": top_logprobs, "text_offset": text_offset}
