@@ -2,7 +2,7 @@
 and the sampled tokens' logprobs, as slime, AReaL, verl and prime-rl drive a rollout server.
 
 Workload: G groups (``--groups``, 8 and 32 by default), each a 128-token prompt of random ids
-(seeded, ``--prompt-len``; the same prompts as ``bench_offline.py``'s batch G x 8), n=8,
+(seeded, ``--prompt-len``; made as ``bench_offline.py`` makes them), n=8,
 128 new tokens (``--new-tokens``, ``ignore_eos``), temperature 1, logprobs of the sampled
 tokens; all G requests in flight together, wall time from the first send to the last answer,
 tok/s = G x 8 x new / wall. Every answer is checked (8 samples, exactly ``new`` tokens each, a
