@@ -73,7 +73,7 @@ def run_server_side(base: str, spec: dict[str, Any], rnd: int, log_dir: Path,
              "max_seqs": max(256, biggest),
              "max_total_tokens": max(65536, biggest * (spec["prompt_len"] + new))}
     if base == "vllm":
-        flags["vllm_python"] = vllm_py
+        flags.update(vllm_python=vllm_py, max_model_len=spec["prompt_len"] + new + 64)
     out: dict[str, dict[str, float]] = {}
     with http_load.Server.start(base, spec["model_dir"], log_dir, **flags) as server:
         model = http_load.model_name(server.url)

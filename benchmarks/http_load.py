@@ -49,10 +49,11 @@ def _our_env() -> dict[str, str]:
 
 
 def server_command(side: str, model_dir: str, port: int, *, dtype: str, threads: int,
-                   max_seqs: int, max_total_tokens: int, vllm_python: Optional[str] = None
-                   ) -> tuple[list[str], dict[str, str]]:
+                   max_seqs: int, max_total_tokens: int, vllm_python: Optional[str] = None,
+                   max_model_len: Optional[int] = None) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of ``side`` ("ours" or "vllm") on ``port``; vLLM runs
-    under ``vllm_python`` (``vllm_peer.vllm_python()`` when not given)."""
+    under ``vllm_python`` (``vllm_peer.vllm_python()`` when not given), its context capped at
+    ``max_model_len`` when given (a real shape's full context does not fit its KV space)."""
     if side == "ours":
         cmd = [sys.executable, "-m", "rollout_engine.launch_server", "--model-path", model_dir,
                "--port", str(port), "--dtype", dtype, "--device", "cpu",
@@ -69,6 +70,8 @@ def server_command(side: str, model_dir: str, port: int, *, dtype: str, threads:
            "--port", str(port), "--host", "127.0.0.1", "--dtype", dtype,
            "--enable-prefix-caching", "--max-num-seqs", str(max_seqs), "--seed", "0",
            "--no-enable-log-requests"]
+    if max_model_len is not None:
+        cmd += ["--max-model-len", str(max_model_len)]
     return cmd, vllm_peer.vllm_env(threads)
 
 
