@@ -152,7 +152,8 @@ def main():
     from vllm.inputs import TokensPrompt
     n, new, biggest = spec["n"], spec["new_tokens"], max(spec["batches"])
     llm = LLM(model=spec["model_dir"], dtype=spec["dtype"], enable_prefix_caching=True,
-              max_num_seqs=max(256, biggest), seed=0)
+              max_num_seqs=max(256, biggest), seed=0,
+              max_model_len=spec["prompt_len"] + new + 64)   # a real shape's 40k won't fit
     sp = SamplingParams(n=n, temperature=1.0, max_tokens=new, ignore_eos=True, logprobs=0)
     results = {}
     for i, batch in enumerate(spec["batches"]):
