@@ -19,6 +19,7 @@ import http_load  # noqa: E402
 ROUTES = ["/generate", "/v1/completions"]
 
 
+@pytest.mark.slow   # two process start-ups (server, Engine): ~20-30 s
 def test_ours_at_a_tiny_size(tmp_path: Path, qwen2_path: str) -> None:
     out = tmp_path / "rl_http.json"
     proc = subprocess.run(
