@@ -80,7 +80,8 @@ def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
     engine = Engine(model_path=spec["model_dir"], dtype=spec["dtype"], device="cpu",
                     num_threads=spec["threads"], max_running_requests=max(256, biggest),
                     max_total_tokens=max(65536, biggest * (spec["prompt_len"] + new)),
-                    random_seed=0)
+                    random_seed=0,
+                    enable_deterministic_inference=spec.get("deterministic", False))
     sp = {"n": n, "max_new_tokens": new, "temperature": 1.0, "ignore_eos": True,
           "sampling_seed": 1234}
     results = {}
@@ -193,9 +194,16 @@ def _run_side(side: str, spec: dict[str, Any]) -> Optional[dict[str, Any]]:
 
 
 def _side_spec(side: str, spec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """``ours`` / ``vllm:bfloat16``: the engine, and the spec with the side's dtype."""
-    base, _, dtype = side.partition(":")
-    return base, {**spec, "dtype": dtype or spec["dtype"]}
+    """``ours`` / ``vllm:bfloat16`` / ``ours:deterministic`` (ours with
+    ``enable_deterministic_inference``): the engine, and the spec with the side's options."""
+    base, _, options = side.partition(":")
+    out = {**spec, "deterministic": False}
+    for opt in filter(None, options.split("+")):
+        if opt == "deterministic":
+            out["deterministic"] = True
+        else:
+            out["dtype"] = opt
+    return base, out
 
 
 def main() -> None:

@@ -119,11 +119,17 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, mask: Optional[TokenMask] = 
     if fast is None:
         return sample_reference(logits, sb, mask)
     ops, rows = fast
-    if rows.numel() < b:   # the others need [B, V] passes: the kernel picks its rows' tokens
-        tokens, _ = _sample_one_pass(ops, logits, sb, greedy, rows, derived)
-        return sample_reference(logits, sb, mask, one_pass=(rows, tokens))
-    tokens, chosen = _sample_one_pass(ops, logits, sb, greedy, rows, derived)
     nums = _per_row(sb.top_logprobs_num, b)
+    if rows.numel() < b:   # the others need [B, V] passes: the kernel picks its rows' tokens
+        tokens, chosen = _sample_one_pass(ops, logits, sb, greedy, rows, derived)
+        out = sample_reference(logits, sb, mask, one_pass=(rows, tokens))
+        # and keeps its rows' logprobs (those not asking for top logprobs, which take
+        # log_softmax in either path): a row's logprob never depends on its neighbours
+        for i, row in enumerate(rows.tolist()):
+            if nums[row] == 0:
+                out.logprobs[row] = float(chosen[i])
+        return out
+    tokens, chosen = _sample_one_pass(ops, logits, sb, greedy, rows, derived)
     asking = [i for i, k in enumerate(nums) if k > 0]
     top = None
     if asking:   # only these rows pay for a log_softmax; their logprob is read from it too

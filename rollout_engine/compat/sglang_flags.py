@@ -146,7 +146,7 @@ enable_custom_logit_processor                switch  False                defaul
 enable_decoder_swa_bounded_replay            bool    None                 default
 enable_deepseek_v4_fp4_indexer               switch  False                default
 enable_dense_mlp_attn_tp                     switch  False                default
-enable_deterministic_inference               switch  False                default
+enable_deterministic_inference               switch  False                ours
 enable_double_sparsity                       switch  False                default
 enable_dp_attention                          switch  False                default:1gpu
 enable_dp_attention_local_control_broadcast  switch  False                default

@@ -78,6 +78,9 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 64
     num_threads: Optional[int] = None
+    # batch-invariant forwards (SGLang's flag): a request's tokens and logprobs are the same
+    # bits whatever runs beside it (rollout_engine/models/batch_invariant.py)
+    enable_deterministic_inference: bool = False
     # speculative decoding (SGLang's flags; rollout_engine/config/speculative.py says what each
     # does): None | "NGRAM"
     speculative_algorithm: Optional[str] = None
@@ -187,6 +190,7 @@ class EngineConfig:
         _check_hicache(self, bad)
         if self.attention_backend not in _BACKENDS:
             bad("attention_backend", f"must be one of {sorted(map(str, _BACKENDS))}")
+        _check_deterministic(self, bad)
         if self.dp_size < 1:
             bad("dp_size", f"must be >= 1, got {self.dp_size}")
         _check_tp(self, bad)
@@ -292,6 +296,22 @@ def _check_tp(c: EngineConfig, bad: Any) -> None:
                      ("enable_hierarchical_cache", c.enable_hierarchical_cache)):
         if on:
             bad(name, f"is not supported with tp_size > 1 yet (got tp_size={c.tp_size})")
+
+
+def _check_deterministic(c: EngineConfig, bad: Any) -> None:
+    """Batch invariance is built from the CPU float32 kernels (models/batch_invariant.py)."""
+    if not c.enable_deterministic_inference:
+        return
+    flag = "enable_deterministic_inference"
+    if c.resolved_device().type != "cpu" or c.resolved_dtype() != torch.float32:
+        bad(flag, f"needs float32 on CPU (got dtype {c.dtype!r}, device {c.device!r}): its "
+            "products and attention are the CPU float32 kernels")
+    if c.resolved_attention_backend() != "torch_native":
+        bad(flag, f"needs attention_backend torch_native, got {c.attention_backend!r}")
+    for name, on in (("tp_size > 1", c.tp_size > 1),
+                     ("speculative_algorithm", c.speculative_algorithm is not None)):
+        if on:
+            bad(flag, f"is not supported with {name} yet")
 
 
 def _check_serving(c: EngineConfig, bad: Any) -> None:

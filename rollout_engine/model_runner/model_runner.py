@@ -12,6 +12,7 @@ import os
 from typing import Optional
 
 import torch
+from rollout_engine_kernels.cpu.fused_ops import load_fused_ops
 
 from rollout_engine.config import EngineConfig
 from rollout_engine.memory import huge_pages
@@ -19,7 +20,7 @@ from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool, row_width
 from rollout_engine.model_runner.attention import create_attention_backend
 from rollout_engine.model_runner.attention.torch_native import KernelDecodeMeta
 from rollout_engine.model_runner.cuda_graph import create_decode_graphs
-from rollout_engine.models import weight_writes
+from rollout_engine.models import batch_invariant, weight_writes
 from rollout_engine.models.cpu_decode import CpuDecodeForward
 from rollout_engine.models.forward_batch import ForwardBatch
 from rollout_engine.models.layers import compute_inv_freq
@@ -72,8 +73,17 @@ class ModelRunner:
         self.req_to_token = ReqToTokenPool(self.max_running_requests + 8,
                                            row_width(self.context_len, config.page_size),
                                            self.device)
+        # a token's result independent of its batch (models/batch_invariant.py)
+        self.batch_invariant = config.enable_deterministic_inference
+        if self.batch_invariant:
+            batch_invariant.kernel()   # RuntimeError here, not at the first forward
+            if load_fused_ops() is None:
+                raise RuntimeError("enable_deterministic_inference needs the CPU fused ops "
+                                   "(norms, RoPE, activation per row), which could not be "
+                                   "built here")
         self.attn_backend = create_attention_backend(config.resolved_attention_backend(),
-                                                     self.kv_pool, self.req_to_token)
+                                                     self.kv_pool, self.req_to_token,
+                                                     self.batch_invariant)
         self.graphs = create_decode_graphs(
             self.model, self.kv_pool, self.req_to_token, device=self.device,
             attention_backend=config.resolved_attention_backend(),
@@ -110,11 +120,12 @@ class ModelRunner:
             return self.graphs.replay(fb)
         fb.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(fb)
-        if self.flat_decode is not None and isinstance(fb.attn_metadata, KernelDecodeMeta):
-            hidden = self.flat_decode(self.model, fb)   # the same kernels, no module calls
-        else:
-            hidden = self.model(fb.input_ids, fb.positions, fb)
-        return self.model.compute_logits(hidden[fb.logits_indices])
+        with batch_invariant.forwards(self.batch_invariant):
+            if self.flat_decode is not None and isinstance(fb.attn_metadata, KernelDecodeMeta):
+                hidden = self.flat_decode(self.model, fb)   # the same kernels, no module calls
+            else:
+                hidden = self.model(fb.input_ids, fb.positions, fb)
+            return self.model.compute_logits(hidden[fb.logits_indices])
 
     def _forward_leader(self, fb: ForwardBatch) -> torch.Tensor:
         assert self.tp is not None

@@ -13,7 +13,7 @@ from rollout_engine_kernels.cpu.fused_ops import FusedOps, load_fused_ops
 from rollout_engine_kernels.cpu.small_gemm import load_small_gemm, use_small_gemm
 from torch import nn
 
-from rollout_engine.models import weight_packs
+from rollout_engine.models import batch_invariant, weight_packs
 
 
 def fused_ops_for(x: torch.Tensor) -> Optional[FusedOps]:
@@ -86,8 +86,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     f32 = torch.float32
     if not (x.is_cpu and x.dtype is f32 and weight.dtype is f32 and x.dim() >= 1
             and (bias is None or bias.dtype is f32)
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and _onednn_linear_ok()):
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return F.linear(x, weight, bias)
+    if batch_invariant.active():
+        return batch_invariant.product(x, weight, bias)
+    if not _onednn_linear_ok():
         return F.linear(x, weight, bias)
     flat = x.dim() == 2
     rows = x.numel() // max(1, x.shape[-1])

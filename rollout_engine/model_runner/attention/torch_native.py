@@ -113,16 +113,27 @@ class TorchNativeBackend(AttentionBackend):
 
     ``use_kernel``: None reads ``ROLLOUT_ENGINE_ATTN_KERNEL`` (on unless "0").
     ``min_shared_len``: shortest shared prefix worth cascade attention; None disables it.
+    ``batch_invariant``: every query token (decode and prefill alike) is one row of the paged
+    kernel over its own slots, with no cascade, so its output depends on its own row only
+    (``models/batch_invariant.py``); RuntimeError where the kernel is not available.
     """
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool,
                  use_kernel: Optional[bool] = None,
-                 min_shared_len: Optional[int] = cpu_paged.DEFAULT_MIN_SHARED_LEN) -> None:
+                 min_shared_len: Optional[int] = cpu_paged.DEFAULT_MIN_SHARED_LEN,
+                 batch_invariant: bool = False) -> None:
         super().__init__(kv_pool, req_to_token)
         if use_kernel is None:
             use_kernel = os.environ.get(KERNEL_ENV, "1") != "0"
         supported = cpu_paged.kernel_supports(kv_pool.dtype, kv_pool.device, kv_pool.shape[2])
         self.decode_kernel = cpu_paged.load_paged_decode() if use_kernel and supported else None
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            if self.decode_kernel is None:
+                raise RuntimeError("enable_deterministic_inference needs the paged attention "
+                                   "kernel (float32 CPU pool, a supported head_dim, built, "
+                                   f"{KERNEL_ENV} not 0)")
+            min_shared_len = None
         self.min_shared_len = min_shared_len
         self._last_plan: Optional[tuple[int, cpu_paged.DecodePlan]] = None
 
@@ -163,6 +174,16 @@ class TorchNativeBackend(AttentionBackend):
 
     def _plan_extend(self, fb: ForwardBatch) -> _ExtendMeta:
         table = self.req_to_token.table
+        if self.batch_invariant:   # every token a decode row over slots 0 .. its position
+            rows, lens = [], []
+            for row, seq_len, prefix in zip(fb.req_pool_indices.tolist(), fb.seq_lens_list,
+                                            fb.prefix_lens_list):
+                rows += [row] * (seq_len - prefix)
+                lens += range(prefix + 1, seq_len + 1)
+            lens_t = torch.tensor(lens, dtype=torch.int64)
+            plan = cpu_paged.plan_decode(table, torch.tensor(rows, dtype=torch.int64), lens_t,
+                                         max(lens), None)
+            return _ExtendMeta([], torch.arange(len(lens), dtype=torch.int64), plan, [])
         fresh: list[_FreshRun] = []
         singles: list[int] = []         # batch indices
         single_tokens: list[int] = []
