@@ -111,7 +111,7 @@ extern "C" {
 
 // Bumped whenever an entry point's arguments change: fused_ops.py refuses a library built from
 // another version (a stale cache) instead of calling it with the wrong arguments.
-int rollout_engine_fused_ops_abi() { return 4; }
+int rollout_engine_fused_ops_abi() { return 5; }
 
 // x [rows, n] (row stride x_stride) -> out [rows, n] contiguous.
 int rollout_engine_rmsnorm_f32(const float* x, const float* w, float* out, int64_t rows,
@@ -561,6 +561,35 @@ int rollout_engine_sample_rows_f32(const float* logits, int64_t rows, int64_t v,
       const double lp = static_cast<double>(x[tok] / t - m) - std::log(s_orig);
       logprobs[r] = removed < 0.5 * sum && s_orig > 0.0 ? static_cast<float>(lp)
                                                         : logprob_of(x, v, t, tok);
+    }
+  });
+  return 0;
+}
+
+// The logprob sample_rows returns for row r had it drawn tokens[r]: the same pass over the row
+// (sample_row with the row's temperature, min-p, greedy flag and top-k), the same max m and
+// normaliser, the same final expression, so bit for bit the engine's (no penalties here).
+// A trainer scores the sampled tokens with it (trainer_bridge/on_policy.py).
+int rollout_engine_token_logprobs_f32(const float* logits, int64_t rows, int64_t v, int64_t ld,
+                                      const float* temps, const float* min_ps,
+                                      const uint8_t* greedy, const int64_t* top_ks,
+                                      const int64_t* tokens, float* logprobs) {
+  at::parallel_for(0, rows, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> scratch(static_cast<size_t>(v));
+    std::vector<float> blocks(static_cast<size_t>(v / kBlock + 1));
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* x = logits + r * ld;
+      float tau = -INFINITY;
+      int64_t ties = 0;
+      if (top_ks && top_ks[r] < v && greedy[r] == 0) kth_largest(x, v, top_ks[r], &tau, &ties);
+      int64_t drawn;
+      float unused, m;
+      double sum;
+      const float t = temps[r];
+      sample_row(x, v, t, min_ps[r], 0.5, greedy[r] != 0, scratch.data(), blocks.data(), &drawn,
+                 &unused, tau, ties, &m, &sum);
+      const float xt = t != 1.0f ? x[tokens[r]] / t : x[tokens[r]];
+      logprobs[r] = (xt - m) - static_cast<float>(std::log(sum));
     }
   });
   return 0;

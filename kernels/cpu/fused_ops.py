@@ -29,7 +29,7 @@ class FusedOps:
     """The compiled library; each method checks what the C side cannot (dtype, device, shapes,
     strides) and raises ValueError rather than read out of bounds."""
 
-    ABI = 4   # rollout_engine_fused_ops_abi() of the source these signatures describe
+    ABI = 5   # rollout_engine_fused_ops_abi() of the source these signatures describe
 
     def __init__(self, library_path: str) -> None:
         lib = build.open_library(library_path, "rollout_engine_fused_ops_abi", self.ABI)
@@ -40,7 +40,8 @@ class FusedOps:
                               _I64],
                "silu_mul": [_P, _P, _I64, _I64],
                "sample_rows": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P,
-                               _P]}
+                               _P],
+               "token_logprobs": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P]}
         self._fns = {}
         for name, args in sig.items():
             fn = getattr(lib, f"rollout_engine_{name}_f32")
@@ -190,6 +191,34 @@ class FusedOps:
                                  greedy.data_ptr(), *ptrs, cut, tokens.data_ptr(),
                                  logprobs.data_ptr())
         return tokens, logprobs
+
+
+    def token_logprobs(self, logits: torch.Tensor, temperatures: torch.Tensor,
+                       min_ps: torch.Tensor, greedy: torch.Tensor, tokens: torch.Tensor,
+                       top_ks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[B]``: the logprob ``sample_rows`` returns for row ``r`` when it draws
+        ``tokens[r]`` under the same per-row arguments (no penalties), bit for bit."""
+        self._check(logits, temperatures, min_ps)
+        b, v = logits.shape if logits.dim() == 2 else (0, 0)
+        ok = (logits.dim() == 2 and logits.stride(1) == 1 and v > 0
+              and all(t.shape == (b,) and t.is_contiguous()
+                      for t in (temperatures, min_ps, greedy, tokens))
+              and greedy.dtype == torch.uint8 and tokens.dtype == torch.int64
+              and bool((temperatures > 0).all())
+              and (b == 0 or (int(tokens.min()) >= 0 and int(tokens.max()) < v))
+              and (top_ks is None or (top_ks.shape == (b,) and top_ks.dtype == torch.int64
+                                      and top_ks.is_contiguous()
+                                      and bool((top_ks >= 1).all()))))
+        if not ok:
+            raise ValueError(f"token_logprobs: logits {tuple(logits.shape)}, tokens "
+                             f"{tuple(tokens.shape)} {tokens.dtype}: tokens must be [B] int64 "
+                             "ids in [0, V), the per-row arguments [B]")
+        out = torch.empty(b, dtype=torch.float32)
+        self._fns["token_logprobs"](logits.data_ptr(), b, v, logits.stride(0),
+                                    temperatures.data_ptr(), min_ps.data_ptr(),
+                                    greedy.data_ptr(), None if top_ks is None else
+                                    top_ks.data_ptr(), tokens.data_ptr(), out.data_ptr())
+        return out
 
 
 @functools.cache
