@@ -194,11 +194,19 @@ def _kv_cache_dtype(flag: SglangFlag, value: Any, given: Mapping[str, Any],
     return {"kv_cache_dtype": value}
 
 
+def _rl_on_policy_target(flag: SglangFlag, value: Any, given: Mapping[str, Any],
+                         ours: Mapping[str, Any]) -> dict[str, Any]:
+    # SGLang's on-policy mode (its trainer named, e.g. "fsdp"): here batch-invariant forwards,
+    # scored on the trainer's side by trainer_bridge.on_policy.OnPolicyModel
+    return {} if value is None else {"enable_deterministic_inference": True}
+
+
 _CONVERT: dict[str, Convert] = {
     "dtype": _dtype, "attention_backend": _attention_backend,
     "chunked_prefill_size": _chunked_prefill_size, "base_gpu_id": _base_gpu_id,
     "load_format": _load_format, "stream_output": _stream_output,
     "speculative_algorithm": _speculative_algorithm, "kv_cache_dtype": _kv_cache_dtype,
+    "rl_on_policy_target": _rl_on_policy_target,
 }
 
 

@@ -463,7 +463,7 @@ return_hidden_states_mode                    str     None                 defaul
 return_input_ids                             switch  False                default
 return_output_ids                            switch  False                default
 revision                                     str     None                 default
-rl_on_policy_target                          str     None                 default
+rl_on_policy_target                          str     None                 special
 rl_quant_profile                             str     None                 default
 sampling_backend                             str     None                 ignore:perf
 sampling_defaults                            str     'model'              ours

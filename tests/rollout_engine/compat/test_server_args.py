@@ -179,6 +179,8 @@ def test_sglang_spellings_are_converted() -> None:
     assert parse_args([*base, "--stream-output"])["incremental_streaming_output"] is True
     assert parse_args([*base, "--enable-deterministic-inference"]) == {
         "model_path": "/m", "enable_deterministic_inference": True}
+    assert parse_args([*base, "--rl-on-policy-target", "fsdp"]) == {
+        "model_path": "/m", "enable_deterministic_inference": True}
     assert parse_args([*base, "--tensor-parallel-size", "1", "--dp-size", "1", "--pp-size",
                        "1", "--enable-memory-saver", "--attention-backend", "triton",
                        "--load-format", "dummy", "--skip-tokenizer-init"]) == {
@@ -206,7 +208,6 @@ def test_sglang_spellings_are_converted() -> None:
     (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype 'fp8_e4m3': the KV cache is kept in "
      "the served dtype: auto is accepted, and bf16 / bfloat16 when the model runs in bfloat16; "
      "quantized KV caches (fp8_e5m2, fp8_e4m3, fp4_e2m1) are not implemented"),
-    (["--rl-on-policy-target", "fsdp"], "--rl-on-policy-target 'fsdp'"),
     (["--disaggregation-mode", "prefill"], "--disaggregation-mode 'prefill'"),
     (["--load-format", "gguf"], "--load-format 'gguf'"),
     (["--base-gpu-id", "1", "--device", "cpu"], "--base-gpu-id 1"),
