@@ -2,6 +2,7 @@
 
     python examples/rl/grpo_colocated.py            # ~5 minutes on 2 busy cores
     python examples/rl/grpo_colocated.py --tiny     # CI smoke run, seconds
+    python examples/rl/grpo_colocated.py --on-policy   # rollout == trainer logprobs, bit for bit
 
 The engine (`rollout_engine.Engine`, scheduler in a child process) samples n completions per
 prompt with logprobs; the trainer (a `transformers` model loaded from the same directory,
@@ -45,7 +46,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     trainer = Trainer(args)
     engine = Engine(model_path=str(trainer.model_dir), dtype="float32", device="cpu",
                     scheduler_mode="process", max_total_tokens=args.max_total_tokens,
-                    num_threads=args.threads, random_seed=args.seed, weight_version="init")
+                    num_threads=args.threads, random_seed=args.seed, weight_version="init",
+                    enable_deterministic_inference=args.on_policy)
     try:
         with WeightSyncer(engine, transport="tensor",
                           bucket_bytes=args.bucket_mb << 20) as syncer:

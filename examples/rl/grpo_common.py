@@ -222,17 +222,36 @@ def grpo_loss(new_lp: torch.Tensor, rollout_lp: torch.Tensor, adv: torch.Tensor,
     return loss, {"clip_frac": float(clip_frac)}
 
 
+def on_policy_logprobs(scorer: Any, model: torch.nn.Module, prompts: list[list[int]],
+                       completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``completion_logprobs`` (no entropy) by ``trainer_bridge.on_policy.OnPolicyModel``
+    ``scorer`` holding ``model``'s current weights: bit for bit the logprobs a deterministic
+    engine returned for these tokens."""
+    from rollout_engine.weights.loader import load_weights
+
+    load_weights(scorer.model, [(k, v.detach()) for k, v in model.state_dict().items()])
+    width = max(1, max(len(c) for c in completions))
+    out, mask = torch.zeros((len(prompts), width)), torch.zeros((len(prompts), width))
+    with torch.no_grad():
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            if c:
+                out[i, :len(c)] = scorer.token_logprobs(p + c, len(p))
+                mask[i, :len(c)] = 1.0
+    return out, mask
+
+
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, prompts: list[list[int]],
                completions: list[list[int]], rollout_lps: list[list[float]],
                rewards: list[float], n: int, pad: int, clip: float, minibatches: int,
                entropy_coef: float = 0.0, std_norm: bool = True,
-               max_grad_norm: float = 1.0) -> dict[str, float]:
-    """Re-score the rollout tokens (mismatch, before any update), then one pass of
-    ``minibatches`` clipped-GRPO updates over the groups (minus ``entropy_coef`` x the
-    token-mean entropy: keeps the policy exploring)."""
+               max_grad_norm: float = 1.0, scorer: Any = None) -> dict[str, float]:
+    """Re-score the rollout tokens (mismatch, before any update; by ``scorer``, an
+    ``OnPolicyModel``, when given), then one pass of ``minibatches`` clipped-GRPO updates over
+    the groups (minus ``entropy_coef`` x the token-mean entropy: keeps the policy exploring)."""
     adv = group_advantages(rewards, n, std_norm)
     with torch.no_grad():
-        old_lp, mask = completion_logprobs(model, prompts, completions, pad)
+        old_lp, mask = (completion_logprobs(model, prompts, completions, pad) if scorer is None
+                        else on_policy_logprobs(scorer, model, prompts, completions))
     rollout_lp = torch.zeros_like(old_lp)
     for i, lps in enumerate(rollout_lps):
         rollout_lp[i, :len(lps)] = torch.tensor(lps)

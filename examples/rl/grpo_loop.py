@@ -77,6 +77,9 @@ def add_common_args(p: argparse.ArgumentParser, out_dir: str) -> None:
                         "busy 2-core machine)")
     p.add_argument("--no-wandb", action="store_true", help="JSONL and PNG only")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    p.add_argument("--on-policy", action="store_true",
+                   help="the engine with enable_deterministic_inference, and the mismatch "
+                        "scored by trainer_bridge.on_policy.OnPolicyModel: exactly 0")
     p.add_argument("--tiny", action="store_true",
                    help="CI settings: at most 3 steps, 4 prompts x 4 samples, no wandb, no bar")
 
@@ -102,6 +105,11 @@ class Trainer:
         self.warm = warm_start(self.model, self.task, args.warm_start_target,
                                args.warm_start_lr, max_seconds=60.0, seed=args.seed)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=0.0)
+        self.scorer = None
+        if getattr(args, "on_policy", False):
+            from trainer_bridge.on_policy import OnPolicyModel
+
+            self.scorer = OnPolicyModel(str(self.model_dir))
 
 
 def check_after_refit(engine: Any, trainer: Trainer, version: str) -> dict[str, Any]:
@@ -200,11 +208,14 @@ def run(args: argparse.Namespace, engine: Any, syncer: Any, trainer: Trainer, na
                                [r.output_ids for r in rollouts],
                                [r.output_logprobs for r in rollouts], rewards, args.n,
                                task.eos, args.clip, args.minibatches, args.entropy_coef,
-                               not args.no_std_norm)
+                               not args.no_std_norm, scorer=trainer.scorer)
             train_s = time.perf_counter() - t
         if sleep.sync is None or sleep.sync.version != new_version or sleep.bytes_freed <= 0:
             raise RefitCheckError(f"step {step}: the engine did not sleep and refit "
                                   f"(freed {sleep.bytes_freed} B, sync {sleep.sync})")
+        if trainer.scorer is not None and stats["logprob_max_abs_diff"] != 0.0:
+            raise RefitCheckError(f"step {step}: on-policy scoring differs from the rollout "
+                                  f"by {stats['logprob_max_abs_diff']:.3g} (expected exactly 0)")
         if not stats["logprob_abs_diff"] <= LOGPROB_TOL:
             raise RefitCheckError(f"step {step}: rollout vs trainer logprobs differ by "
                                   f"{stats['logprob_abs_diff']:.3g} > {LOGPROB_TOL:g}")
@@ -237,7 +248,9 @@ def run(args: argparse.Namespace, engine: Any, syncer: Any, trainer: Trainer, na
         **trainer.warm, "setup_seconds": setup_s, "initial_refit_seconds": report.seconds,
         "initial_probe_abs_diff": first_check["probe_abs_diff"], "transport": report.transport,
         "model": dict(MODEL_SPEC),
-        "threads": args.threads, "cpu_count": os.cpu_count()})
+        "threads": args.threads, "cpu_count": os.cpu_count(),
+        "on_policy": trainer.scorer is not None,
+        "max_logprob_max_abs_diff": max(r["logprob_max_abs_diff"] for r in logger.rows)})
     files = logger.finish(summary)
     summary["files"] = asdict_files(files)
     print_summary(summary)
@@ -255,6 +268,9 @@ def print_summary(s: dict[str, Any]) -> None:
           f"{s['mean_wake_seconds']:.3f}s, refit {s['mean_refit_seconds']:.3f}s "
           f"({s['transport']}), train {s['mean_train_seconds']:.3f}s, rollout "
           f"{s['mean_rollout_tokens_per_s']:.0f} tok/s")
+    if s.get("on_policy"):
+        print(f"[grpo] on-policy: rollout vs trainer logprobs, max over every step and token "
+              f"{s['max_logprob_max_abs_diff']:.1f} (bit for bit)")
     print(f"[grpo] logprob mismatch: rollout vs trainer {s['mean_logprob_abs_diff']:.2e} "
           f"(K3 KL {s['mean_kl_k3']:.2e}); probe after refit max {s['max_probe_abs_diff']:.2e}")
     print(f"[grpo] reward curve: {s['files']['plot']}")

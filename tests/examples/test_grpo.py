@@ -57,12 +57,16 @@ def _check_run(summary: dict, jsonl: Path, steps: int) -> None:
     assert Path(summary["files"]["plot"]).stat().st_size > 0
 
 
-def test_grpo_colocated_tiny(tmp_path, model_dir):
+def test_grpo_colocated_tiny_on_policy(tmp_path, model_dir):
+    """With --on-policy (a deterministic engine, the trainer's OnPolicyModel scorer) the
+    rollout's logprobs equal the trainer's bit for bit at every step, across every refit."""
     import grpo_colocated
 
-    summary = grpo_colocated.main(_argv(tmp_path, model_dir))
+    summary = grpo_colocated.main([*_argv(tmp_path, model_dir), "--on-policy"])
     assert summary["transport"] == "tensor"
     _check_run(summary, tmp_path / "grpo_colocated.jsonl", 3)
+    assert summary["on_policy"] is True
+    assert summary["max_logprob_max_abs_diff"] == 0.0
 
 
 def test_grpo_server_tiny(tmp_path, model_dir):
