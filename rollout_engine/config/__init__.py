@@ -308,10 +308,11 @@ def _check_deterministic(c: EngineConfig, bad: Any) -> None:
             "products and attention are the CPU float32 kernels")
     if c.resolved_attention_backend() != "torch_native":
         bad(flag, f"needs attention_backend torch_native, got {c.attention_backend!r}")
-    for name, on in (("tp_size > 1", c.tp_size > 1),
-                     ("speculative_algorithm", c.speculative_algorithm is not None)):
-        if on:
-            bad(flag, f"is not supported with {name} yet")
+    if c.tp_size > 1:
+        bad(flag, "is not supported with tp_size > 1 yet")
+    if c.speculative_algorithm is not None and c.speculative_algorithm.upper() != "NGRAM":
+        bad(flag, f"combines with speculative_algorithm NGRAM only, got "
+            f"{c.speculative_algorithm!r}")
 
 
 def _check_serving(c: EngineConfig, bad: Any) -> None:

@@ -144,9 +144,10 @@ def test_refused_where_it_cannot_be_honoured(qwen2_path) -> None:
     with pytest.raises(ValueError, match="enable_deterministic_inference.*float32 on CPU"):
         EngineConfig(model_path=qwen2_path, device="cpu", dtype="bfloat16",
                      enable_deterministic_inference=True)
-    with pytest.raises(ValueError, match="enable_deterministic_inference.*speculative"):
+    with pytest.raises(ValueError, match="enable_deterministic_inference.*NGRAM only"):
         EngineConfig(model_path=qwen2_path, device="cpu", dtype="float32",
-                     speculative_algorithm="NGRAM", enable_deterministic_inference=True)
+                     speculative_algorithm="STANDALONE", speculative_draft_model_path=qwen2_path,
+                     enable_deterministic_inference=True)
 
 
 def test_a_grpo_batch_of_256(engines) -> None:
@@ -163,3 +164,45 @@ def test_a_grpo_batch_of_256(engines) -> None:
     for i in (0, 77, 255):
         engine.flush_cache()
         assert _run(engine, [batch_prompts[i]], [sps[i]], [0])[0] == batch[i]
+
+
+def test_ngram_speculation_changes_no_bit(qwen2_path) -> None:
+    """Drafts verified in one extend per request give the plain path's tokens and logprobs."""
+    from rollout_engine import Engine
+
+    rng = random.Random(0)
+    base = [rng.randrange(5, VOCAB) for _ in range(30)]   # repeats: n-gram drafts match
+    prompts = [base * 3 + [rng.randrange(5, VOCAB) for _ in range(i)] for i in range(1, 7)]
+    sps = [{**_sp(i, i % 2 == 0), "max_new_tokens": 40} for i in range(6)]
+    got, accepted = {}, 0
+    for algo in (None, "NGRAM"):
+        e = Engine(model_path=qwen2_path, device="cpu", dtype="float32", random_seed=0,
+                   scheduler_mode="thread", enable_deterministic_inference=True,
+                   speculative_algorithm=algo,
+                   **({"speculative_num_draft_tokens": 4} if algo else {}))
+        try:
+            got[algo] = _run(e, prompts, sps, [0] * 6)
+            accepted = e.get_server_info()["stats"].get("spec_accepted_tokens", accepted)
+        finally:
+            e.shutdown()
+    assert accepted > 0
+    assert got["NGRAM"] == got[None]
+
+
+def test_a_prefix_loaded_back_from_hicache_changes_no_bit(qwen2_path) -> None:
+    from rollout_engine import Engine
+
+    e = Engine(model_path=qwen2_path, device="cpu", dtype="float32", scheduler_mode="thread",
+               enable_deterministic_inference=True, random_seed=0, max_total_tokens=600,
+               enable_hierarchical_cache=True, hicache_ratio=8.0)
+    try:
+        rng = random.Random(0)
+        prompt = [rng.randrange(5, VOCAB) for _ in range(200)]
+        first = _run(e, [prompt], [_sp(3, False)], [0])[0]
+        for _ in range(6):    # evict its KV from the device pool to the host tier
+            _run(e, [[rng.randrange(5, VOCAB) for _ in range(250)]], [_sp(4, False)], [0])
+        again = _run(e, [prompt], [_sp(3, False)], [0])[0]
+        assert e.get_server_info()["hicache"]["host_hit_tokens"] >= 150
+        assert again == first
+    finally:
+        e.shutdown()
