@@ -118,7 +118,9 @@ def test_an_in_place_torch_op_is_seen_by_the_next_product(model):
     _packed_product_is_current(w)
 
 
-class _NoKV:
+class NoKV:
+    """A KV pool with nothing to release: the memory saver over weights alone."""
+
     def nbytes(self) -> int:
         return 0
 
@@ -134,7 +136,7 @@ def test_sleep_drops_the_packs_and_wake_packs_afresh(model, backup):
     w = _weight(model)
     before = w.detach().clone()
     _packed_product_is_current(w)
-    saver = create_memory_saver(model, _NoKV(), backup, torch.device("cpu"))
+    saver = create_memory_saver(model, NoKV(), backup, torch.device("cpu"))
     saver.release(["weights"])
     assert weight_packs.num_bytes() == 0, "packed copies outlive the weights they were made of"
     assert not weight_packs.has_current(w)

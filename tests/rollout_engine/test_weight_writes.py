@@ -19,6 +19,7 @@ from rollout_engine.scheduler.weight_state import WeightState
 from rollout_engine.weights import checker
 from rollout_engine.weights.loader import load_weights, read_hf_config
 from rollout_engine.weights.shadow import ShadowWeights
+from tests.rollout_engine.test_weight_packs import NoKV
 
 ROOT = pathlib.Path(rollout_engine.__file__).parent
 NAME = "model.layers.0.mlp.down_proj.weight"
@@ -86,17 +87,6 @@ def model():
     return m
 
 
-class _NoKV:
-    def nbytes(self) -> int:
-        return 0
-
-    def release(self) -> None:
-        pass
-
-    def allocate(self) -> None:
-        pass
-
-
 def _load(model) -> None:
     w = model.weight_map()[NAME][0]
     load_weights(model, [(NAME, torch.ones(w.shape))])
@@ -111,7 +101,7 @@ def _shadow_swap(model) -> None:
 
 
 def _sleep_and_wake(model) -> None:
-    saver = create_memory_saver(model, _NoKV(), True, torch.device("cpu"))
+    saver = create_memory_saver(model, NoKV(), True, torch.device("cpu"))
     saver.release(["weights"])
     saver.resume(["weights"])
 
