@@ -4,11 +4,14 @@ chunked, whether its prefix came from the radix cache, and with 1 or 2 threads.
 
 Every reduction on the path is fixed per row, by construction:
 
-- products (every projection, the LM head): the small-GEMM kernel
-  (``kernels/cpu/small_gemm``) at every row count. Each output is one sequential sum over k,
-  threads split the outputs (never k), so a row's result does not depend on how many rows
-  run with it. (The fast path picks oneDNN or the kernel by row count, and oneDNN's blocking
-  follows the row count.)
+- products (every projection, the LM head): the rows go through one oneDNN primitive of a
+  fixed shape, ``TILE`` rows on the weight's packed copy (a short last tile padded with zero
+  rows), so every row of every batch is computed by the same code with the same blocking,
+  whatever its neighbours; the fast path's primitive follows the batch's row count, and its
+  blocking with it. Each weight shape is probed once (``tiles_agree``: a row at several tile
+  positions, among other rows, with 1 and 2 threads, bit for bit); where the probe fails, or
+  oneDNN is off, the small-GEMM kernel (``kernels/cpu/small_gemm``) takes the shape: each
+  output one sequential sum over k, threads split the outputs, invariant by construction.
 - attention: every query token, of a decode or of a prefill, is one row of the paged
   kernel (``kernels/cpu/paged_decode``) over its own slots ``0 .. position``, blocks of 32
   keys in order, no shared-prefix cascade (its merge would depend on the neighbours); see
@@ -23,6 +26,7 @@ in thread mode, so engines side by side in one process keep their own setting).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,6 +34,8 @@ from typing import Optional
 
 import torch
 from rollout_engine_kernels.cpu.small_gemm import SmallGemm, load_small_gemm
+
+from rollout_engine.models import weight_packs
 
 _state = threading.local()
 
@@ -59,16 +65,61 @@ def kernel() -> SmallGemm:
     return op
 
 
+TILE = 64   # rows per oneDNN call: a decode batch of 64 runs as the fast path does
+
+
+@functools.cache
+def tiles_agree(n: int, k: int, bias: bool) -> bool:
+    """Whether oneDNN's ``TILE``-row product of an ``[n, k]`` packed weight gives a row the
+    same bits at any position among any other rows, with 1 and 2 threads (probed once)."""
+    if not weight_packs.packing_ok():
+        return False
+    gen = torch.Generator().manual_seed(n * 31 + k)
+    w = torch.randn(n, k, generator=gen) / k ** 0.5
+    b = torch.randn(n, generator=gen) if bias else None
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, weight_packs.PACK_ROWS)
+    row = torch.randn(k, generator=gen)
+    want = None
+    threads = torch.get_num_threads()
+    try:
+        for t, pos in ((threads, 0), (threads, 37), (threads, TILE - 1), (1, 5)):
+            torch.set_num_threads(t)
+            x = torch.randn(TILE, k, generator=gen)
+            x[pos] = row
+            got = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")[pos]
+            if want is None:
+                want = got
+            elif not torch.equal(got, want):
+                return False
+    finally:
+        torch.set_num_threads(threads)
+    return True
+
+
 def product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
             ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for float32 CPU tensors, each output row one sequential
-    sum over k whatever the row count."""
+    """``F.linear(x, weight, bias)`` for float32 CPU tensors, each output row computed the
+    same way whatever the row count (see the module docstring)."""
     rows = x.numel() // max(1, x.shape[-1])
+    n, k = weight.shape
     if rows == 0:
-        return x.new_empty(*x.shape[:-1], weight.shape[0])
-    flat = x.reshape(rows, x.shape[-1])
+        return x.new_empty(*x.shape[:-1], n)
+    flat = x.reshape(rows, k)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    w = weight if weight.stride(-1) == 1 else weight.contiguous()
-    out = kernel()(flat, w, bias)
-    return out.view(*x.shape[:-1], out.shape[-1])
+    packed = weight_packs.packed(weight) if tiles_agree(n, k, bias is not None) else None
+    if packed is None:
+        w = weight if weight.stride(-1) == 1 else weight.contiguous()
+        out = kernel()(flat, w, bias)
+        return out.view(*x.shape[:-1], n)
+    out = torch.empty(rows, n, dtype=torch.float32)
+    pointwise = torch.ops.mkldnn._linear_pointwise
+    for r0 in range(0, rows, TILE):
+        r1 = min(rows, r0 + TILE)
+        tile = flat[r0:r1]
+        if r1 - r0 < TILE:
+            staged = flat.new_zeros(TILE, k)
+            staged[:r1 - r0] = tile
+            tile = staged
+        out[r0:r1] = pointwise(tile, packed, bias, "none", [], "")[:r1 - r0]
+    return out.view(*x.shape[:-1], n)

@@ -54,7 +54,6 @@ class CpuDecodeForward:
         self._rmsnorm, self._add_rmsnorm = ops.raw("rmsnorm"), ops.raw("add_rmsnorm")
         self._rope_store, self._silu_mul = ops.raw("rope_store"), ops.raw("silu_mul")
         self._gemm = gemm.raw if gemm is not None and gemm.fast else None
-        self._gemm_any = gemm.raw if gemm is not None else None   # batch-invariant products
 
     @classmethod
     def create(cls, model: torch.nn.Module, backend: Any) -> Optional[CpuDecodeForward]:
@@ -84,9 +83,8 @@ class CpuDecodeForward:
         packing = weight_packs.packing_ok()
         onednn = layers.small_gemm_allowed()   # float32 CPU linears go through oneDNN
         gemm = self._gemm if onednn else None
-        invariant = batch_invariant.active()
-        if invariant:   # every row count through the kernel (models/batch_invariant.py)
-            gemm = self._gemm_any or batch_invariant.kernel().raw
+        if batch_invariant.active():   # its own products (models/batch_invariant.py)
+            return lambda x, mod: batch_invariant.product(x, mod.weight, mod.bias)
         # oneDNN on the packed copy straight away where ``layers.linear`` would call it with
         # the same arguments (rows a bucket of their own: no padding), without its per-call
         # checks (~5 us a product, ~0.15 ms a step at batch 256)
@@ -96,8 +94,7 @@ class CpuDecodeForward:
         def product(x: torch.Tensor, mod: torch.nn.Module) -> torch.Tensor:
             weight, bias = mod.weight, mod.bias
             n = weight.shape[0]
-            if weight.stride(1) != 1 or not invariant and (
-                    gemm is None or not use_small_gemm(rows, n, packing)):
+            if gemm is None or not use_small_gemm(rows, n, packing) or weight.stride(1) != 1:
                 packed = weight_packs.packed(weight) if direct else None
                 if packed is not None:
                     return pointwise(x, packed, bias, "none", [], "")
