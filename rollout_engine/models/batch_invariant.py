@@ -4,14 +4,14 @@ chunked, whether its prefix came from the radix cache, and with 1 or 2 threads.
 
 Every reduction on the path is fixed per row, by construction:
 
-- products (every projection, the LM head): the rows go through one oneDNN primitive of a
-  fixed shape, ``TILE`` rows on the weight's packed copy (a short last tile padded with zero
-  rows), so every row of every batch is computed by the same code with the same blocking,
-  whatever its neighbours; the fast path's primitive follows the batch's row count, and its
-  blocking with it. Each weight shape is probed once (``tiles_agree``: a row at several tile
-  positions, among other rows, with 1 and 2 threads, bit for bit); where the probe fails, or
-  oneDNN is off, the small-GEMM kernel (``kernels/cpu/small_gemm``) takes the shape: each
-  output one sequential sum over k, threads split the outputs, invariant by construction.
+- products (every projection, the LM head): oneDNN on the weight's packed copy where a
+  one-time probe per weight shape (``row_mode``) shows a row's bits independent of its
+  position, of the other rows and of the thread count: at any row count ("whole": one call),
+  or at a fixed one ("tiles": ``TILE``-row calls, a short last tile padded with zero rows).
+  Where neither holds, or oneDNN is off, the small-GEMM kernel (``kernels/cpu/small_gemm``):
+  each output one sequential sum over k, threads split the outputs, invariant by
+  construction. (The fast path mixes the kernel and oneDNN by row count, and oneDNN may pick
+  its blocking by row count: a row's bits then follow its batch.)
 - attention: every query token, of a decode or of a prefill, is one row of the paged
   kernel (``kernels/cpu/paged_decode``) over its own slots ``0 .. position``, blocks of 32
   keys in order, no shared-prefix cascade (its merge would depend on the neighbours); see
@@ -68,32 +68,50 @@ def kernel() -> SmallGemm:
 TILE = 64   # rows per oneDNN call: a decode batch of 64 runs as the fast path does
 
 
+PROBE_COLUMNS = 8192   # the probe's weight keeps at most this many output rows (speed)
+
+
 @functools.cache
-def tiles_agree(n: int, k: int, bias: bool) -> bool:
-    """Whether oneDNN's ``TILE``-row product of an ``[n, k]`` packed weight gives a row the
-    same bits at any position among any other rows, with 1 and 2 threads (probed once)."""
+def row_mode(n: int, k: int, bias: bool) -> str:
+    """How an ``[n, k]`` weight's products run batch-invariantly here, probed once: a row is
+    computed at several positions among other random rows, with 1 and with the current
+    number of threads, and compared bit for bit.
+
+    ``"whole"``: oneDNN on the packed weight gives a row the same bits at any row count
+    (1-512 probed), so a product is one call, its rows padded to a multiple of ``TILE`` (a
+    bounded number of primitive shapes); ``"tiles"``: the same only at a fixed row count, so
+    ``TILE``-row calls; ``"kernel"``: neither (or oneDNN off): the small-GEMM kernel."""
     if not weight_packs.packing_ok():
-        return False
+        return "kernel"
     gen = torch.Generator().manual_seed(n * 31 + k)
-    w = torch.randn(n, k, generator=gen) / k ** 0.5
-    b = torch.randn(n, generator=gen) if bias else None
+    cols = min(n, PROBE_COLUMNS)
+    w = torch.randn(cols, k, generator=gen) / k ** 0.5
+    b = torch.randn(cols, generator=gen) if bias else None
     packed = torch.ops.mkldnn._reorder_linear_weight(w, weight_packs.PACK_ROWS)
     row = torch.randn(k, generator=gen)
-    want = None
     threads = torch.get_num_threads()
-    try:
-        for t, pos in ((threads, 0), (threads, 37), (threads, TILE - 1), (1, 5)):
+
+    def same(cases: tuple[tuple[int, int, int], ...], want: torch.Tensor) -> bool:
+        for t, rows, pos in cases:
             torch.set_num_threads(t)
-            x = torch.randn(TILE, k, generator=gen)
+            x = torch.randn(rows, k, generator=gen)
             x[pos] = row
             got = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")[pos]
-            if want is None:
-                want = got
-            elif not torch.equal(got, want):
+            if not torch.equal(got, want):
                 return False
+        return True
+
+    try:
+        x = torch.randn(TILE, k, generator=gen)
+        x[0] = row
+        want = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")[0]
+        if not same(((threads, TILE, 37), (threads, TILE, TILE - 1), (1, TILE, 5)), want):
+            return "kernel"
+        whole = ((threads, 1, 0), (threads, 128, 100), (threads, 320, 3), (1, 320, 200),
+                 (threads, 512, 511))
+        return "whole" if same(whole, want) else "tiles"
     finally:
         torch.set_num_threads(threads)
-    return True
 
 
 def product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
@@ -107,13 +125,22 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] 
     flat = x.reshape(rows, k)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    packed = weight_packs.packed(weight) if tiles_agree(n, k, bias is not None) else None
+    mode = row_mode(n, k, bias is not None)
+    packed = weight_packs.packed(weight) if mode != "kernel" else None
     if packed is None:
         w = weight if weight.stride(-1) == 1 else weight.contiguous()
         out = kernel()(flat, w, bias)
         return out.view(*x.shape[:-1], n)
-    out = torch.empty(rows, n, dtype=torch.float32)
     pointwise = torch.ops.mkldnn._linear_pointwise
+    if mode == "whole":   # one call, rows padded to a multiple of TILE
+        padded = -(-rows // TILE) * TILE
+        if padded != rows:
+            staged = flat.new_zeros(padded, k)
+            staged[:rows] = flat
+            flat = staged
+        out = pointwise(flat, packed, bias, "none", [], "")[:rows]
+        return out.view(*x.shape[:-1], n)
+    out = torch.empty(rows, n, dtype=torch.float32)
     for r0 in range(0, rows, TILE):
         r1 = min(rows, r0 + TILE)
         tile = flat[r0:r1]
