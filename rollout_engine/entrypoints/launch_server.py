@@ -73,6 +73,9 @@ HELP: dict[str, str] = {
     "disable_cuda_graph": "Run decode eagerly (no CUDA graph capture).",
     "cuda_graph_max_bs": "Largest decode batch captured in a CUDA graph.",
     "num_threads": "torch CPU threads of the scheduler process.",
+    "enable_deterministic_inference": "Batch-invariant forwards (CPU float32): a request's "
+                                      "tokens and logprobs are the same bits whatever runs "
+                                      "beside it; trainer_bridge.on_policy scores them exactly.",
     "speculative_algorithm": "NGRAM: speculative decoding with proposals from each request's own "
                              "tokens; STANDALONE: from a small draft model; verified in one "
                              "forward (outputs and logprobs exact).",

@@ -23,19 +23,18 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 def test_the_shapes_are_the_checkpoints() -> None:
     from rollout_engine.models.llama import ModelArch
-    from rollout_engine.weights.loader import read_hf_config
+    from rollout_engine.testing.tiny_model import TinyModelSpec, hf_config
 
-    arch = ModelArch.from_hf_config(read_hf_config(str(real_shape_path("qwen3-0.6b", 2))))
+    arch = ModelArch.from_hf_config(hf_config(TinyModelSpec(**REAL_SHAPES["qwen3-0.6b"])))
     assert (arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.vocab_size) == \
         (128, 16, 8, 151936)
     assert REAL_SHAPES["qwen2.5-0.5b"]["num_heads"] // REAL_SHAPES["qwen2.5-0.5b"][
         "num_kv_heads"] == 7
 
 
-# Qwen3-0.6B's shape in the default suite (the one whose attention is wider than its hidden
-# size); the other two with -m slow (~15-20 s each)
-@pytest.mark.parametrize("name", [n if n == "qwen3-0.6b" else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in sorted(REAL_SHAPES)])
+# -m slow: ~15-25 s each with the two-layer model's build (a 150k-row embedding)
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(REAL_SHAPES))
 def test_float32_parity(name, make_engine) -> None:
     path = str(real_shape_path(name, num_layers=2))
     vocab = REAL_SHAPES[name]["vocab_size"]
