@@ -30,6 +30,32 @@ def app_client(engine: Any) -> Iterator[Any]:
         yield c
 
 
+def served_over_http(engine: Any) -> Iterator[str]:
+    """``engine``'s HTTP app served by uvicorn on a free local port, in a thread; yields its
+    URL and stops the server when closed (``yield from`` it). The socket listens before the
+    server starts, so connections wait in its backlog: no start race."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from rollout_engine.entrypoints.http_server import create_app
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), log_level="warning",
+                                           access_log=False, timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
 def colocated_refits(engine: Any, trainer: Any, cycles: int = 3) -> str:
     """The colocated RL loop on `engine` with tensor handles: `cycles` times refit, sleep (the
     weights released: the engine unmaps the trainer's shm), wake; then a last refit. Returns

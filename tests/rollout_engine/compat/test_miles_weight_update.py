@@ -35,7 +35,7 @@ import torch
 
 from rollout_engine.protocol.tensor_payload import serialize_named_tensors
 from rollout_engine.weights.loader import iter_safetensors
-from tests.rollout_engine.entrypoints.conftest import bound_socket
+from tests.rollout_engine.engines import served_over_http
 
 LONG = {"max_new_tokens": 300, "temperature": 0.0, "ignore_eos": True}
 PROMPTS = [[1, 2, 3], [9, 30, 200, 11, 12], [5, 6, 7, 8], [40, 41, 42]]
@@ -52,25 +52,15 @@ def w1_w2() -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def served(w1_w2: tuple[str, str]) -> Iterator[tuple[str, Any]]:
     """A thread-mode fp32 engine on W1 running at most two requests at once, over HTTP."""
-    import uvicorn
-
     from rollout_engine import Engine
-    from rollout_engine.entrypoints.http_server import create_app
 
     engine = Engine(model_path=w1_w2[0], scheduler_mode="thread", dtype="float32",
                     device="cpu", context_length=512, max_running_requests=MAX_RUNNING)
-    sock = bound_socket()
-    sock.listen(64)       # connections wait in the backlog until uvicorn serves: no start race
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), log_level="warning",
-                                           access_log=False, timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", engine
-    finally:
-        server.should_exit = True
-        thread.join(10)
+        for url in served_over_http(engine):
+            yield url, engine
         engine.check_integrity()
+    finally:
         engine.shutdown()
 
 

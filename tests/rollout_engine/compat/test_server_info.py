@@ -24,7 +24,7 @@ from rollout_engine.compat.server_args import SGLANG_FLAGS, SGLANG_VERSIONS
 from rollout_engine.control.introspection import ThroughputMeter
 from rollout_engine.entrypoints.engine import rollout_engine_version
 from tests.rollout_engine.compat.test_server_args import slime_kwargs
-from tests.rollout_engine.entrypoints.conftest import bound_socket
+from tests.rollout_engine.engines import served_over_http
 
 # slime's _EXTERNAL_ENGINE_SKIP_CHECK_FIELDS (sglang_engine.py)
 SLIME_SKIP_CHECK = {
@@ -140,24 +140,14 @@ def test_model_info_fields(make_engine: Any, qwen2_path: str) -> None:
 # -- over HTTP --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tiny_paths: dict[str, str]) -> Iterator[tuple[str, Any]]:
-    import uvicorn
-
     from rollout_engine import Engine
-    from rollout_engine.entrypoints.http_server import create_app
 
     engine = Engine(model_path=tiny_paths["qwen2"], dtype="float32", device="cpu",
                     scheduler_mode="thread", context_length=512, enable_memory_saver=True)
-    sock = bound_socket()
-    sock.listen(64)       # connections wait in the backlog until uvicorn serves: no start race
-    uv = uvicorn.Server(uvicorn.Config(create_app(engine), log_level="warning",
-                                       access_log=False, timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", engine
+        for url in served_over_http(engine):
+            yield url, engine
     finally:
-        uv.should_exit = True
-        thread.join(10)
         engine.shutdown()
 
 
