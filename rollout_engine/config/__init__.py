@@ -19,6 +19,7 @@ import torch
 
 from rollout_engine.compat.server_args import SGLANG_FLAGS, to_engine_kwargs
 from rollout_engine.config import speculative as spec_options
+from rollout_engine.config.deterministic import check_deterministic
 from rollout_engine.config.generation_defaults import read_sampling_defaults
 from rollout_engine.dp.dispatch import LOAD_BALANCE_METHODS
 from rollout_engine.parsers import reasoning_parser_problem, tool_call_parser_problem
@@ -190,7 +191,7 @@ class EngineConfig:
         _check_hicache(self, bad)
         if self.attention_backend not in _BACKENDS:
             bad("attention_backend", f"must be one of {sorted(map(str, _BACKENDS))}")
-        _check_deterministic(self, bad)
+        check_deterministic(self, bad)
         if self.dp_size < 1:
             bad("dp_size", f"must be >= 1, got {self.dp_size}")
         _check_tp(self, bad)
@@ -296,23 +297,6 @@ def _check_tp(c: EngineConfig, bad: Any) -> None:
                      ("enable_hierarchical_cache", c.enable_hierarchical_cache)):
         if on:
             bad(name, f"is not supported with tp_size > 1 yet (got tp_size={c.tp_size})")
-
-
-def _check_deterministic(c: EngineConfig, bad: Any) -> None:
-    """Batch invariance is built from the CPU float32 kernels (models/batch_invariant.py)."""
-    if not c.enable_deterministic_inference:
-        return
-    flag = "enable_deterministic_inference"
-    if c.resolved_device().type != "cpu" or c.resolved_dtype() != torch.float32:
-        bad(flag, f"needs float32 on CPU (got dtype {c.dtype!r}, device {c.device!r}): its "
-            "products and attention are the CPU float32 kernels")
-    if c.resolved_attention_backend() != "torch_native":
-        bad(flag, f"needs attention_backend torch_native, got {c.attention_backend!r}")
-    if c.tp_size > 1:
-        bad(flag, "is not supported with tp_size > 1 yet")
-    if c.speculative_algorithm is not None and c.speculative_algorithm.upper() != "NGRAM":
-        bad(flag, f"combines with speculative_algorithm NGRAM only, got "
-            f"{c.speculative_algorithm!r}")
 
 
 def _check_serving(c: EngineConfig, bad: Any) -> None:
