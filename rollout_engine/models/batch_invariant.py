@@ -2,7 +2,8 @@
 logits and logprob are the same bits whatever else is in its batch, however its prompt was
 chunked, whether its prefix came from the radix cache, and with 1 or 2 threads.
 
-Every reduction on the path is fixed per row, by construction:
+Every reduction on the path is fixed per row, by construction or, for oneDNN's products, by a
+probe of this host's oneDNN:
 
 - products (every projection, the LM head): oneDNN on the weight's packed copy where a
   one-time probe per weight shape (``row_mode``) shows a row's bits independent of its
@@ -66,8 +67,6 @@ def kernel() -> SmallGemm:
 
 
 TILE = 64   # rows per oneDNN call: a decode batch of 64 runs as the fast path does
-
-
 PROBE_COLUMNS = 8192   # the probe's weight keeps at most this many output rows (speed)
 
 
@@ -133,20 +132,21 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] 
         return out.view(*x.shape[:-1], n)
     pointwise = torch.ops.mkldnn._linear_pointwise
     if mode == "whole":   # one call, rows padded to a multiple of TILE
-        padded = -(-rows // TILE) * TILE
-        if padded != rows:
-            staged = flat.new_zeros(padded, k)
-            staged[:rows] = flat
-            flat = staged
-        out = pointwise(flat, packed, bias, "none", [], "")[:rows]
+        out = pointwise(_zero_padded(flat, -(-rows // TILE) * TILE), packed, bias, "none",
+                        [], "")[:rows]
         return out.view(*x.shape[:-1], n)
     out = torch.empty(rows, n, dtype=torch.float32)
     for r0 in range(0, rows, TILE):
         r1 = min(rows, r0 + TILE)
-        tile = flat[r0:r1]
-        if r1 - r0 < TILE:
-            staged = flat.new_zeros(TILE, k)
-            staged[:r1 - r0] = tile
-            tile = staged
+        tile = _zero_padded(flat[r0:r1], TILE)
         out[r0:r1] = pointwise(tile, packed, bias, "none", [], "")[:r1 - r0]
     return out.view(*x.shape[:-1], n)
+
+
+def _zero_padded(rows: torch.Tensor, count: int) -> torch.Tensor:
+    """``rows`` followed by zero rows up to ``count`` (``rows`` itself when it has them)."""
+    if rows.shape[0] == count:
+        return rows
+    staged = rows.new_zeros(count, rows.shape[1])
+    staged[:rows.shape[0]] = rows
+    return staged
