@@ -37,6 +37,9 @@ LABELS = ["a", "b", "a", "v1"]          # repeated labels on purpose
 TAGS = ["weights", "kv_cache", "cuda_graph"]
 LOGPROB_TOL = 1e-4                      # other requests share the batch: matmul order moves
 WAIT_S = 30.0                           # no request of these sizes takes a second when healthy
+# A crowd: admission's estimate (a fraction of max_new_tokens) fits all of them in the pool, their
+# full lengths do not (5 x 44 > POOL_TOKENS), so decode runs short and must retract.
+CROWD, CROWD_PROMPT, CROWD_NEW, CROWDS = 5, 4, 40, 12
 
 
 def _probe(engine: Any) -> list[tuple[list[int], list[float]]]:
@@ -173,6 +176,24 @@ class EngineChaos(RuleBasedStateMachine):
         with pytest.raises((ValueError, EngineAsleepError), match="pool|asleep|stale"):
             self.e._submit(None, {"max_new_tokens": 4}, list(range(5, 5 + POOL_TOKENS + 8)),
                            False, 0, -1, False, None, None)
+
+    @precondition(lambda self: not self.paused)
+    @rule()
+    def crowd_the_pool(self) -> None:
+        """Queued together behind an in-place pause, then let in at once: retraction, whatever
+        the machine's speed (a few per run: each costs some forty decode steps)."""
+        if self._refused() or self.world.counts.get("crowd", 0) >= CROWDS:
+            return
+        self.world.count("crowd")
+        self.e.pause_generation("in_place")
+        params = {"max_new_tokens": CROWD_NEW, "temperature": 0.0, "ignore_eos": True}
+        for i in range(CROWD):
+            self.rids += 1
+            prompt = [400 + 10 * i + j for j in range(CROWD_PROMPT)]
+            states, _ = self.e._submit(None, params, prompt, True, 0, -1, False,
+                                       f"chaos-{self.rids}", None)
+            self.pending.extend(("plain", s, False) for s in states)
+        self.e.continue_generation()
 
     @precondition(lambda self: bool(self.pending))
     @rule(data=st.data())
