@@ -44,7 +44,12 @@ from rollout_engine.scheduler.weight_state import WeightState
 from rollout_engine.speculative.selector import SELECTORS, check_target_only
 from rollout_engine.weights import refit
 from rollout_engine.weights.disk_reader import PartialLoadError
-from rollout_engine.weights.loader import WeightLoadReport, read_weight, weight_names
+from rollout_engine.weights.loader import (
+    WeightLoadReport,
+    covered_names,
+    read_weight,
+    weight_names,
+)
 from rollout_engine.weights.shadow import ShadowWeights
 from rollout_engine.weights.update_groups import WeightUpdateGroups
 
@@ -179,7 +184,8 @@ class RLControl(BroadcastRefits):
         if device.type == "cuda":
             torch.cuda.synchronize(device)   # the trainer may reuse its buffers once we answer
         self.num_refits += 1
-        generation = weights.loaded(report.names, weight_version)
+        generation = weights.loaded(covered_names(self.runner.model, report.names),
+                                    weight_version)
         # older KV can never be matched again: free it now, or as soon as its last user ends
         self.kv.tree.retire_generations_before(generation)
         deferred = False
@@ -229,7 +235,8 @@ class RLControl(BroadcastRefits):
             return refit.refit_from_disk(self.runner.model, model_path)
         except PartialLoadError as e:
             # some weights may be half overwritten: refuse generation until they are rewritten
-            self.kv.tree.retire_generations_before(self.weights.partly_written(e.names))
+            self.kv.tree.retire_generations_before(
+                self.weights.partly_written(covered_names(self.runner.model, e.names)))
             raise ValueError(str(e)) from None
 
     def rpc_update_weights_from_tensor(self, serialized_named_tensors: list[str],

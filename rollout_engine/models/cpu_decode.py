@@ -62,6 +62,7 @@ class CpuDecodeForward:
         arch = getattr(model, "arch", None)
         if (os.environ.get(FLAT_DECODE_ENV, "1") == "0" or arch is None
                 or getattr(model, "tp", None) is not None or arch.qk_norm
+                or getattr(arch, "moe", None) is not None
                 or getattr(backend, "decode_kernel", None) is None):
             return None
         params = list(model.parameters())

@@ -26,8 +26,9 @@ from rollout_engine.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     linear_fp32_out,
-    silu_mul,
 )
+from rollout_engine.models.mlp import MLP
+from rollout_engine.models.moe import MoEArch, SparseMoeBlock
 from rollout_engine.models.tp_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -57,6 +58,7 @@ class ModelArch:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
+    moe: Optional[MoEArch] = None   # Qwen3-MoE / Qwen2-MoE: experts in moe.moe_layers
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArch:
@@ -72,7 +74,7 @@ class ModelArch:
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (silu)")
-        is_qwen2 = model_type == "qwen2"
+        is_qwen2 = model_type in ("qwen2", "qwen2_moe")
         return cls(
             architecture=arch,
             hidden_size=cfg["hidden_size"],
@@ -90,7 +92,8 @@ class ModelArch:
             qkv_bias=is_qwen2 or bool(cfg.get("attention_bias", False)),
             o_bias=bool(cfg.get("attention_bias", False)) and not is_qwen2,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            moe=MoEArch.from_hf_config(cfg),
         )
 
 
@@ -124,25 +127,19 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(t, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, arch: ModelArch, tp: Optional[TPContext] = None) -> None:
-        super().__init__()
-        i = arch.intermediate_size if tp is None else tp.split(arch.intermediate_size)[1]
-        self.gate_up_proj = MergedLinear(arch.hidden_size, [i, i], bias=arch.mlp_bias)
-        self.down_proj = (Linear(i, arch.hidden_size, bias=arch.mlp_bias) if tp is None
-                          else RowParallelLinear(i, arch.hidden_size, arch.mlp_bias, tp))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, layer_id: int, tp: Optional[TPContext] = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch, tp)
+        self.mlp: nn.Module
+        if arch.moe is not None and layer_id in arch.moe.moe_layers:
+            self.mlp = SparseMoeBlock(arch.hidden_size, arch.moe, layer_id, arch.mlp_bias, tp)
+        else:
+            i = arch.intermediate_size
+            self.mlp = MLP(arch.hidden_size, i if tp is None else tp.split(i)[1],
+                           arch.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], cos: torch.Tensor,
                 sin: torch.Tensor, fb: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,11 +154,12 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn(h, cos, sin, fb)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, fb), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder plus LM head; also serves Qwen2 (qkv bias) and Qwen3 (q/k norm)."""
+    """The decoder plus LM head; also serves Qwen2 (qkv bias), Qwen3 (q/k norm) and their
+    mixture-of-experts variants (``models/moe.py``)."""
 
     def __init__(self, arch: ModelArch, tp: Optional[TPContext] = None) -> None:
         super().__init__()
@@ -221,16 +219,10 @@ class LlamaForCausalLM(nn.Module):
                     for shard, proj in enumerate(("q_proj", "k_proj", "v_proj")):
                         table[f"{pre}self_attn.{proj}.{kind}"] = (
                             fused, attn.qkv_proj.shard_offset(shard), attn.qkv_proj.shard_sizes[shard])
-                fused = getattr(mlp.gate_up_proj, kind)
-                if fused is not None:
-                    for shard, proj in enumerate(("gate_proj", "up_proj")):
-                        table[f"{pre}mlp.{proj}.{kind}"] = (
-                            fused, mlp.gate_up_proj.shard_offset(shard),
-                            mlp.gate_up_proj.shard_sizes[shard])
-                for hf, mod in (("self_attn.o_proj", attn.o_proj), ("mlp.down_proj", mlp.down_proj)):
-                    p = getattr(mod, kind)
-                    if p is not None:
-                        whole(f"{pre}{hf}.{kind}", p)
+                p = getattr(attn.o_proj, kind)
+                if p is not None:
+                    whole(f"{pre}self_attn.o_proj.{kind}", p)
+            table.update(mlp.hf_names(f"{pre}mlp."))
             whole(f"{pre}input_layernorm.weight", layer.input_layernorm.weight)
             whole(f"{pre}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
             if attn.q_norm is not None and attn.k_norm is not None:
@@ -253,7 +245,6 @@ class LlamaForCausalLM(nn.Module):
         d, h, i_full = a.head_dim, a.hidden_size, a.intermediate_size
         q0, qn = tp.split(a.num_heads)
         k0, kn = tp.kv_heads(a.num_heads, a.num_kv_heads)
-        i0, i_n = tp.split(i_full)
         v0, vn, _ = tp.vocab(a.vocab_size)
         shards = {"model.embed_tokens.weight": Shard(0, v0, vn, (a.vocab_size, h))}
         if self.lm_head is not None:
@@ -268,13 +259,35 @@ class LlamaForCausalLM(nn.Module):
                 for proj in ("k_proj", "v_proj"):
                     shards[f"{pre}self_attn.{proj}.{kind}"] = Shard(
                         0, k0 * d, kn * d, (a.num_kv_heads * d, *rest))
-            for kind, rest in mlp_kinds:
-                for proj in ("gate_proj", "up_proj"):
-                    shards[f"{pre}mlp.{proj}.{kind}"] = Shard(0, i0, i_n, (i_full, *rest))
             shards[f"{pre}self_attn.o_proj.weight"] = Shard(1, q0 * d, qn * d,
                                                             (h, a.num_heads * d))
-            shards[f"{pre}mlp.down_proj.weight"] = Shard(1, i0, i_n, (h, i_full))
+            if a.moe is None or layer not in a.moe.moe_layers:
+                mlps = [(f"{pre}mlp.", i_full, mlp_kinds)]
+            else:   # every expert (and the shared one) split like the dense MLP
+                mlps = [(f"{pre}mlp.experts.{e}.", a.moe.intermediate_size, [("weight", (h,))])
+                        for e in range(a.moe.num_experts)]
+                if a.moe.shared_intermediate_size:
+                    mlps.append((f"{pre}mlp.shared_expert.", a.moe.shared_intermediate_size,
+                                 mlp_kinds))
+            for mlp, full, these in mlps:
+                i0, i_n = tp.split(full)
+                for kind, rest in these:
+                    for proj in ("gate_proj", "up_proj"):
+                        shards[f"{mlp}{proj}.{kind}"] = Shard(0, i0, i_n, (full, *rest))
+                shards[f"{mlp}down_proj.weight"] = Shard(1, i0, i_n, (h, full))
         return shards
+
+    def stacked_names(self) -> dict[str, tuple[nn.Parameter, tuple[int, ...], tuple[str, ...]]]:
+        """HF names whose tensors fill a whole stacked parameter, in another shape
+        (transformers 5's expert tensors): name -> (parameter, incoming shape, the
+        ``weight_map`` names it stands for). None with tp (the per-expert names shard)."""
+        if self.tp is not None:
+            return {}
+        names: dict[str, tuple[nn.Parameter, tuple[int, ...], tuple[str, ...]]] = {}
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, SparseMoeBlock):
+                names.update(layer.mlp.stacked_names(f"model.layers.{i}.mlp."))
+        return names
 
     @staticmethod
     def ignored_weight(name: str) -> bool:

@@ -10,11 +10,14 @@ from rollout_engine.models.llama import LlamaForCausalLM, ModelArch
 from rollout_engine.parallel.context import TPContext
 
 # Qwen2 and Qwen3 differ from Llama only in flags that ModelArch reads from the config
-# (qkv bias, q/k norm), so one class serves all three.
+# (qkv bias, q/k norm), and their MoE variants only in the MLP of some layers (ModelArch.moe),
+# so one class serves all five.
 _REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
 }
 
 

@@ -113,7 +113,9 @@ class LoadPlan:
             plan = _checked_plan(model, [(n, tuple(t.shape), t.dtype) for n, t in checked],
                                  require_all)
         by_name = dict(checked)   # names are unique once plan_targets accepted them
-        targets = [(name, param, _view(param, row0, rows), shard)
+        stacked = stacked_names(model)
+        targets = [(name, param, _view(param, row0, rows,
+                                        stacked[name][1] if name in stacked else None), shard)
                    for name, param, row0, rows, shard in plan]
         self.model = model
         self.copies = CopyPlan((dst, _source(by_name[name].detach(), shard))
@@ -122,7 +124,7 @@ class LoadPlan:
         self.report = WeightLoadReport(
             num_tensors=len(targets),
             num_bytes=sum(dst.numel() * dst.element_size() for _, _, dst, _ in targets),
-            names=frozenset(n for n, _, _, _ in targets),
+            names=covered_names(model, (n for n, _, _, _ in targets)),
             num_cast=sum(by_name[name].dtype != dst.dtype for name, _, dst, _ in targets))
 
     @property
@@ -180,12 +182,37 @@ def plan_targets(model: torch.nn.Module, specs: Iterable[tuple[str, tuple[int, .
     checkpoint's ``lm_head.weight``. Raises ValueError naming the first bad tensor (unknown,
     twice, wrong shape, uncastable dtype; with ``require_all``, missing)."""
     # views made afresh: sleep and refits may have given a parameter new storage since
-    return [(name, _view(param, row0, rows), shard)
+    stacked = stacked_names(model)
+    return [(name, _view(param, row0, rows, stacked[name][1] if name in stacked else None),
+             shard)
             for name, param, row0, rows, shard in _checked_plan(model, specs, require_all)]
 
 
-def _view(param: torch.nn.Parameter, row0: int, rows: int) -> torch.Tensor:
-    return param.data if param.dim() == 0 else param.data.narrow(0, row0, rows)
+_STACKED: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Any]] = \
+    weakref.WeakKeyDictionary()
+
+
+def covered_names(model: torch.nn.Module, names: Iterable[str]) -> frozenset[str]:
+    """The ``weight_map`` names that tensors under ``names`` write (a stacked name stands for
+    each of its experts')."""
+    stacked = stacked_names(model)
+    return frozenset(c for n in names for c in (stacked[n][2] if n in stacked else (n,)))
+
+
+def stacked_names(model: torch.nn.Module) -> dict[str, Any]:
+    """``model.stacked_names()`` (built once): names whose tensor fills a whole parameter in
+    another shape -> (parameter, incoming shape, the table names it stands for)."""
+    names = _STACKED.get(model)
+    if names is None:
+        fn = getattr(model, "stacked_names", None)
+        names = _STACKED[model] = {} if fn is None else fn()
+    return names
+
+
+def _view(param: torch.nn.Parameter, row0: int, rows: int,
+          shape: Optional[tuple[int, ...]] = None) -> torch.Tensor:
+    view = param.data if param.dim() == 0 else param.data.narrow(0, row0, rows)
+    return view if shape is None else view.view(shape)
 
 
 def _checked_plan(model: torch.nn.Module,
@@ -222,6 +249,7 @@ def _plan(model: torch.nn.Module, specs: tuple[tuple[str, tuple[int, ...], torch
     ignored = getattr(model, "ignored_weight", lambda name: False)
     shards: dict[str, Shard] = (model.tp_shards()  # type: ignore[operator]
                                 if getattr(model, "tp", None) is not None else {})
+    stacked = stacked_names(model)
     targets: list[tuple[str, torch.nn.Parameter, int, int, Optional[Shard]]] = []
     seen: set[str] = set()
     for name, shape, dtype in specs:
@@ -229,14 +257,19 @@ def _plan(model: torch.nn.Module, specs: tuple[tuple[str, tuple[int, ...], torch
             continue
         if name == "lm_head.weight" and name not in table:
             continue  # tied embeddings: the checkpoint may still carry a copy
-        if name not in table:
+        if name in stacked:   # one tensor for many table names
+            param, expected, covers = stacked[name]
+            row0, rows = 0, param.shape[0]
+        elif name in table:
+            (param, row0, rows), covers = table[name], (name,)
+            expected = (rows, *param.shape[1:]) if param.dim() else ()
+        else:
             raise ValueError(f"unknown weight name {name!r} (not a parameter of this model)")
-        if name in seen:
-            raise ValueError(f"weight {name!r} appears twice in one update")
-        seen.add(name)
-        param, row0, rows = table[name]
+        for covered in covers:
+            if covered in seen:
+                raise ValueError(f"weight {name!r} appears twice in one update")
+            seen.add(covered)
         shard = shards.get(name)
-        expected = (rows, *param.shape[1:]) if param.dim() else ()
         if shard is not None:
             expected = shard.full_shape
         if tuple(shape) != tuple(expected):

@@ -1,0 +1,43 @@
+"""The dense SwiGLU MLP (``down(silu(gate(x)) * up(x))``, gate and up in one product) of the
+decoder layers and of Qwen2-MoE's shared expert."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from rollout_engine.models.layers import Linear, MergedLinear, silu_mul
+from rollout_engine.models.tp_layers import RowParallelLinear
+from rollout_engine.parallel.context import TPContext
+
+
+class MLP(nn.Module):
+    """SwiGLU of ``intermediate_size`` (this rank's part with ``tp``); ``reduce=False`` leaves
+    the ranks' partial sums for the caller to reduce (a MoE layer's shared expert)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
+                 tp: Optional[TPContext] = None, reduce: bool = True) -> None:
+        super().__init__()
+        i = intermediate_size
+        self.gate_up_proj = MergedLinear(hidden_size, [i, i], bias=bias)
+        self.down_proj = (RowParallelLinear(i, hidden_size, bias, tp) if tp is not None and reduce
+                          else Linear(i, hidden_size, bias=bias))
+
+    def forward(self, x: torch.Tensor, fb: Any = None) -> torch.Tensor:
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+
+    def hf_names(self, pre: str) -> dict[str, tuple[nn.Parameter, int, int]]:
+        """HF name -> (parameter, first row, rows); ``pre`` ends with the MLP's dot."""
+        table: dict[str, tuple[nn.Parameter, int, int]] = {}
+        for kind in ("weight", "bias"):
+            fused = getattr(self.gate_up_proj, kind)
+            if fused is not None:
+                for shard, proj in enumerate(("gate_proj", "up_proj")):
+                    table[f"{pre}{proj}.{kind}"] = (fused, self.gate_up_proj.shard_offset(shard),
+                                                    self.gate_up_proj.shard_sizes[shard])
+            p = getattr(self.down_proj, kind)
+            if p is not None:
+                table[f"{pre}down_proj.{kind}"] = (p, 0, p.shape[0])
+        return table
