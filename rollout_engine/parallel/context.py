@@ -106,6 +106,10 @@ def check_tp_size(tp_size: int, hf_config: dict[str, Any]) -> Optional[str]:
                 f"then replicated), got {tp_size}")
     if inter % tp_size:
         return f"must divide intermediate_size ({inter}), got {tp_size}"
+    for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):   # MoE experts
+        size = hf_config.get(key) or 0
+        if hf_config.get("num_experts") and size % tp_size:
+            return f"must divide {key} ({size}), got {tp_size}"
     return None
 
 

@@ -1,4 +1,4 @@
-"""--tp-size 2 against one rank, on the tiny qwen2, qwen3 and llama: greedy tokens identical and
+"""--tp-size 2 against one rank, on the tiny qwen2, qwen3, llama, qwen3_moe and qwen2_moe: greedy tokens identical and
 logprobs (output and prompt) within 1e-4, on first load, after a refit by each transport
 (disk, tensor handles, one broadcast to both ranks: a fleet of this engine and a one-rank
 one, 1 + 2 + 1 ranks) and after sleep / wake; control calls cover every rank. One TP=2 engine (two processes) per model, shared by the module's tests.
@@ -21,11 +21,17 @@ PROMPTS = [[1, 2, 3], SHARED + [5, 6], [9, 30, 200, 11, 300, 17], SHARED + [7]]
 FLAGS = {"max_total_tokens": 2048}
 
 
-@pytest.fixture(scope="module", params=("qwen2", "qwen3", "llama"))
+@pytest.fixture(scope="module", params=("qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe"))
 def weights(request: Any) -> tuple[str, str]:
-    """The model's two weight sets (seed 0 and 1), same shapes."""
+    """The model's two weight sets (seed 0 and 1), same shapes. The MoE models split every
+    expert (and Qwen2-MoE's shared expert) over the ranks; the Qwen2-MoE has a dense layer."""
     from rollout_engine.testing.tiny_model import tiny_model_path
+    from rollout_engine.testing.tiny_moe import tiny_moe_path
 
+    if request.param.endswith("_moe"):
+        shape = {"num_layers": 3, "mlp_only_layers": (1,)} if request.param == "qwen2_moe" else {}
+        return (str(tiny_moe_path(request.param, **shape)),
+                str(tiny_moe_path(request.param, seed=1, **shape)))
     shape = {"num_kv_heads": 1} if request.param == "llama" else {}
     return (str(tiny_model_path(request.param, **shape)),
             str(tiny_model_path(request.param, seed=1, **shape)))
