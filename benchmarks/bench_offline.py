@@ -49,6 +49,7 @@ import vllm_peer  # noqa: E402
 
 N_SAMPLES = 8
 VOCAB = 32000
+MOE_SHAPE = "qwen3-moe-a3b-ratios"
 
 
 def make_prompts(num: int, length: int, vocab: int = VOCAB, seed: int = 0) -> list[list[int]]:
@@ -220,7 +221,9 @@ def main() -> None:
     ap.add_argument("--sides", default="ours,vllm,transformers",
                     help="comma-separated; SIDE:DTYPE runs a side in another dtype")
     ap.add_argument("--shape", default="55m", help="55m, or a real checkpoint's shape: "
-                    "qwen3-0.6b, qwen2.5-0.5b, llama-3.2-1b (random weights)")
+                    "qwen3-0.6b, qwen2.5-0.5b, llama-3.2-1b (random weights), or "
+                    f"{MOE_SHAPE} (Qwen3-30B-A3B's expert ratios scaled down: "
+                    "testing/tiny_moe.py)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="every side's dtype unless the side names its own")
     ap.add_argument("--no-vllm-setup", action="store_true",
@@ -241,6 +244,11 @@ def main() -> None:
 
     if args.shape == "55m":
         model_dir, vocab = str(tiny_model_path("qwen2", **PRESET_55M)), VOCAB
+    elif args.shape == MOE_SHAPE:
+        from rollout_engine.testing.tiny_moe import PRESET_30B_A3B_SHAPE, tiny_moe_path
+
+        model_dir = str(tiny_moe_path("qwen3_moe", **PRESET_30B_A3B_SHAPE))
+        vocab = PRESET_30B_A3B_SHAPE["vocab_size"]
     else:
         model_dir, vocab = str(real_shape_path(args.shape)), REAL_SHAPES[args.shape]["vocab_size"]
     batches = ([int(b) for b in args.batches.split(",")] if args.batches
@@ -336,6 +344,7 @@ def main() -> None:
         "ours_of_adjacent_roofline_by_round": ours_of_adjacent,
         "workload": {k: v for k, v in spec.items() if k != "model_dir"} | {
             "model": "tiny qwen2 PRESET_55M" if args.shape == "55m" else
+            "tiny qwen3_moe PRESET_30B_A3B_SHAPE" if args.shape == MOE_SHAPE else
             f"{args.shape} shape, random weights", "temperature": 1.0,
             "ignore_eos": True, "logprobs": True},
         "rounds": args.rounds, "runs_tok_s": found, "runs_by_round": per_round,

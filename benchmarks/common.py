@@ -150,7 +150,8 @@ def measure_machine() -> dict[str, Any]:
 
 
 def model_params(model_dir: str | os.PathLike) -> dict[str, int]:
-    """Parameter counts of a Llama-family HF config.
+    """Parameter counts of a Llama-family HF config (MoE: ``matmul`` counts the active
+    experts a token runs through, ``total`` every expert).
 
     ``total`` counts a tied LM head twice (the convention behind "55M");
     ``matmul`` counts the weights a token multiplies (every linear layer and the LM head once,
@@ -162,7 +163,21 @@ def model_params(model_dir: str | os.PathLike) -> dict[str, int]:
     nh = cfg["num_attention_heads"]
     nkv = cfg.get("num_key_value_heads") or nh
     hd = cfg.get("head_dim") or h // nh
-    per_layer = h * (nh * hd + 2 * nkv * hd) + nh * hd * h + 3 * h * inter
+    attn = h * (nh * hd + 2 * nkv * hd) + nh * hd * h
+    per_layer = attn + 3 * h * inter
+    experts = int(cfg.get("num_experts") or 0)
+    if experts:   # a MoE layer: the router and top_k experts act on each token
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense = set(cfg.get("mlp_only_layers") or [])
+        moe_layers = sum(1 for i in range(nl) if i not in dense and (i + 1) % step == 0)
+        shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+        moe = (h * experts + 3 * h * cfg["moe_intermediate_size"] * cfg["num_experts_per_tok"]
+               + 3 * h * shared + (h if shared else 0))
+        matmul = (nl - moe_layers) * per_layer + moe_layers * (attn + moe) + v * h
+        stored = 3 * h * cfg["moe_intermediate_size"] * experts
+        return {"matmul": matmul, "total": matmul + v * h + moe_layers * (
+            stored - 3 * h * cfg["moe_intermediate_size"] * cfg["num_experts_per_tok"]),
+            "per_layer": attn + moe}
     matmul = nl * per_layer + v * h
     return {"matmul": matmul, "total": matmul + v * h, "per_layer": per_layer}
 

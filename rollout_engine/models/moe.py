@@ -29,12 +29,17 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from rollout_engine_kernels.cpu.moe_experts import MoeExperts, load_moe_experts
 from torch import nn
 
-from rollout_engine.models import weight_writes
+from rollout_engine.models import batch_invariant, weight_writes
 from rollout_engine.models.layers import Linear, linear, silu_mul
 from rollout_engine.models.mlp import MLP
 from rollout_engine.parallel.context import TPContext
+
+KERNEL_MAX_TOKENS = 256
+"""Batches up to this many tokens run their experts in the one-call kernel
+(``kernels/cpu/moe_experts``); longer ones a product per expert."""
 
 
 @dataclass(frozen=True)
@@ -154,19 +159,37 @@ class SparseMoeBlock(nn.Module):
         t, k = ids.shape
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=self.moe.num_experts)
         token_of = order // k
         xs = x.index_select(0, token_of)
-        w13, w2 = self._views.get(self.w13, self.w2, self.moe.num_experts)
-        ys = x.new_empty((t * k, x.shape[1]))
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                end = start + n
-                ys[start:end] = linear(silu_mul(linear(xs[start:end], w13[e])), w2[e])
-                start = end
+        kernel = self._kernel(x, t)
+        if kernel is not None:   # every expert in one call
+            e = self.moe.num_experts
+            offsets = torch.zeros(e + 1, dtype=torch.int64)
+            torch.cumsum(counts, 0, out=offsets[1:])
+            ys = kernel(xs, self.w13.detach().view(e, -1, x.shape[1]),
+                        self.w2.detach().view(e, x.shape[1], -1), offsets)
+        else:
+            w13, w2 = self._views.get(self.w13, self.w2, self.moe.num_experts)
+            ys = x.new_empty((t * k, x.shape[1]))
+            start = 0
+            for e, n in enumerate(counts.tolist()):
+                if n:
+                    end = start + n
+                    ys[start:end] = linear(silu_mul(linear(xs[start:end], w13[e])), w2[e])
+                    start = end
         ys.mul_(weights.reshape(-1).index_select(0, order)[:, None])
         return x.new_zeros(x.shape).index_add_(0, token_of, ys)
+
+    def _kernel(self, x: torch.Tensor, tokens: int) -> Optional[MoeExperts]:
+        """The one-call experts kernel where it applies: float32 CPU, no autograd, up to
+        ``KERNEL_MAX_TOKENS`` tokens (a decode step; longer batches give each expert enough
+        rows for a product of its own). Batch-invariant forwards keep their own products."""
+        if (tokens > KERNEL_MAX_TOKENS or not x.is_cpu or x.dtype is not torch.float32
+                or self.w13.dtype is not torch.float32 or batch_invariant.active()
+                or (torch.is_grad_enabled() and self.w13.requires_grad)):
+            return None
+        return load_moe_experts()
 
     def hf_names(self, pre: str) -> dict[str, tuple[nn.Parameter, int, int]]:
         """HF name -> (parameter, first row, rows) of the router, each expert and the shared

@@ -1,0 +1,140 @@
+// The experts of a mixture-of-experts layer on a decode step's few rows per expert, float32:
+//
+//   act[r, j] = silu(x[r] . w13[e, j]) * (x[r] . w13[e, I + j])      j in [0, I)
+//   y[r, n]   = act[r] . w2[e, n]                                     n in [0, H)
+//
+// for every row r of expert e's run [offsets[e], offsets[e + 1]) of x (rows sorted by expert).
+// At a decode step each expert sees a few rows, so the work is reading every used expert's
+// weights once: one call runs all experts, the weights read in place in torch's [N, K] layout
+// (w13 [E, 2I, H], w2 [E, H, I]), threads (torch's intra-op pool) over (expert, block of
+// outputs) tasks, in two phases (gate/up, then down). Per task, a block of up to kRows rows of x
+// against one weight row (two for gate/up: row j and row I + j, so silu * up is written at
+// once): per k-vector one weight load, kRows fused multiply-adds into kRows accumulators.
+//
+// Every output is one sum in a fixed order: lane l of the accumulator sums k = l, l + L, ...
+// in k order, the lanes are added in a fixed tree, then the K % L tail in k order. So a row's
+// result does not depend on how many rows its expert has, on the other rows, or on threads.
+//
+// Plain C entry points over raw pointers, called through ctypes (which releases the GIL); the
+// Python side (moe_experts.py) checks shapes.
+#include <ATen/Parallel.h>
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512F__)
+typedef float vf __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+#else
+typedef float vf __attribute__((vector_size(32)));
+constexpr int kLanes = 8;
+#endif
+constexpr int kRows = 4;          // rows of x per pass over a weight row
+constexpr int64_t kBlock = 32;    // outputs per task
+
+inline vf loadv(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+
+// a * b + c, fused where the CPU has it. The library is built with -ffp-contract=off: the
+// compiler would otherwise fuse some of the expressions and not others depending on how a
+// loop was unrolled, and a row's bits would follow its expert's row count.
+inline vf fma(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+  return vf(_mm512_fmadd_ps(__m512(a), __m512(b), __m512(c)));
+#elif defined(__FMA__)
+  return vf(_mm256_fmadd_ps(__m256(a), __m256(b), __m256(c)));
+#else
+  return a * b + c;
+#endif
+}
+
+inline float hsum(vf v) {   // a fixed tree: halves added until one lane is left
+  float a[kLanes];
+  std::memcpy(a, &v, sizeof v);
+  for (int w = kLanes / 2; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) a[i] += a[i + w];
+  return a[0];
+}
+
+// dots[r] = x[r] . w for the n <= kRows rows of x (row stride ldx), over K.
+inline void dots(const float* x, int64_t ldx, int n, const float* w, int64_t K, float* out) {
+  vf acc[kRows] = {};
+  const int64_t kv = K - K % kLanes;
+  for (int64_t k = 0; k < kv; k += kLanes) {
+    const vf wv = loadv(w + k);
+    for (int r = 0; r < kRows; ++r)
+      if (r < n) acc[r] = fma(wv, loadv(x + r * ldx + k), acc[r]);
+  }
+  for (int r = 0; r < n; ++r) {
+    float s = hsum(acc[r]);
+    for (int64_t k = kv; k < K; ++k) s += x[r * ldx + k] * w[k];
+    out[r] = s;
+  }
+}
+
+struct Task { int64_t expert, first; };
+
+// Tasks of blocks of `outputs` for every expert with rows.
+std::vector<Task> tasks_of(const int64_t* offsets, int64_t E, int64_t outputs) {
+  std::vector<Task> tasks;
+  for (int64_t e = 0; e < E; ++e)
+    if (offsets[e + 1] > offsets[e])
+      for (int64_t j = 0; j < outputs; j += kBlock) tasks.push_back({e, j});
+  return tasks;
+}
+
+}  // namespace
+
+extern "C" {
+
+int rollout_engine_moe_experts_abi() { return 1; }
+
+// xs [R, H] rows sorted by expert, offsets [E + 1]; act [R, I] scratch; ys [R, H] out.
+int rollout_engine_moe_experts_f32(const float* xs, int64_t H, const float* w13,
+                                   const float* w2, int64_t I, const int64_t* offsets,
+                                   int64_t E, float* act, float* ys) {
+  const std::vector<Task> up = tasks_of(offsets, E, I);
+  at::parallel_for(0, (int64_t)up.size(), 1, [&](int64_t t0, int64_t t1) {
+    float g[kRows], u[kRows];
+    for (int64_t t = t0; t < t1; ++t) {
+      const Task task = up[t];
+      const float* we = w13 + task.expert * 2 * I * H;
+      const int64_t j1 = std::min(I, task.first + kBlock);
+      for (int64_t r0 = offsets[task.expert]; r0 < offsets[task.expert + 1]; r0 += kRows) {
+        const int n = (int)std::min<int64_t>(kRows, offsets[task.expert + 1] - r0);
+        for (int64_t j = task.first; j < j1; ++j) {
+          dots(xs + r0 * H, H, n, we + j * H, H, g);
+          dots(xs + r0 * H, H, n, we + (I + j) * H, H, u);
+          for (int r = 0; r < n; ++r)
+            act[(r0 + r) * I + j] = g[r] / (1.0f + std::exp(-g[r])) * u[r];
+        }
+      }
+    }
+  });
+  const std::vector<Task> down = tasks_of(offsets, E, H);
+  at::parallel_for(0, (int64_t)down.size(), 1, [&](int64_t t0, int64_t t1) {
+    float y[kRows];
+    for (int64_t t = t0; t < t1; ++t) {
+      const Task task = down[t];
+      const float* we = w2 + task.expert * H * I;
+      const int64_t n1 = std::min(H, task.first + kBlock);
+      for (int64_t r0 = offsets[task.expert]; r0 < offsets[task.expert + 1]; r0 += kRows) {
+        const int n = (int)std::min<int64_t>(kRows, offsets[task.expert + 1] - r0);
+        for (int64_t o = task.first; o < n1; ++o) {
+          dots(act + r0 * I, I, n, we + o * I, I, y);
+          for (int r = 0; r < n; ++r) ys[(r0 + r) * H + o] = y[r];
+        }
+      }
+    }
+  });
+  return 0;
+}
+
+}  // extern "C"
