@@ -93,6 +93,17 @@ def route(logits: torch.Tensor, top_k: int, norm: bool,
     return weights.to(logits.dtype), ids
 
 
+def _row_sigmoid(g: torch.Tensor) -> torch.Tensor:
+    """``sigmoid`` of a ``[T, 1]`` column. torch's elementwise loops take whole vectors of
+    elements and leave the remainder to scalar code, whose ``exp`` rounds differently, so in
+    one column a row's value would depend on its position; in batch-invariant forwards each
+    row is spread over 32 lanes of its own (whole vectors at any width up to 16 lanes, two at
+    a time), so every row takes the vector path."""
+    if not batch_invariant.active():
+        return torch.sigmoid(g)
+    return torch.sigmoid(g.expand(-1, 32).contiguous())[:, :1]
+
+
 class _ExpertViews:
     """Per-expert ``[2I, H]`` / ``[H, I]`` views of the stacked parameters, made again only
     when the weights are written (``weight_writes.generation``): the same view objects from
@@ -150,7 +161,7 @@ class SparseMoeBlock(nn.Module):
             record[:, self.column].copy_(ids)
         out = self.experts(x, weights, ids)
         if self.shared is not None and self.shared_gate is not None:
-            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+            out = out + _row_sigmoid(self.shared_gate(x)) * self.shared(x)
         return out if self.group is None else self.group.all_reduce(out)
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -184,10 +195,13 @@ class SparseMoeBlock(nn.Module):
     def _kernel(self, x: torch.Tensor, tokens: int) -> Optional[MoeExperts]:
         """The one-call experts kernel where it applies: float32 CPU, no autograd, up to
         ``KERNEL_MAX_TOKENS`` tokens (a decode step; longer batches give each expert enough
-        rows for a product of its own). Batch-invariant forwards keep their own products."""
-        if (tokens > KERNEL_MAX_TOKENS or not x.is_cpu or x.dtype is not torch.float32
-                or self.w13.dtype is not torch.float32 or batch_invariant.active()
+        rows for a product of its own) or any number in batch-invariant forwards (its rows
+        are invariant by construction; a row count threshold between two paths would not
+        be)."""
+        if (not x.is_cpu or x.dtype is not torch.float32 or self.w13.dtype is not torch.float32
                 or (torch.is_grad_enabled() and self.w13.requires_grad)):
+            return None
+        if tokens > KERNEL_MAX_TOKENS and not batch_invariant.active():
             return None
         return load_moe_experts()
 

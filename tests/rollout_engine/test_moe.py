@@ -161,3 +161,24 @@ def test_grouped_experts_equal_the_per_expert_loop(rows) -> None:
     with torch.no_grad():
         alone = block(x[:1])
     torch.testing.assert_close(alone, got[:1], rtol=1e-5, atol=1e-5)
+
+
+def test_deterministic_mode_a_request_in_any_batch_equals_it_alone(paths, make_engine) -> None:
+    import random
+
+    engine = make_engine(paths[0], enable_deterministic_inference=True, chunked_prefill_size=32)
+    rng = random.Random(0)
+    target = [rng.randrange(5, 500) for _ in range(70)]
+    sp = {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 7}
+
+    def run(prompts: list[list[int]]) -> tuple[list[int], list[float]]:
+        outs = engine.generate(input_ids=prompts, sampling_params=[sp] * len(prompts),
+                               return_logprob=True)
+        return (outs[0]["output_ids"],
+                [lp for lp, *_ in outs[0]["meta_info"]["output_token_logprobs"]])
+
+    alone = run([target])
+    for size in (3, 17, 40):
+        neighbours = [[rng.randrange(5, 500) for _ in range(rng.randrange(1, 120))]
+                      for _ in range(size)]
+        assert run([target] + neighbours) == alone, size   # bit for bit; a radix hit too
