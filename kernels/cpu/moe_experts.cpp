@@ -94,7 +94,14 @@ std::vector<Task> tasks_of(const int64_t* offsets, int64_t E, int64_t outputs) {
 
 extern "C" {
 
-int rollout_engine_moe_experts_abi() { return 1; }
+int rollout_engine_moe_experts_abi() { return 2; }
+
+// out[i] = 1 / (1 + exp(-x[i])), each element by the same scalar code (torch's elementwise
+// sigmoid takes whole vectors and leaves the remainder to scalar code that rounds differently,
+// so an element's bits follow its position in the tensor).
+void rollout_engine_moe_sigmoid_f32(const float* x, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = 1.0f / (1.0f + std::exp(-x[i]));
+}
 
 // xs [R, H] rows sorted by expert, offsets [E + 1]; act [R, I] scratch; ys [R, H] out.
 int rollout_engine_moe_experts_f32(const float* xs, int64_t H, const float* w13,

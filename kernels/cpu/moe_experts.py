@@ -29,7 +29,7 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 class MoeExperts:
     """The compiled kernel; `__call__` checks what the C side cannot see."""
 
-    ABI = 1
+    ABI = 2
 
     def __init__(self, library_path: str) -> None:
         lib = build.open_library(library_path, "rollout_engine_moe_experts_abi", self.ABI)
@@ -37,6 +37,19 @@ class MoeExperts:
         fn.restype = ctypes.c_int
         fn.argtypes = [_P, _I64, _P, _P, _I64, _P, _I64, _P, _P]
         self._fn = fn
+        sig = lib.rollout_engine_moe_sigmoid_f32
+        sig.restype = None
+        sig.argtypes = [_P, _P, _I64]
+        self._sigmoid = sig
+
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        """``torch.sigmoid`` of a contiguous float32 CPU tensor, every element by the same
+        scalar code: an element's bits do not depend on where it sits in the tensor."""
+        if not (x.dtype is torch.float32 and x.is_cpu and x.is_contiguous()):
+            raise ValueError("moe_experts.sigmoid: x must be contiguous float32 on CPU")
+        out = torch.empty_like(x)
+        self._sigmoid(x.data_ptr(), out.data_ptr(), x.numel())
+        return out
 
     def __call__(self, xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                  offsets: torch.Tensor) -> torch.Tensor:

@@ -94,14 +94,13 @@ def route(logits: torch.Tensor, top_k: int, norm: bool,
 
 
 def _row_sigmoid(g: torch.Tensor) -> torch.Tensor:
-    """``sigmoid`` of a ``[T, 1]`` column. torch's elementwise loops take whole vectors of
-    elements and leave the remainder to scalar code, whose ``exp`` rounds differently, so in
-    one column a row's value would depend on its position; in batch-invariant forwards each
-    row is spread over 32 lanes of its own (whole vectors at any width up to 16 lanes, two at
-    a time), so every row takes the vector path."""
-    if not batch_invariant.active():
-        return torch.sigmoid(g)
-    return torch.sigmoid(g.expand(-1, 32).contiguous())[:, :1]
+    """``sigmoid`` of the shared expert's ``[T, 1]`` gate. torch's elementwise loops take whole
+    vectors and leave the remainder to scalar code whose ``exp`` rounds differently, so a row's
+    value would follow its position in the batch; batch-invariant forwards use the kernel
+    library's scalar sigmoid (every element by the same code)."""
+    kernel = load_moe_experts() if batch_invariant.active() and g.is_cpu \
+        and g.dtype is torch.float32 else None
+    return torch.sigmoid(g) if kernel is None else kernel.sigmoid(g.contiguous())
 
 
 class _ExpertViews:

@@ -64,3 +64,11 @@ def test_bad_shapes_are_refused(op) -> None:
         op(xs, w13, w2, torch.tensor([0, 2, 3]))
     with pytest.raises(ValueError, match="float32"):
         op(xs.double(), w13, w2, offsets)
+
+
+def test_sigmoid_is_the_same_bits_wherever_an_element_sits(op) -> None:
+    x = torch.randn(1000) * 4
+    whole = op.sigmoid(x)
+    torch.testing.assert_close(whole, torch.sigmoid(x), rtol=1e-6, atol=1e-7)
+    assert all(torch.equal(op.sigmoid(x[i:i + 1].contiguous()), whole[i:i + 1])
+               for i in range(0, 1000, 37))
