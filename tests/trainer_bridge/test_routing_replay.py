@@ -277,8 +277,9 @@ SAMPLING = [{"temperature": 1.0}, {"temperature": 0.0}, {"temperature": 0.7, "to
             {"temperature": 1.0, "min_p": 0.05}]
 
 
-def test_on_policy_moe_scores_bit_for_bit(make_engine) -> None:
-    path = str(tiny_moe_path("qwen3_moe"))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_on_policy_moe_scores_bit_for_bit(make_engine, family) -> None:
+    path = str(tiny_moe_path(family))
     engine = make_engine(path, enable_deterministic_inference=True, chunked_prefill_size=32,
                          num_threads=2)
     policy = OnPolicyModel(path)
