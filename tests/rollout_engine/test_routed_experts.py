@@ -6,7 +6,8 @@ transformers' routers pick on the same whole sequence (``hf_routed_experts``; th
 as sets, as near-equal router probabilities may order two experts either way). The paths
 that move KV around are each taken and proven taken: a radix hit (``cached_tokens``), chunked
 prefill (a prompt longer than the chunk), retraction by a crowd (``num_retractions``), a pause
-that retracts or aborts mid-request, speculative verify forwards (accepted proposals).
+that retracts, aborts or holds a request mid-way, speculative verify forwards (accepted
+proposals), sleep and wake of the KV cache, data-parallel replicas and (slow) tensor parallelism.
 """
 
 from __future__ import annotations
@@ -154,6 +155,14 @@ def test_pause_retract_then_continue_mid_request(engine: Any, moe_path: str) -> 
     assert_hf_routing(moe_path, prompt, last)
 
 
+def test_pause_in_place_then_continue_mid_request(engine: Any, moe_path: str) -> None:
+    before = _stats(engine)["num_retractions"]
+    prompt, chunks = _pause_mid_request(engine, "in_place")
+    assert _stats(engine)["num_retractions"] == before
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert_hf_routing(moe_path, prompt, chunks[-1])
+
+
 def test_an_aborted_running_request_returns_its_rows(engine: Any, moe_path: str) -> None:
     prompt, chunks = _pause_mid_request(engine, "abort")
     last = chunks[-1]
@@ -162,10 +171,37 @@ def test_an_aborted_running_request_returns_its_rows(engine: Any, moe_path: str)
     assert_hf_routing(moe_path, prompt, last)
 
 
-def test_speculative_verify_forwards_write_the_accepted_rows(make_engine: Any,
-                                                            moe_path: str) -> None:
-    eng = make_engine(moe_path, enable_return_routed_experts=True,
-                      speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
+def test_a_request_aborted_while_queued_has_no_rows(engine: Any) -> None:
+    engine.pause_generation("in_place")
+    try:
+        (state,), _ = engine._submit(None, GREEDY, PROMPT[:8], False, 0, -1, False,
+                                     "queued-then-aborted", None, return_routed_experts=True)
+        engine.abort_request("queued-then-aborted")
+        out = engine.tm.wait(state, timeout=30)
+    finally:
+        engine.continue_generation()
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "routed_experts" not in out["meta_info"]
+
+
+def test_the_record_sleeps_and_wakes_with_the_kv_cache(engine: Any, moe_path: str) -> None:
+    held = engine.get_server_info()["routed_experts_bytes"]
+    assert held == 4 * (POOL_TOKENS + 1)   # a row per slot, the padding slot's included
+    engine.release_memory_occupation(["kv_cache"])
+    assert engine.get_server_info()["routed_experts_bytes"] == 0
+    engine.resume_memory_occupation(["kv_cache"])
+    assert engine.get_server_info()["routed_experts_bytes"] == held
+    out = engine.generate(input_ids=PROMPT[:20], sampling_params=GREEDY,
+                          return_routed_experts=True)
+    assert_hf_routing(moe_path, PROMPT[:20], out)
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+def test_speculative_verify_forwards_write_the_accepted_rows(make_engine: Any, moe_path: str,
+                                                            algorithm: str) -> None:
+    draft = {"speculative_draft_model_path": moe_path} if algorithm == "STANDALONE" else {}
+    eng = make_engine(moe_path, enable_return_routed_experts=True, **draft,
+                      speculative_algorithm=algorithm, speculative_num_draft_tokens=5)
     passage = [40 + 13 * i % 400 for i in range(12)]
     prompt = [7, 8, 9] + passage + [7] + passage[:6]
     out = eng.generate(input_ids=prompt, sampling_params={
@@ -212,6 +248,9 @@ def test_start_len_returns_the_tail_rows(engine: Any, moe_path: str) -> None:
     with pytest.raises(ValueError, match="routed_experts_start_len: 25 is higher than"):
         engine.generate(input_ids=prompt, sampling_params=GREEDY, return_routed_experts=True,
                         routed_experts_start_len=len(prompt) + 1)
+    nothing_new = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0},
+                                  return_routed_experts=True)
+    assert_hf_routing(moe_path, prompt, nothing_new)   # the prompt's tokens but the last
     with pytest.raises(ValueError, match="routed_experts_start_len: must be >= 0"):
         engine.generate(input_ids=prompt, sampling_params=GREEDY, return_routed_experts=True,
                         routed_experts_start_len=-1)
