@@ -74,6 +74,22 @@ class RequestLimits:
                              "--max-stop-token-ids raises it)")
 
 
+NOT_RECORDED = ("this server does not record routed experts; start it with "
+                "--enable-return-routed-experts (Engine(enable_return_routed_experts=True))")
+
+
+def routed_experts_refusal(enabled: bool, bytes_per_token: int) -> Optional[str]:
+    """Why requests may not ask for routed experts on an engine started with the flag
+    ``enabled`` whose scheduler records ``bytes_per_token`` of routing per token (0: the model
+    has no experts), or None."""
+    if not enabled:
+        return NOT_RECORDED
+    if bytes_per_token <= 0:
+        return ("the model has no experts (it is not a mixture-of-experts model): there is no "
+                "routing to return")
+    return None
+
+
 class RequestBuilder:
     """Validates and expands generate calls.
 
@@ -84,6 +100,9 @@ class RequestBuilder:
 
     ``limits`` caps each request's top logprobs and stop conditions (``RequestLimits``).
 
+    ``routed_experts_refusal``: why no request may ask for its routed experts here (the
+    engine does not record them: ``routed_experts_refusal``), or None when they are recorded.
+
     ``grammar_check`` decides a constrained request (``json_schema``, ``regex``, ``ebnf``,
     ``structural_tag``) at submission: ``grammar_check_for(config)``, a tokenizer-free check
     of what the grammar backend accepts (a ValueError naming the field and the problem); the
@@ -92,7 +111,8 @@ class RequestBuilder:
 
     def __init__(self, tokenizer: Any, vocab_size: int, context_len: int,
                  rng: random.Random, limits: RequestLimits, pool_tokens: Optional[int] = None,
-                 grammar_check: Callable[[Constraint], None] = check_grammar) -> None:
+                 grammar_check: Callable[[Constraint], None] = check_grammar,
+                 routed_experts_refusal: Optional[str] = NOT_RECORDED) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
         self.vocab_size = vocab_size
@@ -100,6 +120,7 @@ class RequestBuilder:
         self.rng = rng
         self.pool_tokens = pool_tokens
         self.grammar_check = grammar_check
+        self.routed_experts_refusal = routed_experts_refusal
 
     def check_constraint(self, constraint: Constraint) -> None:
         """Whether this engine takes ``constraint`` (ValueError naming its field if not); the
@@ -111,7 +132,8 @@ class RequestBuilder:
               top_logprobs_num: Any = 0, logprob_start_len: Any = -1,
               stream: bool = False, rid: Any = None, extra_key: Any = None,
               *, cache_salt: Any = None, token_ids_logprob: Any = None,
-              token_ids_logprob_positions: Any = None) -> tuple[list[GenerateReq], bool]:
+              token_ids_logprob_positions: Any = None, return_routed_experts: Any = False,
+              routed_experts_start_len: Any = 0) -> tuple[list[GenerateReq], bool]:
         """Validate a generate call and expand it (batch, n) into scheduler requests.
 
         The supported fields of SGLang's ``GenerateReqInput`` (``compat/fields.py``), with its
@@ -124,6 +146,10 @@ class RequestBuilder:
         prompt) position reports (one list for all prompts, or one per prompt);
         ``token_ids_logprob_positions``: for scoring a prompt (``max_new_tokens`` 0,
         ``logprob_start_len`` 0), the ids of each prompt position (``selected_ids.py``).
+        ``return_routed_experts`` (per prompt like the logprob flags): the experts every token
+        fed to the model was routed to, from position ``routed_experts_start_len`` (in
+        ``[0, prompt length]``) on, with the final output; refused (``routed_experts_refusal``)
+        unless the engine records them.
 
         Returns the requests and whether the caller asked for a single (non-list) answer.
         Raises ValueError naming the bad field; nothing is submitted then.
@@ -166,7 +192,9 @@ class RequestBuilder:
                              f"(prompts x n); at most {MAX_REQUESTS_PER_CALL} per call")
         flags = [_per_item(return_logprob, nb, "return_logprob", bool),
                  _per_item(top_logprobs_num, nb, "top_logprobs_num", int),
-                 _per_item(logprob_start_len, nb, "logprob_start_len", int)]
+                 _per_item(logprob_start_len, nb, "logprob_start_len", int),
+                 _per_item(return_routed_experts, nb, "return_routed_experts", bool),
+                 _per_item(routed_experts_start_len, nb, "routed_experts_start_len", int)]
         batch_groups: tuple[str, ...] = ()
         if isinstance(rid, str) and not single:
             batch_groups = (rid,)
@@ -179,8 +207,9 @@ class RequestBuilder:
                                          self.vocab_size)
         reqs: list[GenerateReq] = []
         for i, (ids, sp) in enumerate(zip(ids_list, sps)):
-            rl, tln, lsl = (f[i] for f in flags)
+            rl, tln, lsl, rre, res = (f[i] for f in flags)
             self._validate(ids, sp, tln, lsl)
+            self._check_routed_experts(ids, bool(rre), res)
             if positions[i] is not None:
                 check_scoring(ids, sp, bool(rl), lsl, positions[i], chosen[i])
             base_rid = rids[i] or uuid.uuid4().hex
@@ -194,7 +223,8 @@ class RequestBuilder:
                     return_logprob=bool(rl or tln or chosen[i] is not None),
                     top_logprobs_num=tln, logprob_start_len=lsl, stream=stream,
                     extra_key=keys[i], groups=groups, token_ids_logprob=chosen[i],
-                    token_ids_logprob_positions=positions[i]))
+                    token_ids_logprob_positions=positions[i],
+                    return_routed_experts=bool(rre), routed_experts_start_len=res))
         return reqs, single and sps[0].n == 1
 
     def _encode(self, text: str) -> list[int]:
@@ -234,6 +264,15 @@ class RequestBuilder:
         self.limits.check_top_logprobs(top_logprobs_num)
         if not -1 <= logprob_start_len < len(ids):
             raise ValueError(f"logprob_start_len: must be -1 or in [0, {len(ids)}) for this prompt")
+
+    def _check_routed_experts(self, ids: list[int], asked: bool, start_len: int) -> None:
+        if asked and self.routed_experts_refusal is not None:
+            raise ValueError(f"return_routed_experts: {self.routed_experts_refusal}")
+        if start_len < 0:
+            raise ValueError(f"routed_experts_start_len: must be >= 0, got {start_len}")
+        if start_len > len(ids):
+            raise ValueError(f"routed_experts_start_len: {start_len} is higher than the number "
+                             f"of input tokens ({len(ids)}); it must be in [0, {len(ids)}]")
 
 
 def _cache_namespaces(extra_keys: list[Optional[str]], salts: list[Optional[str]]

@@ -28,7 +28,12 @@ from rollout_engine.protocol.messages import (
     SchedulerDied,
     SchedulerReady,
 )
-from rollout_engine.request_builder import RequestBuilder, RequestLimits, grammar_check_for
+from rollout_engine.request_builder import (
+    RequestBuilder,
+    RequestLimits,
+    grammar_check_for,
+    routed_experts_refusal,
+)
 from rollout_engine.request_state import ChunkStream, RequestState, SchedulerDeadError, kept_arrays
 
 if TYPE_CHECKING:
@@ -87,7 +92,10 @@ class TokenizerManager:
         pool = ready.info["max_total_num_tokens"] // config.page_size * config.page_size
         self.builder = RequestBuilder(self.tokenizer, self.vocab_size, self.context_len,
                                       self.rng, RequestLimits.of(config), pool_tokens=pool,
-                                      grammar_check=grammar_check_for(config))
+                                      grammar_check=grammar_check_for(config),
+                                      routed_experts_refusal=routed_experts_refusal(
+                                          config.enable_return_routed_experts,
+                                          ready.info.get("routed_experts_bytes_per_token", 0)))
         self.receiver = threading.Thread(target=self._receive_loop, name="rollout-receiver",
                                          daemon=True)
         self.receiver.start()
@@ -178,6 +186,8 @@ class TokenizerManager:
             meta.update(out.spec.meta_info(out.completion_tokens))
         if out.top_p_kept is not None:   # CSR over this output's tokens, as slime reads it
             meta.update(kept_arrays(out.top_p_kept))
+        if out.routed_experts is not None:   # the final output of a request that asked
+            meta["routed_experts"] = out.routed_experts.base64()
         if st.req.return_logprob:
             meta["output_token_logprobs"] = [
                 [lp, tid, None] for lp, tid in zip(out.output_logprobs, out.token_ids)]

@@ -209,8 +209,12 @@ GENERATE_REQUEST = FieldList("GenerateReqInput", "python/sglang/srt/managers/io_
     _f("return_flat_raw_top_logprobs", False, D, "flat top-logprob arrays"),
     _f("return_flat_raw_top_logprobs_b64", False, D, "flat top-logprob arrays"),
     _f("return_hidden_states", False, D, "hidden states are not returned"),
-    _f("return_routed_experts", False, D, "MoE routing replay (no MoE models)"),
-    _f("routed_experts_start_len", 0, D, "MoE routing replay (no MoE models)"),
+    _f("return_routed_experts", False, S, "rollout routing replay (needs "
+       "--enable-return-routed-experts and a MoE model): meta_info.routed_experts, base64 "
+       "int32 [tokens fed - start, num_hidden_layers, top_k], -1 in dense layers; per prompt "
+       "when a list"),
+    _f("routed_experts_start_len", 0, S, "first position whose routed experts are returned, "
+       "in [0, prompt length]"),
     _f("return_indexer_topk", False, D, "sparse-attention indexer output"),
     _f("lora_path", None, D, "LoRA", "", refusal=_NO_LORA),
     _f("lora_id", None, D, "LoRA", "", refusal=_NO_LORA),
@@ -309,8 +313,11 @@ _OPENAI_COMMON = [
     _f("extra_key", None, S, "prefix-cache namespace"),
     _f("cache_salt", None, S, "joins extra_key in the prefix-cache namespace"),
     _f("return_hidden_states", False, D, "hidden states are not returned"),
-    _f("return_routed_experts", False, D, "MoE routing replay (no MoE models)"),
-    _f("routed_experts_start_len", 0, D, "MoE routing replay (no MoE models)"),
+    _f("return_routed_experts", False, S, "rollout routing replay (needs "
+       "--enable-return-routed-experts and a MoE model): sglext.routed_experts of the first "
+       "choice (and of each finishing stream chunk), as /generate's meta_info.routed_experts"),
+    _f("routed_experts_start_len", 0, S, "first position whose routed experts are returned, "
+       "in [0, prompt length]"),
     _f("return_cached_tokens_details", False, D, "cache tiers (usage has cached_tokens)"),
     _f("return_token_ids", False, D, "token ids in choices (use /generate)"),
     _f("regex", None, S, _GRAMMAR + "sampling_params.regex"),

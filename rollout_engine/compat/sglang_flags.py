@@ -215,7 +215,7 @@ enable_response_store                        switch  False                defaul
 enable_return_aux_hidden_states              switch  False                default
 enable_return_hidden_states                  switch  False                default
 enable_return_indexer_topk                   switch  False                default
-enable_return_routed_experts                 switch  False                default
+enable_return_routed_experts                 switch  False                ours
 enable_scattered_sconv                       switch  False                default
 enable_session_radix_cache                   switch  False                default
 enable_shared_experts_attn_tp                switch  False                default

@@ -94,6 +94,10 @@ class EngineConfig:
     speculative_draft_model_path: Optional[str] = None   # STANDALONE's draft (same tokenizer)
     # RL control plane
     enable_weights_cpu_backup: bool = False
+    # rollout routing replay (R3), SGLang's flag: on a mixture-of-experts model, record the
+    # experts every token was routed to (memory/routing_store.py) so a request may ask for
+    # them (return_routed_experts)
+    enable_return_routed_experts: bool = False
     # SGLang's flag, reported by get_server_info (slime checks it against its own setting);
     # release_memory_occupation frees memory whether or not it is set
     enable_memory_saver: bool = False
@@ -353,6 +357,10 @@ def _check_hicache(c: EngineConfig, bad: Any) -> None:
         bad("hicache_storage_flush", "needs hicache_storage_backend")
     if c.hicache_storage_backend is not None and not c.enable_hierarchical_cache:
         bad("hicache_storage_backend", "needs enable_hierarchical_cache")
+    if c.enable_hierarchical_cache and c.enable_return_routed_experts:
+        bad("enable_hierarchical_cache", "is not supported with enable_return_routed_experts: "
+            "the routing record lives with the device KV, and the host and storage tiers would "
+            "bring KV back without it")
 
 
 def _check_ignored_args(args: Any, bad: Any) -> None:

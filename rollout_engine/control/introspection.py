@@ -87,6 +87,9 @@ class Introspection:
             "weight_updates_receiving": groups.receiving(),
             "weight_update_buffer_bytes": groups.buffer_bytes() + self.spare_bytes(),
             "kv_pool_bytes": runner.kv_pool.nbytes(),
+            # the routing record (R3): memory per KV slot, 0 when not recorded
+            "routed_experts_bytes_per_token": runner.routing.bytes_per_token,
+            "routed_experts_bytes": runner.routing.nbytes(),
             "weight_bytes": runner.weight_nbytes(),
             "stats": dict(s.stats),
             "hicache": self.kv.tree.tier_stats(),   # None without lower cache tiers

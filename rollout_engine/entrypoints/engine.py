@@ -91,7 +91,8 @@ class Engine:
                  logprob_start_len: Any = -1, stream: bool = False, rid: Any = None,
                  extra_key: Any = None, *, return_text_in_logprobs: bool = False,
                  cache_salt: Any = None, token_ids_logprob: Any = None,
-                 token_ids_logprob_positions: Any = None, **sglang_kwargs: Any
+                 token_ids_logprob_positions: Any = None, return_routed_experts: Any = False,
+                 routed_experts_start_len: Any = 0, **sglang_kwargs: Any
                  ) -> Union[Output, Iterator[dict[str, Any]]]:
         """Generate for one prompt (dict) or a batch / ``n > 1`` (list of dicts).
 
@@ -107,12 +108,18 @@ class Engine:
         whole ``text``, ``output_ids`` and ``meta_info.output_token_logprobs`` so far, and the
         last has ``meta_info.finish_reason`` set. With the engine flag
         ``incremental_streaming_output=True`` each chunk carries only what is new.
+
+        ``return_routed_experts`` (an engine started with ``enable_return_routed_experts`` on a
+        mixture-of-experts model): the final output's ``meta_info["routed_experts"]`` holds the
+        experts of every token fed to the model from ``routed_experts_start_len`` on (docs/API.md).
         """
         states, single = self._submit(prompt, sampling_params, input_ids, return_logprob,
                                       top_logprobs_num, logprob_start_len, stream, rid, extra_key,
                                       cache_salt, sglang_kwargs,
                                       token_ids_logprob=token_ids_logprob,
-                                      token_ids_logprob_positions=token_ids_logprob_positions)
+                                      token_ids_logprob_positions=token_ids_logprob_positions,
+                                      return_routed_experts=return_routed_experts,
+                                      routed_experts_start_len=routed_experts_start_len)
         if stream:
             return self._stream(states[0], return_text_in_logprobs)
         return self._finish([self.tm.wait(st) for st in states], single, return_text_in_logprobs)
@@ -123,14 +130,18 @@ class Engine:
                              stream: bool = False, rid: Any = None, extra_key: Any = None, *,
                              return_text_in_logprobs: bool = False, cache_salt: Any = None,
                              token_ids_logprob: Any = None,
-                             token_ids_logprob_positions: Any = None, **sglang_kwargs: Any
+                             token_ids_logprob_positions: Any = None,
+                             return_routed_experts: Any = False,
+                             routed_experts_start_len: Any = 0, **sglang_kwargs: Any
                              ) -> Union[Output, AsyncIterator[dict[str, Any]]]:
         """``generate`` for asyncio: the same arguments; an async iterator when streaming."""
         states, single = self._submit(prompt, sampling_params, input_ids, return_logprob,
                                       top_logprobs_num, logprob_start_len, stream, rid, extra_key,
                                       cache_salt, sglang_kwargs,
                                       token_ids_logprob=token_ids_logprob,
-                                      token_ids_logprob_positions=token_ids_logprob_positions)
+                                      token_ids_logprob_positions=token_ids_logprob_positions,
+                                      return_routed_experts=return_routed_experts,
+                                      routed_experts_start_len=routed_experts_start_len)
         if stream:
             return self._stream(states[0], return_text_in_logprobs)
         try:

@@ -132,7 +132,9 @@ def create_app(engine: Engine, *, api_key: Optional[str] = None,
             logprob_start_len=body.get("logprob_start_len", -1), stream=stream,
             rid=body.get("rid"), extra_key=body.get("extra_key"),
             cache_salt=body.get("cache_salt"), token_ids_logprob=body.get("token_ids_logprob"),
-            token_ids_logprob_positions=body.get("token_ids_logprob_positions"))
+            token_ids_logprob_positions=body.get("token_ids_logprob_positions"),
+            return_routed_experts=body.get("return_routed_experts", False),
+            routed_experts_start_len=body.get("routed_experts_start_len", 0))
         if not stream:
             results = await service.collect(states, request)
             if with_text:

@@ -90,6 +90,9 @@ HELP: dict[str, str] = {
     "speculative_max_batch_size": "Decode batches larger than this run without speculation "
                                   "(0: never speculate).",
     "enable_weights_cpu_backup": "Keep a CPU copy of the weights so they survive a release.",
+    "enable_return_routed_experts": "Mixture-of-experts models: record the experts every "
+                                    "token was routed to, for requests that ask "
+                                    "(return_routed_experts; rollout routing replay).",
     "enable_memory_saver": "SGLang's memory-saver flag, reported by /get_server_info; "
                            "/release_memory_occupation frees memory either way.",
     "weight_version": "Version label of the initial weights (reported with every output).",

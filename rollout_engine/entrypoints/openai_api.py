@@ -65,6 +65,14 @@ def _usage(metas: list[Optional[dict[str, Any]]], n: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": sum(m["cached_tokens"] for m in firsts)}}
 
 
+def _sglext(meta: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """SGLang's ``sglext`` of a response (or of a stream chunk that finishes a choice): the
+    routed experts of that request (the first choice's, for a whole response), if it asked."""
+    if meta is None or "routed_experts" not in meta:
+        return {}
+    return {"sglext": {"routed_experts": meta["routed_experts"]}}
+
+
 def _tool_finish(reason: Optional[str], has_calls: bool) -> Optional[str]:
     return "tool_calls" if has_calls and reason == "stop" else reason
 
@@ -130,7 +138,9 @@ class OpenAIServing:
             **_prompt_kwargs(req.prompt), sampling_params=req.sampling_params(req.max_tokens),
             return_logprob=want_lp, top_logprobs_num=req.logprobs or 0,
             logprob_start_len=0 if (req.echo and want_lp) else -1, stream=req.stream,
-            rid=req.rid, extra_key=req.extra_key, cache_salt=req.cache_salt)
+            rid=req.rid, extra_key=req.extra_key, cache_salt=req.cache_salt,
+            return_routed_experts=req.return_routed_experts,
+            routed_experts_start_len=req.routed_experts_start_len)
         if req.stream:
             return sse_response(self._stream_completions(req, states))
         results = await self.service.collect(states, request)
@@ -155,7 +165,8 @@ class OpenAIServing:
                             "finish_reason": _finish_reason(meta["finish_reason"]),
                             "matched_stop": _matched_stop(meta["finish_reason"])})
         return json_response({**self._header("cmpl", "text_completion"), "choices": choices,
-                              "usage": _usage([r["meta_info"] for r in results], req.n)})
+                              "usage": _usage([r["meta_info"] for r in results], req.n),
+                              **_sglext(results[0]["meta_info"])})
 
     async def _stream_completions(self, req: CompletionRequest,
                                   states: list[RequestState]) -> AsyncIterator[bytes]:
@@ -180,7 +191,7 @@ class OpenAIServing:
                     yield sse({**header, "choices": [{
                         "index": i, "text": chunk["text"], "logprobs": logprobs,
                         "finish_reason": _finish_reason(reason),
-                        "matched_stop": _matched_stop(reason)}]})
+                        "matched_stop": _matched_stop(reason)}], **_sglext(meta)})
             if req.include_usage:
                 yield sse({**header, "choices": [], "usage": _usage(metas, req.n)})
         except SchedulerDeadError as e:
@@ -226,7 +237,9 @@ class OpenAIServing:
         states, _ = await self.service.submit(
             **prompt, sampling_params=params,
             return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
-            stream=req.stream, rid=req.rid, extra_key=req.extra_key, cache_salt=req.cache_salt)
+            stream=req.stream, rid=req.rid, extra_key=req.extra_key, cache_salt=req.cache_salt,
+            return_routed_experts=req.return_routed_experts,
+            routed_experts_start_len=req.routed_experts_start_len)
         if req.stream:
             return sse_response(self._stream_chat(req, states, parsing))
         results = await self.service.collect(states, request)
@@ -246,7 +259,8 @@ class OpenAIServing:
             if req.return_prompt_token_ids:
                 choices[-1]["prompt_token_ids"] = list(states[i].req.input_ids)
         return json_response({**self._header("chatcmpl", "chat.completion"), "choices": choices,
-                              "usage": _usage([r["meta_info"] for r in results], req.n)})
+                              "usage": _usage([r["meta_info"] for r in results], req.n),
+                              **_sglext(results[0]["meta_info"])})
 
     async def _stream_chat(self, req: ChatCompletionRequest, states: list[RequestState],
                            parsing: ChatParsing) -> AsyncIterator[bytes]:
@@ -277,7 +291,8 @@ class OpenAIServing:
                             "finish_reason": None}]})
                     yield sse({**header, "choices": [{
                         "index": i, "delta": deltas[-1] if deltas else {}, "logprobs": logprobs,
-                        "finish_reason": finish, "matched_stop": _matched_stop(reason)}]})
+                        "finish_reason": finish, "matched_stop": _matched_stop(reason)}],
+                        **_sglext(meta)})
             if req.include_usage:
                 yield sse({**header, "choices": [], "usage": _usage(metas, req.n)})
         except SchedulerDeadError as e:

@@ -65,6 +65,9 @@ class _SamplingFields(_Strict):
     rid: Optional[Union[str, list[str]]] = None
     extra_key: Optional[Union[str, list[str]]] = None
     cache_salt: Optional[Union[str, list[str]]] = None
+    # rollout routing replay (the response's sglext.routed_experts, as SGLang)
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
     # structured output (see constraint())
     response_format: Optional[dict[str, Any]] = None
     regex: Optional[str] = None

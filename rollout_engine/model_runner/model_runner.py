@@ -3,6 +3,10 @@
 With tensor parallelism (``tp``: passed, or installed for rank 0, rollout_engine/parallel) it
 holds one rank's shard of the weights and a KV pool of that rank's KV heads, and rank 0 sends
 each forward's inputs to the other ranks before running its own part.
+
+With ``enable_return_routed_experts`` on a mixture-of-experts model, every forward records the
+experts of each token it computes into ``routing`` at the token's KV slot
+(memory/routing_store.py); on rank 0 only, as only rank 0 schedules.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from rollout_engine_kernels.cpu.fused_ops import load_fused_ops
 from rollout_engine.config import EngineConfig
 from rollout_engine.memory import huge_pages
 from rollout_engine.memory.kv_pool import KVPool, ReqToTokenPool, row_width
+from rollout_engine.memory.routing_store import create_routing_store
 from rollout_engine.model_runner.attention import create_attention_backend
 from rollout_engine.model_runner.attention.torch_native import KernelDecodeMeta
 from rollout_engine.model_runner.cuda_graph import create_decode_graphs
@@ -25,6 +30,7 @@ from rollout_engine.models.cpu_decode import CpuDecodeForward
 from rollout_engine.models.forward_batch import ForwardBatch
 from rollout_engine.models.layers import compute_inv_freq
 from rollout_engine.models.llama import ModelArch
+from rollout_engine.models.moe import routing_bytes_per_token
 from rollout_engine.models.registry import build_model
 from rollout_engine.parallel.context import TPContext, current_tp
 from rollout_engine.weights.loader import iter_safetensors, load_weights, read_hf_config
@@ -61,6 +67,11 @@ class ModelRunner:
         for p in self.model.parameters():
             p.requires_grad_(False)
         load_weights(self.model, iter_safetensors(config.model_path), require_all=True)
+        # the routing record (R3): the scheduling rank only, and only on a model with experts
+        records = (config.enable_return_routed_experts and self.arch.moe is not None
+                   and (self.tp is None or self.tp.leader is not None))
+        self.routing_bytes_per_token = (routing_bytes_per_token(self.arch.moe)
+                                        if records and self.arch.moe is not None else 0)
         num_kv_heads = self.arch.num_kv_heads
         if self.tp is not None:   # this rank's KV heads
             num_kv_heads = self.tp.kv_heads(self.arch.num_heads, self.arch.num_kv_heads)[1]
@@ -70,6 +81,8 @@ class ModelRunner:
         self.max_running_requests = config.max_running_requests or 512
         self.kv_pool = KVPool(self.max_total_num_tokens, self.arch.num_layers,
                               num_kv_heads, self.arch.head_dim, self.dtype, self.device)
+        self.routing = create_routing_store(records, self.arch.moe, self.arch.num_layers,
+                                            self.kv_pool.num_slots + 1, self.device)
         self.req_to_token = ReqToTokenPool(self.max_running_requests + 8,
                                            row_width(self.context_len, config.page_size),
                                            self.device)
@@ -104,7 +117,8 @@ class ModelRunner:
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             per_token = (2 * self.arch.num_layers * num_kv_heads * self.arch.head_dim
-                         * torch.empty((), dtype=self.dtype).element_size())
+                         * torch.empty((), dtype=self.dtype).element_size()
+                         + self.routing_bytes_per_token)
             tokens = int(free * self.config.mem_fraction_static) // per_token
         else:
             tokens = _CPU_DEFAULT_KV_TOKENS
@@ -115,8 +129,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Logits ``[len(fb.logits_indices), vocab]`` in float32."""
-        if self.graphs.can_run(fb):
+        """Logits ``[len(fb.logits_indices), vocab]`` in float32; the routing of every token
+        recorded at its slot when ``routing`` records."""
+        fb.routing_out = self.routing.out_buffer(int(fb.input_ids.shape[0]))
+        # the captured graphs write no routing record: a recording forward runs eagerly
+        if fb.routing_out is None and self.graphs.can_run(fb):
             return self.graphs.replay(fb)
         fb.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(fb)
@@ -125,7 +142,10 @@ class ModelRunner:
                 hidden = self.flat_decode(self.model, fb)   # the same kernels, no module calls
             else:
                 hidden = self.model(fb.input_ids, fb.positions, fb)
-            return self.model.compute_logits(hidden[fb.logits_indices])
+            logits = self.model.compute_logits(hidden[fb.logits_indices])
+        if fb.routing_out is not None:
+            self.routing.record(fb)
+        return logits
 
     def _forward_leader(self, fb: ForwardBatch) -> torch.Tensor:
         assert self.tp is not None

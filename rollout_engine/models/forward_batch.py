@@ -38,6 +38,12 @@ class ForwardBatch:
     seq_lens_list: list[int] = field(default_factory=list)
     prefix_lens_list: list[int] = field(default_factory=list)
     extend_lens_list: list[int] = field(default_factory=list)
+    # rollout routing replay (R3), MoE models only (models/moe.py): ``[T, num MoE layers,
+    # top_k]`` integer tensors. ``routing_out``: each MoE layer writes the experts it picked for
+    # every token of this forward into its column; ``routing_in``: the layers use these experts
+    # instead of their own top-k (the trainer's side).
+    routing_out: Optional[torch.Tensor] = None
+    routing_in: Optional[torch.Tensor] = None
     # filled by the model runner
     attn_backend: Any = None
     attn_metadata: Optional[Any] = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
+from rollout_engine.protocol.routed_experts import RoutedExperts
 from rollout_engine.sampling_params import SamplingParams
 
 
@@ -32,6 +33,10 @@ class GenerateReq:
     # for scoring a prompt, the ids of each prompt position (``token_ids_logprob_positions``)
     token_ids_logprob: Optional[list[int]] = None
     token_ids_logprob_positions: Optional[list[list[int]]] = None
+    # the experts of every token fed to the model from this position on, with the final
+    # output (``ReqOutput.routed_experts``; the engine must record them)
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
 
 @dataclass
@@ -129,6 +134,9 @@ class ReqOutput:
     cached_tokens: int = 0
     weight_versions: list[str] = field(default_factory=list)
     spec: Optional[SpecDecodeCounts] = None   # set when the engine speculates
+    # the final output of a request that asked (GenerateReq.return_routed_experts), when its
+    # KV covered every token fed to the model: positions [routed_experts_start_len, end - 1)
+    routed_experts: Optional[RoutedExperts] = None
 
 
 @dataclass

@@ -8,6 +8,9 @@
                       │  └──abort / refuse_waiting ──────────────┼───> retire ──────┘
                       └──────── retract (KV freed, queued first) ┘
 
+``finish`` also reads an asking request's routed experts from the routing store while its KV
+(and so their rows) is still its own (``Req.routed_slots``).
+
 ``refuse``: never taken (duplicate rid, engine asleep, can never fit, bad grammar): its only
 output is the final one. ``retire`` is the end of every request that was taken: it holds no KV
 any more, leaves ``inflight``, gives back its penalty row and sends its last output. ``finish``
@@ -27,6 +30,7 @@ from typing import Optional
 
 from rollout_engine.constrained.scheduling import GrammarScheduling
 from rollout_engine.memory.prefix_cache import CacheNamespace
+from rollout_engine.memory.routing_store import NoRoutingStore, RoutingStore
 from rollout_engine.penalties import PenaltyCounts
 from rollout_engine.protocol.messages import AbortReq, ReqOutput
 from rollout_engine.scheduler.kv_manager import KVManager
@@ -42,8 +46,10 @@ def _nothing(req: Req) -> None:
 class RequestLifecycle:
     def __init__(self, kv: KVManager, grammars: GrammarScheduling[Req],
                  penalty_counts: PenaltyCounts, stats: dict[str, int],
-                 before_finish: Hook = _nothing, before_retire: Hook = _nothing) -> None:
+                 before_finish: Hook = _nothing, before_retire: Hook = _nothing,
+                 routing: Optional[RoutingStore] = None) -> None:
         self.kv = kv
+        self.routing = routing if routing is not None else NoRoutingStore()
         self.grammars = grammars
         self.penalty_counts = penalty_counts
         self.stats = stats
@@ -126,6 +132,10 @@ class RequestLifecycle:
     def finish(self, req: Req) -> None:
         """An admitted request ends: its KV goes back (the prefix stays cached)."""
         self.before_finish(req)
+        if req.return_routed_experts:
+            slots = req.routed_slots()
+            if slots is not None:
+                req.routed_experts = self.routing.read(slots)
         self.kv.release(req, cache=True)
         if req in self.running:
             self.running.remove(req)

@@ -9,6 +9,7 @@ from rollout_engine.constrained.matcher import GrammarState
 from rollout_engine.constrained.spec import Constraint
 from rollout_engine.memory.prefix_cache import MatchResult
 from rollout_engine.protocol.messages import GenerateReq, ReqOutput, SpecDecodeCounts
+from rollout_engine.protocol.routed_experts import RoutedExperts
 from rollout_engine.sampling_params import SamplingParams
 
 
@@ -80,6 +81,10 @@ class Req:
         self.input_token_ids_logprobs: list[Optional[list[tuple[float, int]]]] = []
         self.cached_tokens: Optional[int] = None   # reported: the first admission's prefix hit
         self.weight_versions: list[str] = []
+        # rollout routing replay: read from the routing store as the request ends
+        self.return_routed_experts = msg.return_routed_experts
+        self.routed_experts_start_len = msg.routed_experts_start_len
+        self.routed_experts: Optional[RoutedExperts] = None
         self.num_retractions = 0
         self.sent_len = 0          # output tokens already streamed to the frontend
         self.spec: Optional[SpecDecodeCounts] = None   # set by the speculative scheduler
@@ -126,6 +131,20 @@ class Req:
         """Logprobs of chosen token ids (flat, or per prompt position) are asked for."""
         return self.token_ids_logprob is not None or self.token_ids_positions is not None
 
+    def routed_slots(self) -> Optional[list[int]]:
+        """The KV slots of positions ``[routed_experts_start_len, seq_len - 1)``: every token
+        fed to the model (the last sampled one never is) from the asked start, or None when
+        its KV does not hold them all (ended while queued or part-way through its prompt)::
+
+            all_ids:  | prompt ............... | output ......... | x |   x: the last token,
+            position: 0        start        prompt_len      seq_len - 1      sampled, never fed
+            rows:              [start ........................... )
+        """
+        end = self.seq_len - 1
+        if self.req_pool_idx is None or self.kv_len < end:
+            return None
+        return self.slots[min(self.routed_experts_start_len, end):end]
+
     def input_logprobs_done(self) -> bool:
         return len(self.input_logprobs) >= len(self.input_ids) - max(self.logprob_start_len, 0)
 
@@ -160,6 +179,8 @@ class Req:
                     out.input_token_ids_logprobs = list(self.input_token_ids_logprobs)
         if self.top_p_kept is not None:
             out.top_p_kept = self.top_p_kept[start:]
+        if self.finished:
+            out.routed_experts = self.routed_experts
         self.sent_len = len(self.output_ids)
         return out
 

@@ -94,11 +94,14 @@ class Scheduler:
                       "prompt_tokens": 0, "num_retractions": 0, "forward_passes": 0}
         # every state change of a request (queues, in-flight table, outputs): lifecycle.py
         self.reqs = RequestLifecycle(self.kv, self.grammars, self.penalty_counts, self.stats,
-                                     self._before_finish, self._before_retire)
+                                     self._before_finish, self._before_retire,
+                                     routing=self.runner.routing)
+        # the routing rows sleep and wake with the KV they describe
         self.memory_saver = create_memory_saver(self.runner.model, self.runner.kv_pool,
                                                 config.enable_weights_cpu_backup, self.device,
                                                 graphs=self.runner.graphs,
-                                                extra_kv=tree.kv_buffers())
+                                                extra_kv=[*tree.kv_buffers(),
+                                                          self.runner.routing])
 
     # -- the request side: RequestLifecycle owns the queues, read and set through these -----
     waiting = _Queue[deque[Req]]("waiting")

@@ -64,6 +64,7 @@ class DraftModel:
             config, model_path=path, tokenizer_path=None, speculative_algorithm=None,
             speculative_draft_model_path=None, speculative_num_steps=None,
             speculative_num_draft_tokens=None, disable_cuda_graph=True,
+            enable_return_routed_experts=False,   # the target's forwards are the record
             max_total_tokens=target.max_total_num_tokens,
             max_running_requests=target.max_running_requests,
             context_length=target.context_len)

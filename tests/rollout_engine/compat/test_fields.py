@@ -42,7 +42,7 @@ GENERATE_REFUSED = {
     "num_items_assigned": {"image": [1]}, "encoder_urls": ["http://encoder:8000"],
     "return_sampling_mask": True, "return_flat_raw_top_logprobs": True,
     "return_flat_raw_top_logprobs_b64": True, "return_hidden_states": True,
-    "return_routed_experts": True, "routed_experts_start_len": 3, "return_indexer_topk": True,
+    "return_indexer_topk": True,
     "lora_path": "adapters/math", "lora_id": "math-1",
     "custom_logit_processor": '{"callable": "gASV..."}', "positional_embed_overrides": [[0.5]],
     "bootstrap_host": "10.0.0.7", "bootstrap_port": 8998, "bootstrap_room": 12345,
@@ -64,8 +64,7 @@ GENERATE_IGNORED = {
 SAMPLING_REFUSED = {"stop_regex": r"\d+", "logit_bias": {"5": 2.0}, "beam_width": 4}
 SAMPLING_IGNORED = {"stream_interval": 4}
 OPENAI_COMMON_REFUSED = {
-    "logit_bias": {"5": 2.0}, "return_hidden_states": True, "return_routed_experts": True,
-    "routed_experts_start_len": 2, "return_cached_tokens_details": True,
+    "logit_bias": {"5": 2.0}, "return_hidden_states": True, "return_cached_tokens_details": True,
     "return_token_ids": True, "stop_regex": [r"\d"], "lora_path": "adapters/math", "session_params": {"id": "s"},
     "custom_logit_processor": '{"callable": "gASV..."}', "images_config": {"max_pixels": 9},
     "bootstrap_host": "10.0.0.7", "bootstrap_port": 8998, "bootstrap_room": 5,
