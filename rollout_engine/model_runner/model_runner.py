@@ -100,7 +100,9 @@ class ModelRunner:
         self.graphs = create_decode_graphs(
             self.model, self.kv_pool, self.req_to_token, device=self.device,
             attention_backend=config.resolved_attention_backend(),
-            disabled=config.disable_cuda_graph or self.tp is not None,  # not captured with tp
+            # not captured with tp, nor for MoE layers (grouping by expert reads the counts
+            # on the host)
+            disabled=config.disable_cuda_graph or self.tp is not None or self.arch.moe is not None,
             max_bs=min(config.cuda_graph_max_bs, self.max_running_requests))
         # CPU float32 decode steps through one flat loop over the kernels (None elsewhere)
         self.flat_decode = CpuDecodeForward.create(self.model, self.attn_backend)
