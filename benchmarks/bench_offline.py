@@ -82,22 +82,25 @@ def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
                     num_threads=spec["threads"], max_running_requests=max(256, biggest),
                     max_total_tokens=max(65536, biggest * (spec["prompt_len"] + new)),
                     random_seed=0,
-                    enable_deterministic_inference=spec.get("deterministic", False))
+                    enable_deterministic_inference=spec.get("deterministic", False),
+                    enable_return_routed_experts=spec.get("r3", False))
     sp = {"n": n, "max_new_tokens": new, "temperature": 1.0, "ignore_eos": True,
           "sampling_seed": 1234}
+    extra = {"return_routed_experts": True} if spec.get("r3") else {}
     results = {}
     try:
         for batch, prompts in _shapes(spec):
             warm = make_prompts(batch // n, spec["prompt_len"], spec["vocab"], seed=1000 + batch)
             engine.generate(input_ids=warm, sampling_params={**sp, "max_new_tokens": 8},
-                            return_logprob=True)
+                            return_logprob=True, **extra)
             runs = []
             for _ in range(spec["repeats"]):
                 engine.flush_cache()   # every timed run starts from an empty prefix cache
                 wall, outs = _timed(lambda p=prompts: engine.generate(
-                    input_ids=p, sampling_params=sp, return_logprob=True))
+                    input_ids=p, sampling_params=sp, return_logprob=True, **extra))
                 assert len(outs) == batch and all(
                     len(o["output_ids"]) == new for o in outs), "ignore_eos lengths"
+                assert all(("routed_experts" in o["meta_info"]) == bool(extra) for o in outs)
                 assert all(len(o["meta_info"]["output_token_logprobs"]) == new for o in outs)
                 runs.append(batch * new / wall)
             results[str(batch)] = runs
@@ -196,12 +199,13 @@ def _run_side(side: str, spec: dict[str, Any]) -> Optional[dict[str, Any]]:
 
 def _side_spec(side: str, spec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """``ours`` / ``vllm:bfloat16`` / ``ours:deterministic`` (ours with
-    ``enable_deterministic_inference``): the engine, and the spec with the side's options."""
+    ``enable_deterministic_inference``) / ``ours:r3`` (every request returns its routed
+    experts, a MoE model's routing record): the engine, and the spec with the side's options."""
     base, _, options = side.partition(":")
-    out = {**spec, "deterministic": False}
+    out = {**spec, "deterministic": False, "r3": False}
     for opt in filter(None, options.split("+")):
-        if opt == "deterministic":
-            out["deterministic"] = True
+        if opt in ("deterministic", "r3"):
+            out[opt] = True
         else:
             out["dtype"] = opt
     return base, out
