@@ -27,17 +27,15 @@ from grpo_common import (  # noqa: E402
     MODEL_SPEC,
     PARTIAL_CREDIT,
     AdditionTask,
-    RunLogger,
-    asdict_files,
     ensure_model,
     expected_accuracy,
     load_trainer_model,
     probe_delta,
     probe_logprobs,
-    summarize,
     train_step,
     warm_start,
 )
+from grpo_logging import RunLogger, asdict_files, summarize  # noqa: E402
 
 from trainer_bridge import engine_sleeping  # noqa: E402
 from trainer_bridge.client import to_rollouts  # noqa: E402
