@@ -20,11 +20,13 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
+from grpo_moe import MOE_MODEL_SPEC, own_routing, replayed, router_grad_norm, routing_mismatch
 
-# the tiny model both examples train: ~0.6M parameters, learns the task in minutes on 2 cores
+# the tiny dense model the examples train: ~0.6M parameters, learns the task in minutes on 2
+# cores (--moe: grpo_moe.MOE_MODEL_SPEC)
 MODEL_SPEC = dict(arch="qwen2", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                   intermediate_size=512, vocab_size=512)
 MAX_NEW_TOKENS = 4          # longest answer is "18" + <eos>; room for one malformed token
@@ -34,12 +36,17 @@ LOGPROB_TOL = 1e-4          # float32 on CPU: engine and trainer agree to ~1e-6
 
 
 # -- model ---------------------------------------------------------------------------------------
-def ensure_model(model_dir: Path, seed: int) -> Path:
-    """A ``make_tiny_model`` directory with MODEL_SPEC at ``model_dir`` (built if missing;
-    rebuilt if it was built by us with another spec or seed)."""
-    from rollout_engine.testing.tiny_model import make_tiny_model
+def model_spec(moe: bool) -> dict[str, Any]:
+    """The dense MODEL_SPEC, or with ``moe`` the tiny Qwen3-MoE's (``grpo_moe``)."""
+    return dict(MOE_MODEL_SPEC if moe else MODEL_SPEC)
 
-    want = {**MODEL_SPEC, "seed": seed}
+
+def ensure_model(model_dir: Path, seed: int, moe: bool = False) -> Path:
+    """A tiny model directory with ``model_spec(moe)`` at ``model_dir`` (``make_tiny_model``,
+    or ``make_tiny_moe`` with ``moe``): built if missing; rebuilt if it was built by us with
+    another spec or seed (its marker records both, so a dense directory is never taken for
+    a MoE one, nor the reverse)."""
+    want = {**model_spec(moe), "seed": seed}
     marker = model_dir / "grpo_spec.json"
     if marker.is_file():
         if json.loads(marker.read_text()) == want:
@@ -48,8 +55,14 @@ def ensure_model(model_dir: Path, seed: int) -> Path:
         shutil.rmtree(model_dir)
     elif model_dir.exists() and any(model_dir.iterdir()):
         raise FileExistsError(f"{model_dir} exists and was not made by this example")
-    spec = dict(MODEL_SPEC)
-    make_tiny_model(model_dir, spec.pop("arch"), seed=seed, **spec)
+    spec = model_spec(moe)
+    arch = spec.pop("arch")
+    if moe:
+        from rollout_engine.testing.tiny_moe import make_tiny_moe
+        make_tiny_moe(model_dir, arch, seed=seed, **spec)
+    else:
+        from rollout_engine.testing.tiny_model import make_tiny_model
+        make_tiny_model(model_dir, arch, seed=seed, **spec)
     marker.write_text(json.dumps(want))
     return model_dir
 
@@ -222,10 +235,12 @@ def grpo_loss(new_lp: torch.Tensor, rollout_lp: torch.Tensor, adv: torch.Tensor,
 
 
 def on_policy_logprobs(scorer: Any, model: torch.nn.Module, prompts: list[list[int]],
-                       completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+                       completions: list[list[int]],
+                       records: Optional[list[torch.Tensor]] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """``completion_logprobs`` (no entropy) by ``trainer_bridge.on_policy.OnPolicyModel``
     ``scorer`` holding ``model``'s current weights: bit for bit the logprobs a deterministic
-    engine returned for these tokens."""
+    engine returned for these tokens (replaying each rollout's ``records`` when given)."""
     from rollout_engine.weights.loader import load_weights
 
     load_weights(scorer.model, [(k, v.detach()) for k, v in model.state_dict().items()])
@@ -234,7 +249,8 @@ def on_policy_logprobs(scorer: Any, model: torch.nn.Module, prompts: list[list[i
     with torch.no_grad():
         for i, (p, c) in enumerate(zip(prompts, completions)):
             if c:
-                out[i, :len(c)] = scorer.token_logprobs(p + c, len(p))
+                out[i, :len(c)] = scorer.token_logprobs(
+                    p + c, len(p), routed_experts=None if records is None else records[i])
                 mask[i, :len(c)] = 1.0
     return out, mask
 
@@ -243,34 +259,57 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, prompts: list
                completions: list[list[int]], rollout_lps: list[list[float]],
                rewards: list[float], n: int, pad: int, clip: float, minibatches: int,
                entropy_coef: float = 0.0, std_norm: bool = True,
-               max_grad_norm: float = 1.0, scorer: Any = None) -> dict[str, float]:
+               max_grad_norm: float = 1.0, scorer: Any = None,
+               routed_experts: Optional[list[torch.Tensor]] = None) -> dict[str, float]:
     """Re-score the rollout tokens (mismatch, before any update; by ``scorer``, an
     ``OnPolicyModel``, when given), then one pass of ``minibatches`` clipped-GRPO updates over
-    the groups (minus ``entropy_coef`` x the token-mean entropy: keeps the policy exploring)."""
+    the groups (minus ``entropy_coef`` x the token-mean entropy: keeps the policy exploring).
+
+    ``routed_experts`` (a MoE model; one record per rollout, ``grpo_moe.decode_records``):
+    the re-scoring and every loss forward and backward replay the rollout's routing, and
+    ``routing_mismatch`` says how often the trainer's own router would have chosen otherwise
+    (``logprob_abs_diff_unreplayed``: the mismatch it would have left); ``router_grad_norm``:
+    the routers' gradient norm in the updates (mean, before clipping)."""
     adv = group_advantages(rewards, n, std_norm)
     with torch.no_grad():
-        old_lp, mask = (completion_logprobs(model, prompts, completions, pad) if scorer is None
-                        else on_policy_logprobs(scorer, model, prompts, completions))
+        if scorer is not None:
+            old_lp, mask = on_policy_logprobs(scorer, model, prompts, completions,
+                                              routed_experts)
+        else:
+            with replayed(model, prompts, completions, routed_experts):
+                old_lp, mask = completion_logprobs(model, prompts, completions, pad)
     rollout_lp = torch.zeros_like(old_lp)
     for i, lps in enumerate(rollout_lps):
         rollout_lp[i, :len(lps)] = torch.tensor(lps)
     stats = mismatch_stats(old_lp, rollout_lp, mask)
+    if routed_experts is not None:
+        with torch.no_grad(), own_routing(model) as chosen:
+            own_lp, _ = completion_logprobs(model, prompts, completions, pad)
+        width = max(len(p) + len(c) for p, c in zip(prompts, completions))
+        stats["routing_mismatch"] = routing_mismatch(chosen, routed_experts, width)
+        stats["logprob_abs_diff_unreplayed"] = mismatch_stats(
+            own_lp, rollout_lp, mask)["logprob_abs_diff"]
     groups = len(rewards) // n
     per_mb = max(1, math.ceil(groups / minibatches))
-    losses, clips, ents = [], [], []
+    losses, clips, ents, router_grads = [], [], [], []
     for g0 in range(0, groups, per_mb):
         rows = list(range(g0 * n, min(groups, g0 + per_mb) * n))
         if not bool(adv[rows].abs().sum() > 0):
             continue  # every group here had equal rewards: no signal
-        new_lp, mb_mask, ent = completion_logprobs(
-            model, [prompts[i] for i in rows], [completions[i] for i in rows], pad, True)
-        w = mb_mask.shape[1]
-        loss, info = grpo_loss(new_lp, rollout_lp[rows, :w], adv[rows], mb_mask, clip)
-        entropy = (ent * mb_mask).sum() / mb_mask.sum()
-        if entropy_coef:
-            loss = loss - entropy_coef * entropy
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        mb_prompts, mb_completions = [prompts[i] for i in rows], [completions[i] for i in rows]
+        records = None if routed_experts is None else [routed_experts[i] for i in rows]
+        with replayed(model, mb_prompts, mb_completions, records):
+            new_lp, mb_mask, ent = completion_logprobs(model, mb_prompts, mb_completions, pad,
+                                                       True)
+            w = mb_mask.shape[1]
+            loss, info = grpo_loss(new_lp, rollout_lp[rows, :w], adv[rows], mb_mask, clip)
+            entropy = (ent * mb_mask).sum() / mb_mask.sum()
+            if entropy_coef:
+                loss = loss - entropy_coef * entropy
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        if records is not None:
+            router_grads.append(router_grad_norm(model))
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
         losses.append(float(loss.detach()))
@@ -280,4 +319,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, prompts: list
     stats["clip_frac"] = sum(clips) / len(clips) if clips else 0.0
     stats["entropy"] = sum(ents) / len(ents) if ents else float("nan")
     stats["updates"] = len(losses)
+    if routed_experts is not None:
+        stats["replayed_updates"] = len(router_grads)
+        stats["router_grad_norm"] = sum(router_grads) / len(router_grads) if router_grads else 0.0
     return stats

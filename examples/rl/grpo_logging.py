@@ -19,8 +19,10 @@ class RunFiles:
 class RunLogger:
     """One JSON line per step, wandb (offline by default, optional), and a reward-curve PNG."""
 
-    def __init__(self, out_dir: Path, name: str, config: dict[str, Any], use_wandb: bool) -> None:
+    def __init__(self, out_dir: Path, name: str, config: dict[str, Any], use_wandb: bool,
+                 model: str = "qwen2") -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
+        self.model = model   # named in the plot's title
         self.files = RunFiles(out_dir, out_dir / f"{name}.jsonl", out_dir / f"{name}_reward.png")
         self.files.jsonl.write_text("")
         self.rows: list[dict[str, Any]] = []
@@ -77,14 +79,15 @@ class RunLogger:
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
-        ax.set_title("GRPO on single-digit addition (tiny qwen2, CPU)")
+        ax.set_title(f"GRPO on single-digit addition (tiny {self.model}, CPU)")
         fig.tight_layout()
         fig.savefig(self.files.plot, dpi=120)
         plt.close(fig)
 
 
 def summarize(rows: list[dict[str, Any]], minutes: float, extra: dict[str, Any]) -> dict[str, Any]:
-    """Start/end figures (means over the first and last 10% of steps, at least 3)."""
+    """Start/end figures (means over the first and last 10% of steps, at least 3), means over
+    every step (with routing replay also of ``routing_mismatch``), then ``extra``."""
     k = max(3, len(rows) // 10)
     head, tail = rows[:k], rows[-k:]
 
@@ -98,6 +101,10 @@ def summarize(rows: list[dict[str, Any]], minutes: float, extra: dict[str, Any])
                 "logprob_abs_diff", "kl_k3", "probe_abs_diff", "train_seconds"):
         out[f"mean_{key}"] = mean(rows, key)
     out["max_probe_abs_diff"] = max(r["probe_abs_diff"] for r in rows)
+    if "routing_mismatch" in rows[0]:   # rollout routing replay
+        for key in ("routing_mismatch", "logprob_abs_diff_unreplayed"):
+            out[f"mean_{key}"] = mean(rows, key)
+        out["max_routing_mismatch"] = max(r["routing_mismatch"] for r in rows)
     out.update(extra)
     return out
 
