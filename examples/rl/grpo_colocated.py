@@ -3,6 +3,7 @@
     python examples/rl/grpo_colocated.py            # ~5 minutes on 2 busy cores
     python examples/rl/grpo_colocated.py --tiny     # CI smoke run, seconds
     python examples/rl/grpo_colocated.py --on-policy   # rollout == trainer logprobs, bit for bit
+    python examples/rl/grpo_colocated.py --moe --routing-replay   # a tiny Qwen3-MoE with R3
 
 The engine (`rollout_engine.Engine`, scheduler in a child process) samples n completions per
 prompt with logprobs; the trainer (a `transformers` model loaded from the same directory,
@@ -23,7 +24,7 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from grpo_loop import Trainer, add_common_args, apply_tiny, run  # noqa: E402
+from grpo_loop import Trainer, add_common_args, resolve_args, run  # noqa: E402
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -33,7 +34,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="flattened-bucket size of the tensor refit")
     p.add_argument("--max-total-tokens", type=int, default=8192, help="engine KV capacity")
     args = p.parse_args(argv)
-    apply_tiny(args)
+    resolve_args(args)
     return args
 
 
@@ -47,7 +48,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     engine = Engine(model_path=str(trainer.model_dir), dtype="float32", device="cpu",
                     scheduler_mode="process", max_total_tokens=args.max_total_tokens,
                     num_threads=args.threads, random_seed=args.seed, weight_version="init",
-                    enable_deterministic_inference=args.on_policy)
+                    enable_deterministic_inference=args.on_policy,
+                    enable_return_routed_experts=args.routing_replay)
     try:
         with WeightSyncer(engine, transport="tensor",
                           bucket_bytes=args.bucket_mb << 20) as syncer:

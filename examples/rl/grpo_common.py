@@ -19,13 +19,14 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
+from grpo_moe import MOE_MODEL_SPEC, own_routing, replayed, router_grad_norm, routing_mismatch
 
-# the tiny model both examples train: ~0.6M parameters, learns the task in minutes on 2 cores
+# the tiny dense model the examples train: ~0.6M parameters, learns the task in minutes on 2
+# cores (--moe: grpo_moe.MOE_MODEL_SPEC)
 MODEL_SPEC = dict(arch="qwen2", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                   intermediate_size=512, vocab_size=512)
 MAX_NEW_TOKENS = 4          # longest answer is "18" + <eos>; room for one malformed token
@@ -35,12 +36,17 @@ LOGPROB_TOL = 1e-4          # float32 on CPU: engine and trainer agree to ~1e-6
 
 
 # -- model ---------------------------------------------------------------------------------------
-def ensure_model(model_dir: Path, seed: int) -> Path:
-    """A ``make_tiny_model`` directory with MODEL_SPEC at ``model_dir`` (built if missing;
-    rebuilt if it was built by us with another spec or seed)."""
-    from rollout_engine.testing.tiny_model import make_tiny_model
+def model_spec(moe: bool) -> dict[str, Any]:
+    """The dense MODEL_SPEC, or with ``moe`` the tiny Qwen3-MoE's (``grpo_moe``)."""
+    return dict(MOE_MODEL_SPEC if moe else MODEL_SPEC)
 
-    want = {**MODEL_SPEC, "seed": seed}
+
+def ensure_model(model_dir: Path, seed: int, moe: bool = False) -> Path:
+    """A tiny model directory with ``model_spec(moe)`` at ``model_dir`` (``make_tiny_model``,
+    or ``make_tiny_moe`` with ``moe``): built if missing; rebuilt if it was built by us with
+    another spec or seed (its marker records both, so a dense directory is never taken for
+    a MoE one, nor the reverse)."""
+    want = {**model_spec(moe), "seed": seed}
     marker = model_dir / "grpo_spec.json"
     if marker.is_file():
         if json.loads(marker.read_text()) == want:
@@ -49,8 +55,14 @@ def ensure_model(model_dir: Path, seed: int) -> Path:
         shutil.rmtree(model_dir)
     elif model_dir.exists() and any(model_dir.iterdir()):
         raise FileExistsError(f"{model_dir} exists and was not made by this example")
-    spec = dict(MODEL_SPEC)
-    make_tiny_model(model_dir, spec.pop("arch"), seed=seed, **spec)
+    spec = model_spec(moe)
+    arch = spec.pop("arch")
+    if moe:
+        from rollout_engine.testing.tiny_moe import make_tiny_moe
+        make_tiny_moe(model_dir, arch, seed=seed, **spec)
+    else:
+        from rollout_engine.testing.tiny_model import make_tiny_model
+        make_tiny_model(model_dir, arch, seed=seed, **spec)
     marker.write_text(json.dumps(want))
     return model_dir
 
@@ -223,10 +235,12 @@ def grpo_loss(new_lp: torch.Tensor, rollout_lp: torch.Tensor, adv: torch.Tensor,
 
 
 def on_policy_logprobs(scorer: Any, model: torch.nn.Module, prompts: list[list[int]],
-                       completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+                       completions: list[list[int]],
+                       records: Optional[list[torch.Tensor]] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """``completion_logprobs`` (no entropy) by ``trainer_bridge.on_policy.OnPolicyModel``
     ``scorer`` holding ``model``'s current weights: bit for bit the logprobs a deterministic
-    engine returned for these tokens."""
+    engine returned for these tokens (replaying each rollout's ``records`` when given)."""
     from rollout_engine.weights.loader import load_weights
 
     load_weights(scorer.model, [(k, v.detach()) for k, v in model.state_dict().items()])
@@ -235,7 +249,8 @@ def on_policy_logprobs(scorer: Any, model: torch.nn.Module, prompts: list[list[i
     with torch.no_grad():
         for i, (p, c) in enumerate(zip(prompts, completions)):
             if c:
-                out[i, :len(c)] = scorer.token_logprobs(p + c, len(p))
+                out[i, :len(c)] = scorer.token_logprobs(
+                    p + c, len(p), routed_experts=None if records is None else records[i])
                 mask[i, :len(c)] = 1.0
     return out, mask
 
@@ -244,34 +259,57 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, prompts: list
                completions: list[list[int]], rollout_lps: list[list[float]],
                rewards: list[float], n: int, pad: int, clip: float, minibatches: int,
                entropy_coef: float = 0.0, std_norm: bool = True,
-               max_grad_norm: float = 1.0, scorer: Any = None) -> dict[str, float]:
+               max_grad_norm: float = 1.0, scorer: Any = None,
+               routed_experts: Optional[list[torch.Tensor]] = None) -> dict[str, float]:
     """Re-score the rollout tokens (mismatch, before any update; by ``scorer``, an
     ``OnPolicyModel``, when given), then one pass of ``minibatches`` clipped-GRPO updates over
-    the groups (minus ``entropy_coef`` x the token-mean entropy: keeps the policy exploring)."""
+    the groups (minus ``entropy_coef`` x the token-mean entropy: keeps the policy exploring).
+
+    ``routed_experts`` (a MoE model; one record per rollout, ``grpo_moe.decode_records``):
+    the re-scoring and every loss forward and backward replay the rollout's routing, and
+    ``routing_mismatch`` says how often the trainer's own router would have chosen otherwise
+    (``logprob_abs_diff_unreplayed``: the mismatch it would have left); ``router_grad_norm``:
+    the routers' gradient norm in the updates (mean, before clipping)."""
     adv = group_advantages(rewards, n, std_norm)
     with torch.no_grad():
-        old_lp, mask = (completion_logprobs(model, prompts, completions, pad) if scorer is None
-                        else on_policy_logprobs(scorer, model, prompts, completions))
+        if scorer is not None:
+            old_lp, mask = on_policy_logprobs(scorer, model, prompts, completions,
+                                              routed_experts)
+        else:
+            with replayed(model, prompts, completions, routed_experts):
+                old_lp, mask = completion_logprobs(model, prompts, completions, pad)
     rollout_lp = torch.zeros_like(old_lp)
     for i, lps in enumerate(rollout_lps):
         rollout_lp[i, :len(lps)] = torch.tensor(lps)
     stats = mismatch_stats(old_lp, rollout_lp, mask)
+    if routed_experts is not None:
+        with torch.no_grad(), own_routing(model) as chosen:
+            own_lp, _ = completion_logprobs(model, prompts, completions, pad)
+        width = max(len(p) + len(c) for p, c in zip(prompts, completions))
+        stats["routing_mismatch"] = routing_mismatch(chosen, routed_experts, width)
+        stats["logprob_abs_diff_unreplayed"] = mismatch_stats(
+            own_lp, rollout_lp, mask)["logprob_abs_diff"]
     groups = len(rewards) // n
     per_mb = max(1, math.ceil(groups / minibatches))
-    losses, clips, ents = [], [], []
+    losses, clips, ents, router_grads = [], [], [], []
     for g0 in range(0, groups, per_mb):
         rows = list(range(g0 * n, min(groups, g0 + per_mb) * n))
         if not bool(adv[rows].abs().sum() > 0):
             continue  # every group here had equal rewards: no signal
-        new_lp, mb_mask, ent = completion_logprobs(
-            model, [prompts[i] for i in rows], [completions[i] for i in rows], pad, True)
-        w = mb_mask.shape[1]
-        loss, info = grpo_loss(new_lp, rollout_lp[rows, :w], adv[rows], mb_mask, clip)
-        entropy = (ent * mb_mask).sum() / mb_mask.sum()
-        if entropy_coef:
-            loss = loss - entropy_coef * entropy
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        mb_prompts, mb_completions = [prompts[i] for i in rows], [completions[i] for i in rows]
+        records = None if routed_experts is None else [routed_experts[i] for i in rows]
+        with replayed(model, mb_prompts, mb_completions, records):
+            new_lp, mb_mask, ent = completion_logprobs(model, mb_prompts, mb_completions, pad,
+                                                       True)
+            w = mb_mask.shape[1]
+            loss, info = grpo_loss(new_lp, rollout_lp[rows, :w], adv[rows], mb_mask, clip)
+            entropy = (ent * mb_mask).sum() / mb_mask.sum()
+            if entropy_coef:
+                loss = loss - entropy_coef * entropy
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        if records is not None:
+            router_grads.append(router_grad_norm(model))
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
         losses.append(float(loss.detach()))
@@ -281,102 +319,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, prompts: list
     stats["clip_frac"] = sum(clips) / len(clips) if clips else 0.0
     stats["entropy"] = sum(ents) / len(ents) if ents else float("nan")
     stats["updates"] = len(losses)
+    if routed_experts is not None:
+        stats["replayed_updates"] = len(router_grads)
+        stats["router_grad_norm"] = sum(router_grads) / len(router_grads) if router_grads else 0.0
     return stats
-
-
-# -- logging -------------------------------------------------------------------------------------
-@dataclass
-class RunFiles:
-    out_dir: Path
-    jsonl: Path
-    plot: Path
-
-
-class RunLogger:
-    """One JSON line per step, wandb (offline by default, optional), and a reward-curve PNG."""
-
-    def __init__(self, out_dir: Path, name: str, config: dict[str, Any], use_wandb: bool) -> None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self.files = RunFiles(out_dir, out_dir / f"{name}.jsonl", out_dir / f"{name}_reward.png")
-        self.files.jsonl.write_text("")
-        self.rows: list[dict[str, Any]] = []
-        self.run = None
-        if use_wandb:
-            import os
-            os.environ.setdefault("WANDB_MODE", "offline")
-            os.environ.setdefault("WANDB_SILENT", "true")
-            try:
-                import wandb
-                self.run = wandb.init(project="rollout_engine-grpo", name=name, config=config,
-                                      dir=str(out_dir), reinit=True)
-            except Exception as e:  # noqa: BLE001 - wandb is optional
-                print(f"[grpo] wandb unavailable ({type(e).__name__}: {e}); logging to JSONL only")
-
-    def log(self, row: dict[str, Any]) -> None:
-        self.rows.append(row)
-        with self.files.jsonl.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        if self.run is not None:
-            self.run.log({k: v for k, v in row.items() if isinstance(v, (int, float))},
-                         step=row.get("step"))
-
-    def finish(self, summary: dict[str, Any]) -> RunFiles:
-        with self.files.jsonl.open("a") as f:
-            f.write(json.dumps({"summary": summary}) + "\n")
-        self.plot()
-        if self.run is not None:
-            self.run.summary.update({k: v for k, v in summary.items()
-                                     if isinstance(v, (int, float, str))})
-            self.run.finish()
-        return self.files
-
-    def plot(self) -> None:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        steps = [r["step"] for r in self.rows]
-
-        def smooth(key: str, w: int = 10) -> list[float]:
-            vals = [r[key] for r in self.rows]
-            return [sum(vals[max(0, i - w + 1):i + 1]) / len(vals[max(0, i - w + 1):i + 1])
-                    for i in range(len(vals))]
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(steps, [r["reward"] for r in self.rows], color="C0", alpha=0.25, lw=0.8)
-        ax.plot(steps, smooth("reward"), color="C0", label="mean reward (sampled, 10-step avg)")
-        ax.plot(steps, [r["accuracy"] for r in self.rows], color="C1", alpha=0.25, lw=0.8)
-        ax.plot(steps, smooth("accuracy"), color="C1", label="accuracy (sampled, 10-step avg)")
-        ax.plot(steps, [r["expected_accuracy"] for r in self.rows], color="C2",
-                label="expected accuracy at T=1, all 100 problems")
-        ax.set_xlabel("GRPO step")
-        ax.set_ylim(0, 1)
-        ax.grid(alpha=0.3)
-        ax.legend(loc="lower right")
-        ax.set_title("GRPO on single-digit addition (tiny qwen2, CPU)")
-        fig.tight_layout()
-        fig.savefig(self.files.plot, dpi=120)
-        plt.close(fig)
-
-
-def summarize(rows: list[dict[str, Any]], minutes: float, extra: dict[str, Any]) -> dict[str, Any]:
-    """Start/end figures (means over the first and last 10% of steps, at least 3)."""
-    k = max(3, len(rows) // 10)
-    head, tail = rows[:k], rows[-k:]
-
-    def mean(rs: list[dict[str, Any]], key: str) -> float:
-        return sum(r[key] for r in rs) / len(rs)
-
-    out = {"steps": len(rows), "minutes": minutes}
-    for key in ("reward", "accuracy", "expected_accuracy"):
-        out[f"start_{key}"], out[f"end_{key}"] = mean(head, key), mean(tail, key)
-    for key in ("refit_seconds", "sleep_seconds", "wake_seconds", "rollout_tokens_per_s",
-                "logprob_abs_diff", "kl_k3", "probe_abs_diff", "train_seconds"):
-        out[f"mean_{key}"] = mean(rows, key)
-    out["max_probe_abs_diff"] = max(r["probe_abs_diff"] for r in rows)
-    out.update(extra)
-    return out
-
-
-def asdict_files(files: RunFiles) -> dict[str, str]:
-    return {k: str(v) for k, v in asdict(files).items()}

@@ -31,7 +31,7 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from grpo_common import ensure_model  # noqa: E402
-from grpo_loop import Trainer, add_common_args, apply_tiny, check_after_refit, run  # noqa: E402
+from grpo_loop import Trainer, add_common_args, check_after_refit, resolve_args, run  # noqa: E402
 
 from trainer_bridge.transports.base import spawn  # noqa: E402
 
@@ -49,7 +49,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--print-every", type=int, default=10,
                    help="print the engines' refit seconds every this many refits")
     args = p.parse_args(argv)
-    apply_tiny(args)
+    resolve_args(args)
     if args.tiny:
         args.print_every = 1
     return args
@@ -107,12 +107,13 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     own_ray = not ray.is_initialized()
     temp_dir = start_ray(args) if own_ray else None
     try:
-        model_dir = ensure_model(Path(args.model_dir), args.seed)   # before the engines load it
+        model_dir = ensure_model(Path(args.model_dir), args.seed, args.moe)   # before the engines load it
         config = RayFleetConfig(num_engines=args.engines, num_cpus_per_engine=args.cpus_per_engine,
                                 bucket_bytes=args.bucket_mb << 20)
         engine_kwargs = {"model_path": str(model_dir), "dtype": "float32",
                          "max_total_tokens": args.max_total_tokens, "num_threads": args.threads,
-                         "random_seed": args.seed, "weight_version": "init"}
+                         "random_seed": args.seed, "weight_version": "init",
+                         "enable_return_routed_experts": args.routing_replay}
         starting = spawn(RayRolloutFleet, engine_kwargs, config)   # while the trainer warms up
         trainer = Trainer(args)
         with starting.result() as fleet:

@@ -15,7 +15,7 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -24,20 +24,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo_common import (  # noqa: E402
     LOGPROB_TOL,
     MAX_NEW_TOKENS,
-    MODEL_SPEC,
     PARTIAL_CREDIT,
     AdditionTask,
-    RunLogger,
-    asdict_files,
     ensure_model,
     expected_accuracy,
     load_trainer_model,
+    model_spec,
     probe_delta,
     probe_logprobs,
-    summarize,
     train_step,
     warm_start,
 )
+from grpo_logging import RunLogger, asdict_files, summarize  # noqa: E402
+from grpo_moe import decode_records  # noqa: E402
 
 from trainer_bridge import engine_sleeping  # noqa: E402
 from trainer_bridge.client import to_rollouts  # noqa: E402
@@ -67,8 +66,9 @@ def add_common_args(p: argparse.ArgumentParser, out_dir: str) -> None:
     p.add_argument("--warm-start-lr", type=float, default=2e-4,
                    help="small: the warm-start spreads probability over answers (exploration)")
     p.add_argument("--out-dir", default=out_dir)
-    p.add_argument("--model-dir", default="runs/grpo_model",
-                   help="the tiny model directory (built with make_tiny_model if missing)")
+    p.add_argument("--model-dir", default=None,
+                   help="the tiny model directory, built if missing (default: "
+                        "runs/grpo_model, with --moe runs/grpo_moe_model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-minutes", type=float, default=9.0,
                    help="stop after this much wall time (setup included)")
@@ -80,14 +80,25 @@ def add_common_args(p: argparse.ArgumentParser, out_dir: str) -> None:
     p.add_argument("--on-policy", action="store_true",
                    help="the engine with enable_deterministic_inference, and the mismatch "
                         "scored by trainer_bridge.on_policy.OnPolicyModel: exactly 0")
+    p.add_argument("--moe", action="store_true",
+                   help="train a tiny Qwen3-MoE (8 experts, top-2) instead of the dense qwen2")
+    p.add_argument("--routing-replay", action="store_true",
+                   help="rollout routing replay (R3; implies --moe): the engine returns the "
+                        "experts of every rollout token, and the trainer's forwards over "
+                        "them route by that record")
     p.add_argument("--tiny", action="store_true",
                    help="CI settings: at most 3 steps, 4 prompts x 4 samples, no wandb, no bar")
 
 
-def apply_tiny(args: argparse.Namespace) -> None:
+def resolve_args(args: argparse.Namespace) -> None:
+    """What the flags imply: --tiny's CI settings, --routing-replay's --moe, the model dir."""
     if args.tiny:
         args.steps, args.prompts_per_step, args.n = min(args.steps, 3), 4, 4
         args.no_wandb, args.no_progress = True, True
+    if args.routing_replay:
+        args.moe = True
+    if args.model_dir is None:
+        args.model_dir = "runs/grpo_moe_model" if args.moe else "runs/grpo_model"
 
 
 class Trainer:
@@ -98,7 +109,7 @@ class Trainer:
 
         torch.set_num_threads(args.threads)
         torch.manual_seed(args.seed)
-        self.model_dir = ensure_model(Path(args.model_dir), args.seed)
+        self.model_dir = ensure_model(Path(args.model_dir), args.seed, args.moe)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.task = AdditionTask(self.tokenizer, args.partial_credit)
         self.model = load_trainer_model(self.model_dir)
@@ -142,12 +153,18 @@ def check_after_refit(engine: Any, trainer: Trainer, version: str) -> dict[str, 
             "probe_cached_second": second["cached_tokens"]}
 
 
-def rollout(engine: Any, trainer: Trainer, indices: list[int], n: int, version: str
-            ) -> tuple[list[Any], dict[str, Any]]:
+def rollout(engine: Any, trainer: Trainer, indices: list[int], n: int, version: str,
+            routed: bool = False) -> tuple[list[Any], Optional[list[torch.Tensor]],
+                                           dict[str, Any]]:
+    """n samples of each problem of ``indices``, all at weight version ``version``: the
+    rollouts, with ``routed`` each one's routing record (``grpo_moe.decode_records``: it
+    comes in the same output, so it is of that same version), and the rollout's figures."""
     prompts = [trainer.task.prompts[i] for i in indices]
     start = time.perf_counter()
+    extra = {"return_routed_experts": True} if routed else {}
     outputs = engine.generate(input_ids=prompts, sampling_params={
-        "n": n, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0}, return_logprob=True)
+        "n": n, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0}, return_logprob=True,
+        **extra)
     seconds = time.perf_counter() - start
     rollouts = to_rollouts(outputs, n)
     bad = sorted({v for r in rollouts for v in r.weight_versions} - {version})
@@ -156,21 +173,30 @@ def rollout(engine: Any, trainer: Trainer, indices: list[int], n: int, version: 
     for r in rollouts:
         if len(r.output_logprobs) != len(r.output_ids):
             raise RefitCheckError("a rollout came back without one logprob per output token")
+    records = None
+    if routed:
+        try:
+            records = decode_records(outputs, [prompts[r.prompt_index] for r in rollouts],
+                                     trainer.model.config)
+        except ValueError as e:
+            raise RefitCheckError(f"routing replay: {e}") from None
     metas = [o["meta_info"] for o in outputs]
     tokens = sum(len(r.output_ids) for r in rollouts)
     prompt_tokens = sum(m["prompt_tokens"] for m in metas)
     cached = sum(m["cached_tokens"] for m in metas)
-    return rollouts, {"rollout_seconds": seconds, "rollout_tokens": tokens,
-                      "rollout_tokens_per_s": tokens / seconds,
-                      "kv_hit_rate": cached / prompt_tokens, "cached_tokens": cached,
-                      "prompt_tokens": prompt_tokens}
+    stats = {"rollout_seconds": seconds, "rollout_tokens": tokens,
+             "rollout_tokens_per_s": tokens / seconds, "kv_hit_rate": cached / prompt_tokens,
+             "cached_tokens": cached, "prompt_tokens": prompt_tokens}
+    if records is not None:
+        stats["routed_rollouts"] = len(records)
+    return rollouts, records, stats
 
 
 def evaluate(engine: Any, trainer: Trainer, n: int, version: str) -> dict[str, float]:
     """Sampled (T=1) reward and accuracy over all 100 problems, n samples each."""
     task = trainer.task
     indices = list(range(len(task.problems)))
-    rollouts, _ = rollout(engine, trainer, indices, n, version)
+    rollouts, _, _ = rollout(engine, trainer, indices, n, version)
     scores = [task.score(indices[r.prompt_index], r.output_ids) for r in rollouts]
     return {"reward": sum(s for s, _ in scores) / len(scores),
             "accuracy": sum(c for _, c in scores) / len(scores),
@@ -180,7 +206,9 @@ def evaluate(engine: Any, trainer: Trainer, n: int, version: str) -> dict[str, f
 def run(args: argparse.Namespace, engine: Any, syncer: Any, trainer: Trainer, name: str,
         t_start: float) -> dict[str, Any]:
     """Warm-start refit (version "0"), then the GRPO steps; returns the summary."""
-    logger = RunLogger(Path(args.out_dir), name, dict(vars(args)), use_wandb=not args.no_wandb)
+    spec = model_spec(args.moe)
+    logger = RunLogger(Path(args.out_dir), name, dict(vars(args)), use_wandb=not args.no_wandb,
+                       model=spec["arch"])
     report = syncer.sync(trainer.model, version="0")
     first_check = check_after_refit(engine, trainer, "0")
     eval_start = evaluate(engine, trainer, args.n, "0")
@@ -198,7 +226,8 @@ def run(args: argparse.Namespace, engine: Any, syncer: Any, trainer: Trainer, na
         version, new_version = str(step), str(step + 1)
         step_start = time.perf_counter()
         indices = task.sample(rng, args.prompts_per_step)
-        rollouts, roll = rollout(engine, trainer, indices, args.n, version)
+        rollouts, records, roll = rollout(engine, trainer, indices, args.n, version,
+                                          routed=args.routing_replay)
         idx = [indices[r.prompt_index] for r in rollouts]
         scores = [task.score(i, r.output_ids) for i, r in zip(idx, rollouts)]
         rewards = [s for s, _ in scores]
@@ -208,7 +237,8 @@ def run(args: argparse.Namespace, engine: Any, syncer: Any, trainer: Trainer, na
                                [r.output_ids for r in rollouts],
                                [r.output_logprobs for r in rollouts], rewards, args.n,
                                task.eos, args.clip, args.minibatches, args.entropy_coef,
-                               not args.no_std_norm, scorer=trainer.scorer)
+                               not args.no_std_norm, scorer=trainer.scorer,
+                               routed_experts=records)
             train_s = time.perf_counter() - t
         if sleep.sync is None or sleep.sync.version != new_version or sleep.bytes_freed <= 0:
             raise RefitCheckError(f"step {step}: the engine did not sleep and refit "
@@ -247,7 +277,7 @@ def run(args: argparse.Namespace, engine: Any, syncer: Any, trainer: Trainer, na
         **{f"eval_end_{k}": v for k, v in eval_end.items()},
         **trainer.warm, "setup_seconds": setup_s, "initial_refit_seconds": report.seconds,
         "initial_probe_abs_diff": first_check["probe_abs_diff"], "transport": report.transport,
-        "model": dict(MODEL_SPEC),
+        "model": spec, "routing_replay": args.routing_replay,
         "threads": args.threads, "cpu_count": os.cpu_count(),
         "on_policy": trainer.scorer is not None,
         "max_logprob_max_abs_diff": max(r["logprob_max_abs_diff"] for r in logger.rows)})
@@ -268,6 +298,11 @@ def print_summary(s: dict[str, Any]) -> None:
           f"{s['mean_wake_seconds']:.3f}s, refit {s['mean_refit_seconds']:.3f}s "
           f"({s['transport']}), train {s['mean_train_seconds']:.3f}s, rollout "
           f"{s['mean_rollout_tokens_per_s']:.0f} tok/s")
+    if s.get("routing_replay"):
+        print(f"[grpo] routing replay: the trainer's own router picks other experts than the "
+              f"rollout in {100 * s['mean_routing_mismatch']:.2f}% of (token, layer) choices "
+              f"(max {100 * s['max_routing_mismatch']:.2f}%); logprob mismatch without replay "
+              f"{s['mean_logprob_abs_diff_unreplayed']:.2e}")
     if s.get("on_policy"):
         print(f"[grpo] on-policy: rollout vs trainer logprobs, max over every step and token "
               f"{s['max_logprob_max_abs_diff']:.1f} (bit for bit)")

@@ -5,6 +5,7 @@ over HTTP with `trainer_bridge.RolloutClient`, and refitted by a torch.distribut
 
     python examples/rl/grpo_server.py
     python examples/rl/grpo_server.py --tiny          # CI smoke run
+    python examples/rl/grpo_server.py --moe --routing-replay   # a tiny Qwen3-MoE with R3
     python examples/rl/grpo_server.py --url http://127.0.0.1:30000   # a server you started
 
 Routes used: /health, /generate, /get_weight_version, /release_memory_occupation,
@@ -23,7 +24,7 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from grpo_loop import Trainer, add_common_args, apply_tiny, run  # noqa: E402
+from grpo_loop import Trainer, add_common_args, resolve_args, run  # noqa: E402
 
 RL_ROUTES = ("/generate", "/get_weight_version", "/release_memory_occupation",
              "/resume_memory_occupation", "/init_weights_update_group",
@@ -40,7 +41,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--max-total-tokens", type=int, default=8192, help="server KV capacity")
     p.add_argument("--server-start-timeout", type=float, default=300.0)
     args = p.parse_args(argv)
-    apply_tiny(args)
+    resolve_args(args)
     return args
 
 
@@ -55,6 +56,27 @@ def missing_routes(client: Any) -> list[str]:
     return [] if paths is None else [r for r in RL_ROUTES if r not in paths]
 
 
+def replay_client(url: str) -> Any:
+    """A `RolloutClient` whose ``generate`` also takes ``return_routed_experts`` (the
+    /generate field of rollout routing replay, docs/API.md), which the loop asks for under
+    --routing-replay."""
+    from trainer_bridge import RolloutClient
+
+    class ReplayClient(RolloutClient):
+        def generate(self, prompt: Any = None, sampling_params: Any = None,
+                     input_ids: Any = None, return_logprob: Any = False,
+                     return_routed_experts: Any = False, **kwargs: Any) -> Any:
+            if not return_routed_experts:
+                return super().generate(prompt, sampling_params, input_ids, return_logprob,
+                                        **kwargs)
+            body = {"text": prompt, "input_ids": input_ids, "sampling_params": sampling_params,
+                    "return_logprob": return_logprob, "return_routed_experts": True, **kwargs}
+            return self._send("POST", "/generate",
+                              {k: v for k, v in body.items() if v is not None})
+
+    return ReplayClient(url)
+
+
 def start_server(args: argparse.Namespace, model_dir: Path, log_path: Path
                  ) -> tuple[subprocess.Popen, str]:
     from trainer_bridge.transports.group_ranks import free_port
@@ -64,6 +86,8 @@ def start_server(args: argparse.Namespace, model_dir: Path, log_path: Path
            "--port", str(port), "--dtype", "float32", "--device", "cpu",
            "--max-total-tokens", str(args.max_total_tokens), "--num-threads", str(args.threads),
            "--random-seed", str(args.seed), "--weight-version", "init"]
+    if args.routing_replay:
+        cmd.append("--enable-return-routed-experts")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = log_path.open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -83,7 +107,7 @@ def stop_server(proc: Optional[subprocess.Popen]) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
-    from trainer_bridge import RolloutClient, WeightSyncer
+    from trainer_bridge import WeightSyncer
 
     args = parse_args(argv)
     t_start = time.perf_counter()
@@ -97,10 +121,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             # the model directory must exist before the server starts; the warm-start (trainer
             # side) overlaps with the server's start-up
             from grpo_common import ensure_model
-            ensure_model(Path(args.model_dir), args.seed)
+            ensure_model(Path(args.model_dir), args.seed, args.moe)
             proc, url = start_server(args, Path(args.model_dir), log_path)
             trainer = Trainer(args)
-        client = RolloutClient(url)
+        client = replay_client(url)
         try:
             try:
                 client.wait_healthy(args.server_start_timeout)

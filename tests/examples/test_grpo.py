@@ -1,14 +1,20 @@
 """The GRPO examples, run for a few tiny steps: the loop completes; every step slept, woke and
 refitted; the weight version advances every step and every rollout reports it; the engine's
-logprobs equal the trainer's (on the rollouts, and on a probe right after each refit)."""
+logprobs equal the trainer's (on the rollouts, and on a probe right after each refit). The
+same on a tiny Qwen3-MoE (--moe), and with rollout routing replay (--routing-replay): every
+rollout's routing record is replayed in the trainer's re-scoring and in its loss forwards."""
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "rl"
 TOL = 1e-4
@@ -24,6 +30,13 @@ def examples_on_path():
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("grpo") / "model"
+
+
+@pytest.fixture(scope="module")
+def moe_model_dir(tmp_path_factory) -> Path:
+    from grpo_common import ensure_model
+
+    return ensure_model(tmp_path_factory.mktemp("grpo_moe") / "model", seed=0, moe=True)
 
 
 def _argv(out_dir: Path, model_dir: Path) -> list[str]:
@@ -75,3 +88,136 @@ def test_grpo_server_tiny(tmp_path, model_dir):
     summary = grpo_server.main(_argv(tmp_path, model_dir))
     assert summary["transport"] == "distributed"
     _check_run(summary, tmp_path / "grpo_server.jsonl", 3)
+
+
+def _spy_replays(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The shape of the routing every `replay_routing` the examples enter is given."""
+    import grpo_moe
+
+    shapes: list[tuple[int, ...]] = []
+    real = grpo_moe.replay_routing
+
+    @contextmanager
+    def spy(model: Any, routed_experts: torch.Tensor) -> Iterator[None]:
+        shapes.append(tuple(routed_experts.shape))
+        with real(model, routed_experts):
+            yield
+
+    monkeypatch.setattr(grpo_moe, "replay_routing", spy)
+    return shapes
+
+
+def test_grpo_colocated_tiny_moe_routing_replay(tmp_path, moe_model_dir, monkeypatch):
+    """--moe --routing-replay: every rollout came with its routing record (the loop raises
+    otherwise), the trainer's router alone agrees with it almost everywhere (the records line
+    up with the tokens and layers), the re-scoring and each update replay it (the router
+    still gets gradient), and the logprobs agree as in the dense runs."""
+    import grpo_colocated
+
+    replays = _spy_replays(monkeypatch)
+    summary = grpo_colocated.main([*_argv(tmp_path, moe_model_dir), "--routing-replay"])
+    jsonl = tmp_path / "grpo_colocated.jsonl"
+    _check_run(summary, jsonl, 3)
+    assert summary["model"]["arch"] == "qwen3_moe" and summary["model"]["num_experts"] == 8
+    assert summary["routing_replay"] is True
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()][:-1]
+    per_step = 4 * 4   # --tiny: 4 prompts x 4 samples
+    for r in rows:
+        assert r["routed_rollouts"] == per_step
+        assert 0.0 <= r["routing_mismatch"] <= 0.05
+        assert r["replayed_updates"] == r["updates"]
+        assert r["router_grad_norm"] > 0 or r["updates"] == 0
+    # one replay over the whole batch to re-score it, one per update (2 minibatches of 2 groups)
+    layers, top_k = 2, 2
+    assert [s[0] for s in replays].count(per_step) == 3
+    assert [s[0] for s in replays].count(per_step // 2) == sum(r["updates"] for r in rows)
+    assert all(len(s) == 4 and s[2:] == (layers, top_k) for s in replays)
+    # the updates moved the policy the engine now serves
+    assert summary["eval_end_expected_accuracy"] != summary["eval_start_expected_accuracy"]
+
+
+def test_grpo_colocated_tiny_moe(tmp_path, moe_model_dir, monkeypatch):
+    """--moe alone: the MoE model trains and refits like the dense one; nothing replays."""
+    import grpo_colocated
+
+    replays = _spy_replays(monkeypatch)
+    summary = grpo_colocated.main([*_argv(tmp_path, moe_model_dir), "--moe", "--steps", "2"])
+    jsonl = tmp_path / "grpo_colocated.jsonl"
+    _check_run(summary, jsonl, 2)
+    assert summary["model"]["arch"] == "qwen3_moe" and summary["routing_replay"] is False
+    assert replays == []
+    assert "routing_mismatch" not in json.loads(jsonl.read_text().splitlines()[0])
+
+
+def test_ensure_model_never_reuses_dense_as_moe(tmp_path):
+    from grpo_common import ensure_model
+
+    model_dir = tmp_path / "model"
+
+    def model_type() -> str:
+        return json.loads((model_dir / "config.json").read_text())["model_type"]
+
+    ensure_model(model_dir, seed=0)
+    assert model_type() == "qwen2"
+    ensure_model(model_dir, seed=0, moe=True)
+    assert model_type() == "qwen3_moe"
+    ensure_model(model_dir, seed=0)
+    assert model_type() == "qwen2"
+
+
+def test_train_step_replays_the_given_routing(moe_model_dir):
+    """Records that send every token, in every layer, to the two experts layer 0 picks for
+    <bos>: the re-scoring and the loss forward use exactly those (the other experts get no
+    gradient), routing_mismatch counts where the router alone picks otherwise, and the
+    logprobs differ from the router's own."""
+    from grpo_common import AdditionTask, completion_logprobs, load_trainer_model, train_step
+    from grpo_moe import own_routing
+    from transformers import AutoTokenizer
+
+    task = AdditionTask(AutoTokenizer.from_pretrained(str(moe_model_dir)))
+    model = load_trainer_model(moe_model_dir)
+    prompts = [task.prompts[i] for i in (3, 3, 47, 47)]
+    completions = [task.answers[3], task.answers[5], task.answers[47], [task.eos]]
+    with torch.no_grad(), own_routing(model) as chosen:
+        own_lp, mask = completion_logprobs(model, prompts, completions, task.eos)
+    rollout_lps = [own_lp[i, :len(c)].tolist() for i, c in enumerate(completions)]
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    pair = chosen[0][0].sort().values   # layer 0 at position 0 (<bos>): the same in every row
+    experts = torch.zeros(8, dtype=torch.bool)
+    experts[pair] = True
+    records, differ, total = [], 0, 0
+    for b, (p, c) in enumerate(zip(prompts, completions)):
+        rows = len(p) + len(c) - 1
+        records.append(pair.to(torch.int32).expand(rows, 2, 2).clone())
+        for ids in chosen.values():
+            own = ids.view(len(prompts), width, 2)[b, :rows].sort(-1).values
+            differ += int((own != pair).any(-1).sum())
+            total += rows
+    assert 0 < differ < total
+
+    stats = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), prompts,
+                       completions, rollout_lps, [1.0, 0.0, 0.0, 1.0], n=2, pad=task.eos,
+                       clip=0.2, minibatches=1, routed_experts=records)
+    assert stats["routing_mismatch"] == differ / total
+    assert stats["logprob_abs_diff"] > 1e-3            # re-scored through experts {0, 1}
+    assert stats["logprob_abs_diff_unreplayed"] < 1e-6  # the router's own choice: the rollout's
+    assert stats["updates"] == stats["replayed_updates"] == 1
+    assert stats["router_grad_norm"] > 0
+    for layer in model.model.layers:
+        for grad in (layer.mlp.experts.gate_up_proj.grad, layer.mlp.experts.down_proj.grad):
+            assert bool((grad[experts].abs().sum((1, 2)) > 0).all())
+            assert bool((grad[~experts] == 0).all())
+
+
+@pytest.mark.slow
+def test_grpo_colocated_moe_routing_replay_learns(tmp_path):
+    """The full run (~3-4 minutes): the MoE policy, trained with routing replay, learns."""
+    import grpo_colocated
+
+    summary = grpo_colocated.main(["--routing-replay", "--out-dir", str(tmp_path),
+                                   "--model-dir", str(tmp_path / "model"), "--max-minutes", "6",
+                                   "--no-wandb", "--no-progress"])
+    assert summary["max_probe_abs_diff"] <= TOL and summary["mean_logprob_abs_diff"] <= TOL
+    # expected accuracy at T=1 over all 100 problems: the noise-free learning curve
+    assert summary["eval_end_expected_accuracy"] >= summary["eval_start_expected_accuracy"] + 0.15
+    assert summary["eval_end_accuracy"] > summary["eval_start_accuracy"]
