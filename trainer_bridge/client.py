@@ -149,12 +149,18 @@ class _Routes:
     # -- generation ------------------------------------------------------------------------------
     def generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                  return_logprob: Any = False, top_logprobs_num: Any = 0,
-                 logprob_start_len: Any = -1, rid: Any = None) -> Any:
-        """POST /generate (non-streaming): a dict, or a list for a batch or n > 1."""
-        return self._send("POST", "/generate", _drop_none({
-            "text": prompt, "input_ids": input_ids, "sampling_params": sampling_params,
-            "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
-            "logprob_start_len": logprob_start_len, "rid": rid}))
+                 logprob_start_len: Any = -1, rid: Any = None,
+                 return_routed_experts: Any = False, routed_experts_start_len: Any = 0) -> Any:
+        """POST /generate (non-streaming): a dict, or a list for a batch or n > 1. A MoE
+        server started with ``--enable-return-routed-experts`` returns
+        ``meta_info["routed_experts"]`` where ``return_routed_experts`` asks."""
+        body = {"text": prompt, "input_ids": input_ids, "sampling_params": sampling_params,
+                "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
+                "logprob_start_len": logprob_start_len, "rid": rid}
+        if return_routed_experts:   # absent otherwise: a server without the field accepts it
+            body.update(return_routed_experts=return_routed_experts,
+                        routed_experts_start_len=routed_experts_start_len)
+        return self._send("POST", "/generate", _drop_none(body))
 
     def generate_batch(self, prompts_or_ids: list[Any], sampling_params: Optional[dict] = None,
                        n: int = 1) -> Any:

@@ -56,27 +56,6 @@ def missing_routes(client: Any) -> list[str]:
     return [] if paths is None else [r for r in RL_ROUTES if r not in paths]
 
 
-def replay_client(url: str) -> Any:
-    """A `RolloutClient` whose ``generate`` also takes ``return_routed_experts`` (the
-    /generate field of rollout routing replay, docs/API.md), which the loop asks for under
-    --routing-replay."""
-    from trainer_bridge import RolloutClient
-
-    class ReplayClient(RolloutClient):
-        def generate(self, prompt: Any = None, sampling_params: Any = None,
-                     input_ids: Any = None, return_logprob: Any = False,
-                     return_routed_experts: Any = False, **kwargs: Any) -> Any:
-            if not return_routed_experts:
-                return super().generate(prompt, sampling_params, input_ids, return_logprob,
-                                        **kwargs)
-            body = {"text": prompt, "input_ids": input_ids, "sampling_params": sampling_params,
-                    "return_logprob": return_logprob, "return_routed_experts": True, **kwargs}
-            return self._send("POST", "/generate",
-                              {k: v for k, v in body.items() if v is not None})
-
-    return ReplayClient(url)
-
-
 def start_server(args: argparse.Namespace, model_dir: Path, log_path: Path
                  ) -> tuple[subprocess.Popen, str]:
     from trainer_bridge.transports.group_ranks import free_port
@@ -107,7 +86,7 @@ def stop_server(proc: Optional[subprocess.Popen]) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
-    from trainer_bridge import WeightSyncer
+    from trainer_bridge import RolloutClient, WeightSyncer
 
     args = parse_args(argv)
     t_start = time.perf_counter()
@@ -124,7 +103,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             ensure_model(Path(args.model_dir), args.seed, args.moe)
             proc, url = start_server(args, Path(args.model_dir), log_path)
             trainer = Trainer(args)
-        client = replay_client(url)
+        client = RolloutClient(url)
         try:
             try:
                 client.wait_healthy(args.server_start_timeout)

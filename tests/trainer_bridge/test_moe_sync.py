@@ -47,3 +47,25 @@ def test_sync_from_a_transformers_moe(setup, transport) -> None:
     rows = rollouts(engine)
     assert_same_rollouts(rows, want)
     assert {v for _, _, v in rows} == {"step-1"}
+
+
+def test_client_asks_for_routed_experts(make_engine) -> None:
+    """``RolloutClient.generate(return_routed_experts=True)`` against a MoE server started with
+    the flag: every fed token's row comes back and decodes; without asking, no key."""
+    from fastapi.testclient import TestClient
+
+    from rollout_engine.entrypoints.http_server import create_app
+    from trainer_bridge import RolloutClient
+    from trainer_bridge.routing_replay import decode_routed_experts
+
+    engine = make_engine(str(tiny_moe_path("qwen3_moe")), enable_return_routed_experts=True)
+    client = RolloutClient("http://testserver")
+    client.http = TestClient(create_app(engine))   # the client's requests, in process
+    prompt = [5, 6, 7, 8, 9]
+    out = client.generate(input_ids=prompt, sampling_params={"max_new_tokens": 4,
+                                                             "temperature": 0.0},
+                          return_routed_experts=True, routed_experts_start_len=2)
+    rows = decode_routed_experts(out["meta_info"]["routed_experts"], num_layers=2, top_k=2)
+    assert rows.shape == (len(prompt) + len(out["output_ids"]) - 1 - 2, 2, 2)
+    plain = client.generate(input_ids=prompt, sampling_params={"max_new_tokens": 4})
+    assert "routed_experts" not in plain["meta_info"]
