@@ -6,8 +6,9 @@
 
 Sections (each in its own try/except: a failure is a row of the table, not the end):
 
-  parity     bf16 engine vs transformers bf16 on tiny qwen2/qwen3/llama (head_dim 64), for the
-             default backend with CUDA graphs, the Triton backend and eager decode
+  parity     bf16 engine vs transformers bf16 on tiny qwen2/qwen3/llama (head_dim 64) and
+             qwen3_moe/qwen2_moe, for the default backend with CUDA graphs (MoE: eager), the
+             Triton backend and eager decode
              (rule: rollout_engine.testing.parity)
   kernels    every Triton kernel vs its ``*_ref``, max abs error, fp32 and bf16
   bandwidth  decode attention: K/V bytes read / time, against a large ``copy_``
@@ -45,6 +46,16 @@ import torch  # noqa: E402
 from gpu_sections import Ctx, Section  # noqa: E402
 
 ARCHS = ("qwen2", "qwen3", "llama")
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe")   # eager decode (no CUDA graphs for MoE layers)
+
+
+def _parity_path(arch: str, dry: bool, sizes: dict[str, Any]) -> str:
+    from rollout_engine.testing.tiny_model import tiny_model_path
+    from rollout_engine.testing.tiny_moe import tiny_moe_path
+
+    if arch in MOE_ARCHS:
+        return str(tiny_moe_path(arch) if dry else tiny_moe_path(arch, **sizes))
+    return str(tiny_model_path(arch) if dry else tiny_model_path(arch, **sizes))
 
 
 # -- parity ---------------------------------------------------------------------------------------
@@ -63,7 +74,7 @@ def parity(ctx: Ctx) -> Section:
     sec = Section()
     num_prompts, new_tokens = (2, 4) if ctx.dry else (8, 16)
     configs: list[tuple[str, dict[str, Any]]] = []
-    for arch in ARCHS:
+    for arch in ARCHS + MOE_ARCHS[:1 if ctx.dry else None]:
         configs.append((arch, {}))
     if not ctx.dry:
         default = EngineConfig(model_path=str(tiny_model_path(ARCHS[0], **GPU_TINY_SIZES)),
@@ -72,7 +83,7 @@ def parity(ctx: Ctx) -> Section:
             configs.append((ARCHS[0], {"attention_backend": "triton"}))
         configs.append((ARCHS[0], {"disable_cuda_graph": True}))
     for arch, extra in configs:
-        path = str(tiny_model_path(arch) if ctx.dry else tiny_model_path(arch, **GPU_TINY_SIZES))
+        path = _parity_path(arch, ctx.dry, GPU_TINY_SIZES)
         flags = {**ctx.engine_flags(), "max_total_tokens": 8192, **extra}
         engine = Engine(model_path=path, **flags)
         try:
