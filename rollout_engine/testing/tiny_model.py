@@ -17,6 +17,7 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -347,13 +348,21 @@ def tiny_model_path(arch: str = "qwen2", **kwargs: Any) -> Path:
         },
         sort_keys=True,
     )
-    final = cache_root() / f"{arch}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    return cached_build(f"{arch}-{hashlib.sha256(key.encode()).hexdigest()[:16]}",
+                        lambda tmp: _write_model(spec, tmp))
+
+
+def cached_build(name: str, write: Callable[[Path], Any]) -> Path:
+    """``cache_root() / name``, made by ``write(empty temp dir)`` if missing: each builder
+    writes a private directory and renames it into place; a loser of the race discards its
+    copy."""
+    final = cache_root() / name
     if final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        _write_model(spec, tmp)
+        write(tmp)
         os.replace(tmp, final)
     except OSError:
         if not final.is_dir():  # a real failure, not a lost race

@@ -13,9 +13,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -136,20 +133,9 @@ def tiny_moe_path(family: str = "qwen3_moe", **kwargs: Any) -> Path:
     key = json.dumps({"dense": dataclasses.asdict(dense), "moe": dataclasses.asdict(moe),
                       "source": digest.hexdigest(), "transformers": version("transformers")},
                      sort_keys=True)
-    final = tiny_model.cache_root() / f"{family}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
-        _write(dense, moe, tmp)
-        os.replace(tmp, final)
-    except OSError:
-        if not final.is_dir():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return tiny_model.cached_build(
+        f"{family}-{hashlib.sha256(key.encode()).hexdigest()[:16]}",
+        lambda tmp: _write(dense, moe, tmp))
 
 
 def _specs(family: str, seed: int, kwargs: dict[str, Any]
