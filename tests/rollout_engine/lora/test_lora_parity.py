@@ -105,3 +105,28 @@ def test_deterministic_mode_a_row_does_not_depend_on_its_batch(
     assert (alone["meta_info"]["output_token_logprobs"]
             == together[0]["meta_info"]["output_token_logprobs"])
     _check(qwen2_path, adapters, ps, which, together)
+
+
+def test_mixture_of_experts_model_takes_attention_adapters_not_expert_ones(
+        build_adapter: Callable[..., str], make_engine: Callable[..., Any]) -> None:
+    """On a Qwen3-MoE model an adapter on the attention projections matches the merged
+    reference; one on an MoE layer's MLP (its experts) is refused, saying so."""
+    import torch
+
+    from rollout_engine.testing.tiny_moe import tiny_moe_path
+    from tests.rollout_engine.lora.adapters import AdapterSpec
+
+    base = str(tiny_moe_path("qwen3_moe"))
+    attn = build_adapter(base, "moe-attn", AdapterSpec(8, 16, ("q_proj", "k_proj", "v_proj",
+                                                               "o_proj"), seed=5))
+    engine = make_engine(base, lora_paths=[f"attn={attn}"], max_lora_rank=8,
+                         lora_target_modules=["all"])
+    ps, which = _mixed(["attn", None], 256)
+    _check(base, {"attn": attn}, ps, which, _generate(engine, ps, which))
+    expert = "base_model.model.model.layers.0.mlp.gate_proj.lora_"
+    with pytest.raises(ValueError, match="layer 0's MLP is a mixture of experts: its experts "
+                                         "take no adapter"):
+        engine.load_lora_adapter_from_tensors(
+            "experts", [(expert + "A.weight", torch.zeros(8, 64)),
+                        (expert + "B.weight", torch.zeros(8, 8))],
+            {"r": 8, "lora_alpha": 16, "target_modules": ["gate_proj"]})

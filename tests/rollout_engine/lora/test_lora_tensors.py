@@ -139,20 +139,24 @@ def test_load_unload_and_the_limit_on_loaded_adapters(
     engine = make_engine(qwen2_path, enable_lora=True, max_lora_rank=64,
                          lora_target_modules=["all"], max_loras_per_batch=2,
                          max_loaded_loras=2)
+    # AReaL's versioned names are plain names
     assert engine.load_lora_adapter("a", adapters["all8"])["loaded_adapters"].keys() == {"a"}
-    engine.load_lora_adapter("b", adapters["qv64"])
+    engine.load_lora_adapter("b-v1", adapters["qv64"])
     with pytest.raises(ValueError, match="max_loaded_loras is 2; unload one first"):
         engine.load_lora_adapter("c", adapters["linear4"])
     with pytest.raises(ValueError, match="already loaded; unload it first, or pass upsert"):
         engine.load_lora_adapter("a", adapters["linear4"])
-    assert sorted(_loaded(engine)) == ["a", "b"]
-    assert engine.unload_lora_adapter("a")["loaded_adapters"].keys() == {"b"}
+    assert sorted(_loaded(engine)) == ["a", "b-v1"]
+    assert engine.unload_lora_adapter("a")["loaded_adapters"].keys() == {"b-v1"}
     with pytest.raises(ValueError, match="no adapter named 'a' is loaded"):
         engine.unload_lora_adapter("a")
     with pytest.raises(ValueError, match="lora_path: no adapter named 'a' is loaded"):
         engine.generate(input_ids=[5, 6, 7], lora_path="a", sampling_params=GREEDY)
-    engine.load_lora_adapter("c", adapters["linear4"])
-    assert sorted(_loaded(engine)) == ["b", "c"]
+    engine.load_lora_adapter("b-v2", adapters["linear4"])
+    assert sorted(_loaded(engine)) == ["b-v1", "b-v2"]
+    out = engine.generate(input_ids=[[5, 6, 7], [5, 6, 7]], lora_path=["b-v1", "b-v2"],
+                          sampling_params=GREEDY)
+    assert all(o["meta_info"]["finish_reason"]["type"] != "abort" for o in out)
 
 
 def test_unknown_adapter_refused_while_others_run_and_unload_in_use_is_409(

@@ -160,6 +160,8 @@ def test_lora_paths_forms_and_flags(qwen2_path: str, tmp_path: Any) -> None:
 
 @pytest.mark.parametrize("flags, message", [
     ({"enable_lora": True}, "without lora_paths, give max_lora_rank and lora_target_modules"),
+    ({"tp_size": 2, "scheduler_mode": "process"}, "enable_lora: is not supported with "
+     "tp_size=2"),
     ({"dp_size": 2}, "enable_lora: is not supported with dp_size=2"),
     ({"enable_hierarchical_cache": True}, "is not supported with enable_hierarchical_cache"),
     ({"speculative_algorithm": "NGRAM"}, "is not supported with speculative_algorithm"),
