@@ -8,7 +8,8 @@
 
 Every answer that reports the scheduler's sleep / stale-weights state (`released`,
 `weights_stale`, a refit's `weight_version`) updates this frontend's mirror of it, the newest
-call's answer winning, so generation can be refused without asking the scheduler.
+call's answer winning, so generation can be refused without asking the scheduler. Likewise
+the LoRA adapters loaded (`loaded_adapters`): a request naming another is refused here.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class ControlClient:
         self.released: set[str] = set()     # memory tags released (mirrors the scheduler)
         self.weights_stale = False
         self.stale_reason: Optional[str] = None
+        self.lora_call = 0        # the newest call whose answer set lora_adapters
+        self.lora_adapters: dict[str, Any] = {}   # name -> SGLang's LoRARef fields
 
     def start(self, method: str, timeout: Optional[float] = None, **kwargs: Any
               ) -> Callable[[], ControlResult]:
@@ -105,6 +108,11 @@ class ControlClient:
         pipelined buckets, run in order but their answers may be read in any order)."""
         if not result.success or not isinstance(result.result, dict):
             return
+        if "loaded_adapters" in result.result:
+            with self.lock:
+                if result.call_id >= self.lora_call:
+                    self.lora_call = result.call_id
+                    self.lora_adapters = dict(result.result["loaded_adapters"])
         if not ({"released", "weights_stale"} & result.result.keys()
                 or ("weight_version" in result.result and method.startswith("update_weights"))):
             return

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -103,6 +103,9 @@ class RequestBuilder:
     ``routed_experts_refusal``: why no request may ask for its routed experts here (the
     engine does not record them: ``routed_experts_refusal``), or None when they are recorded.
 
+    ``lora_adapters``: the names of the LoRA adapters loaded now (a request may name one in
+    ``lora_path``), or None when the engine serves none.
+
     ``grammar_check`` decides a constrained request (``json_schema``, ``regex``, ``ebnf``,
     ``structural_tag``) at submission: ``grammar_check_for(config)``, a tokenizer-free check
     of what the grammar backend accepts (a ValueError naming the field and the problem); the
@@ -112,8 +115,10 @@ class RequestBuilder:
     def __init__(self, tokenizer: Any, vocab_size: int, context_len: int,
                  rng: random.Random, limits: RequestLimits, pool_tokens: Optional[int] = None,
                  grammar_check: Callable[[Constraint], None] = check_grammar,
-                 routed_experts_refusal: Optional[str] = NOT_RECORDED) -> None:
+                 routed_experts_refusal: Optional[str] = NOT_RECORDED,
+                 lora_adapters: Optional[Callable[[], Mapping[str, Any]]] = None) -> None:
         self.tokenizer = tokenizer
+        self.lora_adapters = lora_adapters
         self.limits = limits
         self.vocab_size = vocab_size
         self.context_len = context_len
@@ -133,7 +138,8 @@ class RequestBuilder:
               stream: bool = False, rid: Any = None, extra_key: Any = None,
               *, cache_salt: Any = None, token_ids_logprob: Any = None,
               token_ids_logprob_positions: Any = None, return_routed_experts: Any = False,
-              routed_experts_start_len: Any = 0) -> tuple[list[GenerateReq], bool]:
+              routed_experts_start_len: Any = 0, lora_path: Any = None
+              ) -> tuple[list[GenerateReq], bool]:
         """Validate a generate call and expand it (batch, n) into scheduler requests.
 
         The supported fields of SGLang's ``GenerateReqInput`` (``compat/fields.py``), with its
@@ -149,7 +155,8 @@ class RequestBuilder:
         ``return_routed_experts`` (per prompt like the logprob flags): the experts every token
         fed to the model was routed to, from position ``routed_experts_start_len`` (in
         ``[0, prompt length]``) on, with the final output; refused (``routed_experts_refusal``)
-        unless the engine records them.
+        unless the engine records them. ``lora_path``: the name of a loaded LoRA adapter (or
+        one per prompt; None: the base model), as SGLang's field names it.
 
         Returns the requests and whether the caller asked for a single (non-list) answer.
         Raises ValueError naming the bad field; nothing is submitted then.
@@ -202,6 +209,7 @@ class RequestBuilder:
         rids = _per_item(rid, nb, "rid", str) if rid is not None else [None] * nb
         keys = _cache_namespaces(_per_item(extra_key, nb, "extra_key", str),
                                  _per_item(cache_salt, nb, "cache_salt", str))
+        adapters = self._adapters(_per_item(lora_path, nb, "lora_path", str))
         chosen = per_prompt_ids(token_ids_logprob, nb, self.vocab_size)
         positions = per_prompt_positions(token_ids_logprob_positions, nb, single,
                                          self.vocab_size)
@@ -224,8 +232,25 @@ class RequestBuilder:
                     top_logprobs_num=tln, logprob_start_len=lsl, stream=stream,
                     extra_key=keys[i], groups=groups, token_ids_logprob=chosen[i],
                     token_ids_logprob_positions=positions[i],
-                    return_routed_experts=bool(rre), routed_experts_start_len=res))
+                    return_routed_experts=bool(rre), routed_experts_start_len=res,
+                    lora_name=adapters[i]))
         return reqs, single and sps[0].n == 1
+
+    def _adapters(self, names: list[Optional[str]]) -> list[Optional[str]]:
+        """Each prompt's adapter, checked against those loaded now ("" is the base model)."""
+        names = [n or None for n in names]
+        asked = sorted({n for n in names if n is not None})
+        if not asked:
+            return names
+        if self.lora_adapters is None:
+            raise ValueError("lora_path: this server serves no LoRA adapters; start it with "
+                             "--enable-lora (or --lora-paths)")
+        loaded = self.lora_adapters()
+        unknown = [n for n in asked if n not in loaded]
+        if unknown:
+            raise ValueError(f"lora_path: no adapter named {unknown[0]!r} is loaded (loaded: "
+                             f"{sorted(loaded)}); load it with /load_lora_adapter first")
+        return names
 
     def _encode(self, text: str) -> list[int]:
         try:

@@ -90,12 +90,15 @@ class TokenizerManager:
         self.vocab_size: int = ready.info["vocab_size"]
         self.context_len: int = ready.info["context_length"]
         pool = ready.info["max_total_num_tokens"] // config.page_size * config.page_size
+        self.control.lora_adapters = dict(ready.info.get("loaded_adapters") or {})
         self.builder = RequestBuilder(self.tokenizer, self.vocab_size, self.context_len,
                                       self.rng, RequestLimits.of(config), pool_tokens=pool,
                                       grammar_check=grammar_check_for(config),
                                       routed_experts_refusal=routed_experts_refusal(
                                           config.enable_return_routed_experts,
-                                          ready.info.get("routed_experts_bytes_per_token", 0)))
+                                          ready.info.get("routed_experts_bytes_per_token", 0)),
+                                      lora_adapters=(lambda: self.control.lora_adapters)
+                                      if config.enable_lora else None)
         self.receiver = threading.Thread(target=self._receive_loop, name="rollout-receiver",
                                          daemon=True)
         self.receiver.start()

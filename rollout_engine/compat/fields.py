@@ -150,8 +150,10 @@ def _f(name: str, default: Any, treatment: Treatment, note: str, *also: Any,
 _MULTIMODAL = "this engine serves text-only models"
 _PD = "prefill/decode disaggregation"
 _DP = "one data-parallel rank (0)"
-_NO_LORA = ("lora_path / lora_id is not supported by this engine: no LoRA adapter is loaded "
-            "(LoRA serving is not implemented)")
+_LORA = ("the name of a loaded LoRA adapter (--enable-lora; /load_lora_adapter), one per "
+         "prompt when a list; null: the base model")
+_LORA_ID = ("lora_id is not supported by this engine: it is SGLang's internal id of an adapter "
+            "(its tokenizer manager sets it); name the adapter with lora_path")
 # checked at submission (one per request, syntax, what xgrammar accepts: a 400 naming the
 # problem), compiled off the scheduler loop and applied as a token mask (--grammar-backend)
 _GRAMMAR = "structured output (xgrammar; returned logprobs unmasked unless "\
@@ -216,8 +218,8 @@ GENERATE_REQUEST = FieldList("GenerateReqInput", "python/sglang/srt/managers/io_
     _f("routed_experts_start_len", 0, S, "first position whose routed experts are returned, "
        "in [0, prompt length]"),
     _f("return_indexer_topk", False, D, "sparse-attention indexer output"),
-    _f("lora_path", None, D, "LoRA", "", refusal=_NO_LORA),
-    _f("lora_id", None, D, "LoRA", "", refusal=_NO_LORA),
+    _f("lora_path", None, S, _LORA),
+    _f("lora_id", None, D, "LoRA", "", refusal=_LORA_ID),
     _f("custom_logit_processor", None, D, "custom logit processors (pickled code)", ""),
     _f("positional_embed_overrides", None, D, "embedding overrides"),
     _f("bootstrap_host", None, D, _PD),
@@ -290,7 +292,9 @@ SAMPLING_PARAMS = FieldList("SamplingParams", "python/sglang/srt/sampling/sampli
 
 # -- OpenAI routes ------------------------------------------------------------------------------
 _OPENAI_COMMON = [
-    _f("model", "default", X, "any name; responses carry served_model_name"),
+    _f("model", "default", S, "a loaded LoRA adapter's name, or base:adapter, selects that "
+       "adapter (lora_path wins); any other name: the base model; responses carry "
+       "served_model_name"),
     _f("frequency_penalty", 0.0, S, "sampling_params.frequency_penalty"),
     _f("presence_penalty", 0.0, S, "sampling_params.presence_penalty"),
     _f("logit_bias", None, D, "logit bias", {}),
@@ -323,7 +327,7 @@ _OPENAI_COMMON = [
     _f("regex", None, S, _GRAMMAR + "sampling_params.regex"),
     _f("ebnf", None, S, _GRAMMAR + "sampling_params.ebnf"),
     _f("stop_regex", None, D, "stop regexes", "", []),
-    _f("lora_path", None, D, "LoRA", "", refusal=_NO_LORA),
+    _f("lora_path", None, S, _LORA),
     _f("session_id", None, X, "a session identity for routing"),
     _f("session_params", None, D, "continual-prompting sessions"),
     _f("custom_params", None, X, "arguments of a custom logit processor (refused)"),

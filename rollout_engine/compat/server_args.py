@@ -55,7 +55,6 @@ UNSUPPORTED = {
             "node: pipeline, expert and context parallelism are not implemented; run one "
             "server per replica (with sglang-router in front)",
     "pd": "prefill/decode disaggregation is not implemented",
-    "lora": "LoRA adapters are not implemented",
     "quant": "quantized weights and KV caches are not implemented (the model runs in --dtype)",
     "spec": "speculative decoding: --speculative-algorithm NGRAM and STANDALONE (a draft model) "
             "are implemented; EAGLE / MTP drafts are not",
@@ -69,7 +68,8 @@ IGNORED = {
     "launch": "launch detail of SGLang's multi-process server (one process and device here)",
     "perf": "kernel or performance choice; what is generated does not depend on it",
     "tokenizer": "the tokenizer is always loaded; outputs carry text as well as token ids",
-    "lora": "LoRA sizing, inert without LoRA",
+    "lora": "LoRA kernel, chunk and eviction choices of SGLang's (adapters here: segment "
+            "products in PyTorch, pool slots evicted least recently used)",
     "draft": "no draft model",
     "ngram": "shape of SGLang's n-gram trie / draft tree: lossless, it changes speed only; here "
              "the draft is one chain from the request's own tokens",

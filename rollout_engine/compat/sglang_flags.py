@@ -179,7 +179,7 @@ enable_linear_replayssm                      switch  False                defaul
 enable_linear_replayssm_spec                 switch  False                default
 enable_linker_mla_dedup                      switch  False                default
 enable_lmcache                               switch  False                default
-enable_lora                                  switch  None                 default:lora
+enable_lora                                  switch  None                 ours
 enable_lora_overlap_loading                  switch  None                 default
 enable_mamba_cache_stochastic_rounding       switch  False                default
 enable_megamoe_for_layernorm_sp              switch  False                default
@@ -344,9 +344,9 @@ log_requests_target                          str+    None                 ignore
 lora_backend                                 str     'csgmv'              ignore:lora
 lora_drain_wait_threshold                    float   0.0                  default
 lora_eviction_policy                         str     'lru'                ignore:lora
-lora_paths                                   str*    None                 default:lora
+lora_paths                                   str*    None                 ours
 lora_strict_loading                          bool    False                default
-lora_target_modules                          str*    None                 ignore:lora
+lora_target_modules                          str*    None                 ours
 lora_use_virtual_experts                     switch  False                default
 mamba_backend                                str     'triton'             default
 mamba_cache_philox_rounds                    int     0                    default
@@ -357,10 +357,10 @@ mamba_scheduler_strategy                     str     'auto'               defaul
 mamba_ssm_dtype                              str     None                 default
 mamba_track_interval                         int     256                  default
 max_ep_size                                  int     None                 default
-max_loaded_loras                             int     None                 ignore:lora
+max_loaded_loras                             int     None                 ours
 max_lora_chunk_size                          int     16                   ignore:lora
-max_lora_rank                                int     None                 ignore:lora
-max_loras_per_batch                          int     8                    ignore:lora
+max_lora_rank                                int     None                 ours
+max_loras_per_batch                          int     8                    ours
 max_mamba_cache_size                         int     None                 default
 max_prefill_tokens                           size    16384                ours
 max_queued_requests                          int     None                 ours

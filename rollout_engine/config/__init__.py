@@ -21,6 +21,7 @@ from rollout_engine.compat.server_args import SGLANG_FLAGS, to_engine_kwargs
 from rollout_engine.config import speculative as spec_options
 from rollout_engine.config.deterministic import check_deterministic
 from rollout_engine.config.generation_defaults import read_sampling_defaults
+from rollout_engine.config.lora import check_lora
 from rollout_engine.dp.dispatch import LOAD_BALANCE_METHODS
 from rollout_engine.parsers import reasoning_parser_problem, tool_call_parser_problem
 
@@ -101,6 +102,13 @@ class EngineConfig:
     # SGLang's flag, reported by get_server_info (slime checks it against its own setting);
     # release_memory_occupation frees memory whether or not it is set
     enable_memory_saver: bool = False
+    # LoRA adapters served per request (SGLang's flags; config/lora.py says what each does)
+    enable_lora: bool = False
+    lora_paths: Optional[list[Any]] = None
+    max_loras_per_batch: int = 8
+    max_lora_rank: Optional[int] = None
+    lora_target_modules: Optional[list[str]] = None
+    max_loaded_loras: Optional[int] = None
     weight_version: str = "default"
     weight_update_group_timeout: float = 30.0   # s the rendezvous with a trainer may take
     # process model / serving
@@ -232,6 +240,7 @@ class EngineConfig:
                            spec_options.normalized_algorithm(self.speculative_algorithm))
         for name, why in spec_options.check(self):
             bad(name, why)
+        check_lora(self, bad)
         if not self.weight_update_group_timeout > 0:
             bad("weight_update_group_timeout",
                 f"must be > 0 seconds, got {self.weight_update_group_timeout}")

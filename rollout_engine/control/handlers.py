@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 from rollout_engine.control.dispatch import Canceller, ControlDispatcher, Handler
 from rollout_engine.control.draft_refit import DraftRLControl
 from rollout_engine.control.introspection import Introspection
+from rollout_engine.control.lora_control import LoraControl
 from rollout_engine.control.profiler import Profiler
 from rollout_engine.control.rl_control import RLControl
 from rollout_engine.control.weight_checks import WeightChecks
@@ -56,9 +57,14 @@ CALLS: dict[str, tuple[str, str]] = {
     # the torch profiler
     "start_profile": ("profiler", "rpc_start_profile"),
     "stop_profile": ("profiler", "rpc_stop_profile"),
+    # LoRA adapters
+    "load_lora_adapter": ("lora", "rpc_load_lora_adapter"),
+    "load_lora_adapter_from_tensors": ("lora", "rpc_load_lora_adapter_from_tensors"),
+    "unload_lora_adapter": ("lora", "rpc_unload_lora_adapter"),
+    "list_lora_adapters": ("lora", "rpc_list_lora_adapters"),
 }
 OWNER_CLASSES: dict[str, type] = {"info": Introspection, "rl": RLControl, "checks": WeightChecks,
-                                  "profiler": Profiler}
+                                  "profiler": Profiler, "lora": LoraControl}
 
 
 def declared_calls() -> dict[str, Callable[..., Any]]:
@@ -66,9 +72,11 @@ def declared_calls() -> dict[str, Callable[..., Any]]:
     return {name: getattr(OWNER_CLASSES[owner], attr) for name, (owner, attr) in CALLS.items()}
 
 
-def handler_table(info: Introspection, rl: RLControl, profiler: Profiler) -> dict[str, Handler]:
+def handler_table(info: Introspection, rl: RLControl, profiler: Profiler,
+                  lora: LoraControl) -> dict[str, Handler]:
     """Every control call the engine answers, by the name a ``ControlReq`` gives."""
-    owners: dict[str, Any] = {"info": info, "rl": rl, "checks": rl.checks, "profiler": profiler}
+    owners: dict[str, Any] = {"info": info, "rl": rl, "checks": rl.checks, "profiler": profiler,
+                              "lora": lora}
     return {name: getattr(owners[owner], attr) for name, (owner, attr) in CALLS.items()}
 
 
@@ -124,4 +132,5 @@ def build_control(scheduler: Scheduler) -> ControlPlane:
                          scheduler.memory_saver, scheduler.weights, rl.groups, rl.spare_bytes)
     cancellers = {"update_weights_from_tensor": rl.cancel_update_weights_from_tensor}
     profiler = Profiler(lambda: scheduler.stats["forward_passes"], scheduler.device)
-    return ControlPlane(scheduler, handler_table(info, rl, profiler), cancellers, profiler)
+    lora = LoraControl(scheduler.lora, scheduler.runner.model)
+    return ControlPlane(scheduler, handler_table(info, rl, profiler, lora), cancellers, profiler)

@@ -93,6 +93,7 @@ class Introspection:
             "weight_bytes": runner.weight_nbytes(),
             "stats": dict(s.stats),
             "hicache": self.kv.tree.tier_stats(),   # None without lower cache tiers
+            "loaded_adapters": s.lora.listing(),    # LoRA: SGLang's LoRARef fields by name
         }
 
     def rpc_get_load(self) -> LoadReport:

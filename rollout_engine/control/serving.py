@@ -21,6 +21,7 @@ class Serving(Protocol):
     running: list[Req]
     chunked: Optional[Req]
     stats: dict[str, int]
+    lora: Any                    # its LoRA adapters (scheduler/lora_registry.py)
 
     @property
     def by_rid(self) -> dict[str, Req]: ...

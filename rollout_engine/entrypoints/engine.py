@@ -19,6 +19,7 @@ from rollout_engine.compat.server_args import (
     server_args_view,
 )
 from rollout_engine.config import EngineConfig
+from rollout_engine.entrypoints.lora_api import LoraMethods
 from rollout_engine.protocol.messages import ControlResult
 from rollout_engine.protocol.shm_lease import ShmLease
 from rollout_engine.protocol.tensor_payload import lend_named_tensors
@@ -45,10 +46,11 @@ SENDABLE_CALLS = ("update_weights_from_disk", "update_weights_from_tensor",
 """The calls `Engine.send_call` sends without waiting for their answers."""
 
 
-class Engine:
+class Engine(LoraMethods):
     """``Engine(model_path=..., **flags)``; the flags are ``EngineConfig`` fields or the names
     of SGLang's ``ServerArgs``, as ``sgl.Engine(**server_args)`` takes them (``tp_size=2``,
-    ``enable_memory_saver=True``, ``log_level="error"``, ...; ``compat/server_args.py``)."""
+    ``enable_memory_saver=True``, ``log_level="error"``, ...; ``compat/server_args.py``).
+    The LoRA calls (``load_lora_adapter``, ...) are ``LoraMethods``'."""
 
     def __init__(self, **kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(**kwargs)
@@ -92,12 +94,12 @@ class Engine:
                  extra_key: Any = None, *, return_text_in_logprobs: bool = False,
                  cache_salt: Any = None, token_ids_logprob: Any = None,
                  token_ids_logprob_positions: Any = None, return_routed_experts: Any = False,
-                 routed_experts_start_len: Any = 0, **sglang_kwargs: Any
+                 routed_experts_start_len: Any = 0, lora_path: Any = None, **sglang_kwargs: Any
                  ) -> Union[Output, Iterator[dict[str, Any]]]:
         """Generate for one prompt (dict) or a batch / ``n > 1`` (list of dicts).
 
         Takes SGLang's ``Engine.generate`` keyword arguments (the names of its
-        ``GenerateReqInput``; pass them by keyword): ``image_data``, ``lora_path``,
+        ``GenerateReqInput``; pass them by keyword): ``image_data``, ``lora_id``,
         ``return_hidden_states``, ``custom_logit_processor``,
         ``bootstrap_host``, ``data_parallel_rank``, ... null or SGLang's default is accepted,
         another value of a feature this engine lacks is a ValueError naming it
@@ -112,6 +114,9 @@ class Engine:
         ``return_routed_experts`` (an engine started with ``enable_return_routed_experts`` on a
         mixture-of-experts model): the final output's ``meta_info["routed_experts"]`` holds the
         experts of every token fed to the model from ``routed_experts_start_len`` on (docs/API.md).
+
+        ``lora_path``: a loaded LoRA adapter's name (one per prompt for a batch; None: the
+        base model), as SGLang names the field; ValueError for one not loaded.
         """
         states, single = self._submit(prompt, sampling_params, input_ids, return_logprob,
                                       top_logprobs_num, logprob_start_len, stream, rid, extra_key,
@@ -119,7 +124,8 @@ class Engine:
                                       token_ids_logprob=token_ids_logprob,
                                       token_ids_logprob_positions=token_ids_logprob_positions,
                                       return_routed_experts=return_routed_experts,
-                                      routed_experts_start_len=routed_experts_start_len)
+                                      routed_experts_start_len=routed_experts_start_len,
+                                      lora_path=lora_path)
         if stream:
             return self._stream(states[0], return_text_in_logprobs)
         return self._finish([self.tm.wait(st) for st in states], single, return_text_in_logprobs)
@@ -132,7 +138,8 @@ class Engine:
                              token_ids_logprob: Any = None,
                              token_ids_logprob_positions: Any = None,
                              return_routed_experts: Any = False,
-                             routed_experts_start_len: Any = 0, **sglang_kwargs: Any
+                             routed_experts_start_len: Any = 0, lora_path: Any = None,
+                             **sglang_kwargs: Any
                              ) -> Union[Output, AsyncIterator[dict[str, Any]]]:
         """``generate`` for asyncio: the same arguments; an async iterator when streaming."""
         states, single = self._submit(prompt, sampling_params, input_ids, return_logprob,
@@ -141,7 +148,8 @@ class Engine:
                                       token_ids_logprob=token_ids_logprob,
                                       token_ids_logprob_positions=token_ids_logprob_positions,
                                       return_routed_experts=return_routed_experts,
-                                      routed_experts_start_len=routed_experts_start_len)
+                                      routed_experts_start_len=routed_experts_start_len,
+                                      lora_path=lora_path)
         if stream:
             return self._stream(states[0], return_text_in_logprobs)
         try:
@@ -166,6 +174,9 @@ class Engine:
     # -- control ---------------------------------------------------------------------------------
     def _call(self, method: str, **kwargs: Any) -> ControlResult:
         return self.tm.call(method, **kwargs)
+
+    def _result(self, method: str, **kwargs: Any) -> Any:
+        return _raise_for(self._call(method, **kwargs))
 
     def flush_cache(self) -> bool:
         return self._call("flush_cache").success

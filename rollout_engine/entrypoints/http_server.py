@@ -39,6 +39,7 @@ from rollout_engine.entrypoints.http_utils import (
     sse_response,
 )
 from rollout_engine.entrypoints.load_routes import add_load_routes
+from rollout_engine.entrypoints.lora_routes import add_lora_routes
 from rollout_engine.entrypoints.metrics import Metrics
 from rollout_engine.entrypoints.openai_api import add_openai_routes
 from rollout_engine.entrypoints.profile_routes import add_profile_routes
@@ -49,7 +50,8 @@ from rollout_engine.tokenizer_manager import SchedulerDeadError
 
 logger = logging.getLogger(__name__)
 
-REFIT_ROUTES = ("/update_weights_from_tensor",)   # tensor payloads: --max-refit-body-bytes
+# tensor payloads: --max-refit-body-bytes
+REFIT_ROUTES = ("/update_weights_from_tensor", "/load_lora_adapter_from_tensors")
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
@@ -134,7 +136,8 @@ def create_app(engine: Engine, *, api_key: Optional[str] = None,
             cache_salt=body.get("cache_salt"), token_ids_logprob=body.get("token_ids_logprob"),
             token_ids_logprob_positions=body.get("token_ids_logprob_positions"),
             return_routed_experts=body.get("return_routed_experts", False),
-            routed_experts_start_len=body.get("routed_experts_start_len", 0))
+            routed_experts_start_len=body.get("routed_experts_start_len", 0),
+            lora_path=body.get("lora_path"))
         if not stream:
             results = await service.collect(states, request)
             if with_text:
@@ -227,6 +230,7 @@ def create_app(engine: Engine, *, api_key: Optional[str] = None,
 
     add_load_routes(app, engine)   # /get_load, /v1/loads: read-only, public
     add_rl_routes(app, engine, admin)
+    add_lora_routes(app, engine, admin)
     add_profile_routes(app, engine, admin)
     return app
 

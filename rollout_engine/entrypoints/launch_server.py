@@ -145,6 +145,16 @@ HELP: dict[str, str] = {
     "sampling_defaults": "model: a chat request's omitted temperature / top_p / top_k / min_p "
                          "/ repetition_penalty come from the model's generation_config.json "
                          "(SGLang's default); openai: the usual defaults.",
+    "enable_lora": "Serve LoRA adapters per request (lora_path / the OpenAI model name); "
+                   "implied by --lora-paths.",
+    "lora_paths": "Adapters loaded at start: NAME=DIR, DIR, or JSON {\"lora_name\", "
+                  "\"lora_path\", \"pinned\"} (PEFT directories).",
+    "max_loras_per_batch": "Adapter slots: distinct adapters one batch may use.",
+    "max_lora_rank": "Largest adapter rank (default: the largest of --lora-paths').",
+    "lora_target_modules": "Projections adapters may target: q_proj k_proj v_proj o_proj "
+                           "gate_proj up_proj down_proj, or all (default: those of "
+                           "--lora-paths).",
+    "max_loaded_loras": "Most adapters loaded at once (default: no limit).",
     "kv_cache_dtype": "KV cache dtype: auto (the served dtype), or bf16 / bfloat16 when the "
                       "model runs in bfloat16; quantized KV caches are not implemented.",
 }
@@ -189,6 +199,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
             tp = parse_size
         parser.add_argument(*flags, dest=f.name, type=tp if tp in (int, float, parse_size)
                             else str, required=required, help=help_text,
+                            nargs="*" if typing.get_origin(tp) is list else None,
                             default=None if required else f.default)
     add_sglang_flags(parser, skip={f.name for f in dataclasses.fields(EngineConfig)})
     return parser

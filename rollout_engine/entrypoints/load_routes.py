@@ -74,7 +74,7 @@ def v1_load_entry(load: LoadReport, include: Optional[set[str]], dp_rank: int = 
         entry["queues"] = {"waiting": load.num_waiting_reqs, "grammar": 0,
                            "paused": load.num_paused_reqs,
                            "retracted": load.num_retracted_reqs, "prealloc_ready": 0}
-    return entry     # no speculative decoding or LoRA: SGLang leaves those sections out then
+    return entry     # the speculative and LoRA sections are not reported (SGLang omits them)
 
 
 def aggregate(loads: list[dict[str, Any]]) -> dict[str, Any]:

@@ -110,6 +110,22 @@ class OpenAIServing:
         builder.limits.check_top_logprobs(top_logprobs or 0, top_logprobs_field)
         builder.limits.check_stops(req.stop, req.stop_token_ids, prefix="")
 
+    def lora_path(self, req: Union[CompletionRequest, ChatCompletionRequest]) -> Any:
+        """The adapter a request asks for: its ``lora_path``, else its ``model`` when that
+        names a loaded adapter or is SGLang's ``base:adapter`` (split at the first colon);
+        None (the base model) for any other model name. The builder refuses an adapter that
+        is not loaded."""
+        engine = self.service.engine
+        if req.lora_path is not None:
+            return req.lora_path
+        model = req.model
+        if model is None or model == self.model_name or not engine.config.enable_lora:
+            return None
+        if model in engine.tm.control.lora_adapters:
+            return model
+        _, colon, adapter = model.partition(":")
+        return (adapter.strip() or None) if colon else None
+
     def _header(self, prefix: str, obj: str) -> dict[str, Any]:
         return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
                 "model": self.model_name}
@@ -140,7 +156,7 @@ class OpenAIServing:
             logprob_start_len=0 if (req.echo and want_lp) else -1, stream=req.stream,
             rid=req.rid, extra_key=req.extra_key, cache_salt=req.cache_salt,
             return_routed_experts=req.return_routed_experts,
-            routed_experts_start_len=req.routed_experts_start_len)
+            routed_experts_start_len=req.routed_experts_start_len, lora_path=self.lora_path(req))
         if req.stream:
             return sse_response(self._stream_completions(req, states))
         results = await self.service.collect(states, request)
@@ -239,7 +255,7 @@ class OpenAIServing:
             return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
             stream=req.stream, rid=req.rid, extra_key=req.extra_key, cache_salt=req.cache_salt,
             return_routed_experts=req.return_routed_experts,
-            routed_experts_start_len=req.routed_experts_start_len)
+            routed_experts_start_len=req.routed_experts_start_len, lora_path=self.lora_path(req))
         if req.stream:
             return sse_response(self._stream_chat(req, states, parsing))
         results = await self.service.collect(states, request)
@@ -301,11 +317,18 @@ class OpenAIServing:
 
     # -- /v1/models ----------------------------------------------------------------------------
     def models(self) -> dict[str, Any]:
+        """The served model, then each loaded LoRA adapter (SGLang's cards: ``root`` its
+        path, ``parent`` the served model)."""
         engine = self.service.engine
-        return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "rollout_engine", "root": engine.config.model_path,
-            "max_model_len": engine.tm.context_len}]}
+        now = int(time.time())
+        cards = [{"id": self.model_name, "object": "model", "created": now,
+                  "owned_by": "rollout_engine", "root": engine.config.model_path,
+                  "max_model_len": engine.tm.context_len}]
+        for name, ref in sorted(engine.tm.control.lora_adapters.items()):
+            cards.append({"id": name, "object": "model", "created": now,
+                          "owned_by": "rollout_engine", "root": ref.get("lora_path"),
+                          "parent": self.model_name, "max_model_len": None})
+        return {"object": "list", "data": cards}
 
 
 def add_openai_routes(app: FastAPI, service: GenerationService, model_name: str) -> None:

@@ -65,6 +65,9 @@ class _SamplingFields(_Strict):
     rid: Optional[Union[str, list[str]]] = None
     extra_key: Optional[Union[str, list[str]]] = None
     cache_salt: Optional[Union[str, list[str]]] = None
+    # LoRA: an adapter's name as the model (or base:adapter), or lora_path (which wins)
+    model: Optional[str] = None
+    lora_path: Optional[Union[str, list[Optional[str]]]] = None
     # rollout routing replay (the response's sglext.routed_experts, as SGLang)
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0

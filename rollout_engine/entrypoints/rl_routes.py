@@ -118,7 +118,13 @@ def add_rl_routes(app: FastAPI, engine: Engine, admin: list[Any]) -> None:
             raise HTTPError(r.status, r.message)
         return json_response({"weight_version": r.result["weight_version"]})
 
-    for route in CONTROL_ROUTES:
+    add_control_routes(app, engine, CONTROL_ROUTES, admin)
+
+
+def add_control_routes(app: FastAPI, engine: Engine, routes: tuple[ControlRoute, ...],
+                       admin: list[Any]) -> None:
+    """Register each ``ControlRoute`` of ``routes`` behind the admin-key dependency."""
+    for route in routes:
         app.add_api_route(route.path, _proxy(engine, route), methods=list(route.http_methods),
                           dependencies=admin, name=route.method)
 

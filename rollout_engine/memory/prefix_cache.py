@@ -39,16 +39,19 @@ class CacheIntegrityError(AssertionError):
 
 @dataclass(frozen=True)
 class CacheNamespace:
-    """KV computed under one weight generation (and an optional extra_key, e.g. a LoRA id or salt)
-    is only matched by requests of the same namespace.
+    """KV computed under one weight generation (and an optional extra_key, a salt, and LoRA
+    adapter) is only matched by requests of the same namespace.
 
     `generation` is the engine's weight-generation counter, bumped by every weight change (each
     refit, each partial bucket), never the user's version label: a refit that reuses a label, or
-    a relabel that changes no weight, cannot make stale KV match or fresh KV miss.
+    a relabel that changes no weight, cannot make stale KV match or fresh KV miss. `lora` is
+    (adapter name, version), the version a counter bumped by every (re)load of an adapter:
+    nothing computed under another adapter, or an older load of the same one, ever matches.
     """
 
     generation: int
     extra_key: Optional[str] = None
+    lora: Optional[tuple[str, int]] = None
 
 
 @dataclass

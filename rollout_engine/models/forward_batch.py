@@ -44,6 +44,8 @@ class ForwardBatch:
     # instead of their own top-k (the trainer's side).
     routing_out: Optional[torch.Tensor] = None
     routing_in: Optional[torch.Tensor] = None
+    # the LoRA segments of this forward (models/lora.py: LoraBatch); None when no row has one
+    lora: Optional[Any] = None
     # filled by the model runner
     attn_backend: Any = None
     attn_metadata: Optional[Any] = None

@@ -115,16 +115,22 @@ class Attention(nn.Module):
         self.scaling = arch.head_dim ** -0.5
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: Any) -> torch.Tensor:
-        t = h.shape[0]
-        q, k, v = self.qkv_proj(h).split_with_sizes(self.qkv_proj.shard_sizes, dim=-1)
+        t, lora = h.shape[0], fb.lora   # LoraBatch: adapters' updates (models/lora.py)
+        qkv = self.qkv_proj(h)
+        if lora is not None:
+            lora.apply(self.layer_id, "qkv_proj", h, qkv)
+        q, k, v = qkv.split_with_sizes(self.qkv_proj.shard_sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = RotaryEmbedding.apply_qk(q, k, cos, sin)
-        o = fb.attn_backend.forward(q, k, v, self.layer_id, self.scaling, fb)
-        return self.o_proj(o.reshape(t, -1))
+        o = fb.attn_backend.forward(q, k, v, self.layer_id, self.scaling, fb).reshape(t, -1)
+        out = self.o_proj(o)
+        if lora is not None:
+            lora.apply(self.layer_id, "o_proj", o, out)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -139,7 +145,7 @@ class DecoderLayer(nn.Module):
         else:
             i = arch.intermediate_size
             self.mlp = MLP(arch.hidden_size, i if tp is None else tp.split(i)[1],
-                           arch.mlp_bias, tp)
+                           arch.mlp_bias, tp, layer_id=layer_id)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], cos: torch.Tensor,
                 sin: torch.Tensor, fb: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,18 +15,30 @@ from rollout_engine.parallel.context import TPContext
 
 class MLP(nn.Module):
     """SwiGLU of ``intermediate_size`` (this rank's part with ``tp``); ``reduce=False`` leaves
-    the ranks' partial sums for the caller to reduce (a MoE layer's shared expert)."""
+    the ranks' partial sums for the caller to reduce (a MoE layer's shared expert).
+    ``layer_id``: the decoder layer whose MLP this is, where LoRA adapters apply (none on a
+    shared expert)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
-                 tp: Optional[TPContext] = None, reduce: bool = True) -> None:
+                 tp: Optional[TPContext] = None, reduce: bool = True,
+                 layer_id: Optional[int] = None) -> None:
         super().__init__()
         i = intermediate_size
+        self.layer_id = layer_id
         self.gate_up_proj = MergedLinear(hidden_size, [i, i], bias=bias)
         self.down_proj = (RowParallelLinear(i, hidden_size, bias, tp) if tp is not None and reduce
                           else Linear(i, hidden_size, bias=bias))
 
     def forward(self, x: torch.Tensor, fb: Any = None) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        lora = fb.lora if fb is not None and self.layer_id is not None else None
+        if lora is None:
+            return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        lora.apply(self.layer_id, "gate_up_proj", x, gate_up)
+        act = silu_mul(gate_up)
+        out = self.down_proj(act)
+        lora.apply(self.layer_id, "down_proj", act, out)
+        return out
 
     def hf_names(self, pre: str) -> dict[str, tuple[nn.Parameter, int, int]]:
         """HF name -> (parameter, first row, rows); ``pre`` ends with the MLP's dot."""

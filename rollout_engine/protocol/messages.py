@@ -37,6 +37,8 @@ class GenerateReq:
     # output (``ReqOutput.routed_experts``; the engine must record them)
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    # the LoRA adapter to apply, by name (SGLang's ``lora_path``); None: the base model
+    lora_name: Optional[str] = None
 
 
 @dataclass

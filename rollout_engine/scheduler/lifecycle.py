@@ -11,12 +11,13 @@
 ``finish`` also reads an asking request's routed experts from the routing store while its KV
 (and so their rows) is still its own (``Req.routed_slots``).
 
-``refuse``: never taken (duplicate rid, engine asleep, can never fit, bad grammar): its only
-output is the final one. ``retire`` is the end of every request that was taken: it holds no KV
-any more, leaves ``inflight``, gives back its penalty row and sends its last output. ``finish``
-releases the KV of an admitted request (its prefix stays cached) and retires it. The queues
-(``waiting``, ``running``, ``chunked``) and ``inflight`` change only here, except the queue order
-the scheduling policy sets.
+``refuse``: never taken (duplicate rid, engine asleep, can never fit, bad grammar, unknown
+adapter): its only output is the final one. ``retire`` is the end of every request that was
+taken: it holds no KV any more, leaves ``inflight``, gives back its penalty row and sends its
+last output. ``finish`` releases the KV of an admitted request (its prefix stays cached) and
+retires it. ``refuse`` and ``retire`` give a request's LoRA adapter back (``adapters``), so
+every path releases it exactly once. The queues (``waiting``, ``running``, ``chunked``) and
+``inflight`` change only here, except the queue order the scheduling policy sets.
 
 Hooks: ``before_finish`` and ``before_retire`` run first in those transitions (the speculative
 scheduler hands the draft's KV over and publishes finished sequences there).
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import Optional
+from typing import Optional, Protocol
 
 from rollout_engine.constrained.scheduling import GrammarScheduling
 from rollout_engine.memory.prefix_cache import CacheNamespace
@@ -39,6 +40,12 @@ from rollout_engine.scheduler.request import InFlight, Req, ReqState
 Hook = Callable[[Req], None]
 
 
+class Adapters(Protocol):
+    """Who holds a request's LoRA adapter (``scheduler/lora_registry.py``)."""
+
+    def release(self, req: Req) -> None: ...
+
+
 def _nothing(req: Req) -> None:
     return None
 
@@ -47,8 +54,10 @@ class RequestLifecycle:
     def __init__(self, kv: KVManager, grammars: GrammarScheduling[Req],
                  penalty_counts: PenaltyCounts, stats: dict[str, int],
                  before_finish: Hook = _nothing, before_retire: Hook = _nothing,
-                 routing: Optional[RoutingStore] = None) -> None:
+                 routing: Optional[RoutingStore] = None,
+                 adapters: Optional[Adapters] = None) -> None:
         self.kv = kv
+        self.adapters = adapters   # a request's adapter is released as it ends, on every path
         self.routing = routing if routing is not None else NoRoutingStore()
         self.grammars = grammars
         self.penalty_counts = penalty_counts
@@ -72,6 +81,8 @@ class RequestLifecycle:
     def refuse(self, req: Req, message: str) -> None:
         """A request never taken: its final output, an abort saying why."""
         req.finished_reason = {"type": "abort", "message": message}
+        if self.adapters is not None:
+            self.adapters.release(req)
         self.outbox.append(req.make_output(full=True))
 
     def take(self, req: Req, namespace: CacheNamespace) -> None:
@@ -161,6 +172,8 @@ class RequestLifecycle:
         """The end of every request taken (finished, aborted, refused while queued): it holds
         no KV any more; forget it and send its last output."""
         self.before_retire(req)
+        if self.adapters is not None:
+            self.adapters.release(req)
         req.state = ReqState.FINISHED
         req.grammar = None   # its own state; the compiled grammar stays cached
         self.inflight.remove(req)

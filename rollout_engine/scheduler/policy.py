@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from rollout_engine.memory.prefix_cache import CacheNamespace, MatchResult
 from rollout_engine.scheduler.kv_manager import KVManager
@@ -108,19 +108,20 @@ def _share_len(req: Req, matched: int) -> int:
     return min(matched + _IN_BATCH_SHARE_TOKENS, req.seq_len - 1)
 
 
-def shares_uncached_prefix(req: Req, matched: int, admitted_keys: set[tuple[int, ...]]) -> bool:
+def shares_uncached_prefix(req: Req, matched: int, admitted_keys: set[tuple[Any, ...]]) -> bool:
     """True if a request admitted this step will compute the tokens right after ``req``'s
-    cached prefix (GRPO siblings, repeats): waiting one step turns them into a cache hit.
-    The window starts at ``matched``, so a group extending a cached prefix is caught too."""
+    cached prefix (GRPO siblings, repeats) with the same adapter: waiting one step turns them
+    into a cache hit. The window starts at ``matched``, so a group extending a cached prefix
+    is caught too."""
     n = _share_len(req, matched)
     if n - matched < 8:
         return False
-    return tuple(req.all_ids[:n]) in admitted_keys
+    return (req.lora_key, *req.all_ids[:n]) in admitted_keys
 
 
-def share_key(req: Req, matched: int) -> tuple[int, ...]:
+def share_key(req: Req, matched: int) -> tuple[Any, ...]:
     """The key ``shares_uncached_prefix`` looks up, for a request admitted with ``matched``."""
-    return tuple(req.all_ids[:_share_len(req, matched)])
+    return (req.lora_key, *req.all_ids[:_share_len(req, matched)])
 
 
 __all__ = ["Candidate", "CacheNamespace", "NewTokenRatio", "order_waiting", "match_cap",

@@ -45,6 +45,11 @@ class Req:
         self.logprob_start_len = msg.logprob_start_len
         self.stream = msg.stream
         self.extra_key = msg.extra_key
+        # LoRA (scheduler/lora_registry.py): the adapter asked for; the version bound when the
+        # scheduler took the request (released when it ends) and its key in the cache namespace
+        self.lora_name = msg.lora_name
+        self.lora: Any = None
+        self.lora_key: Optional[tuple[str, int]] = None
         self.arrival = arrival
         self.state = ReqState.WAITING
         self.output_ids: list[int] = []

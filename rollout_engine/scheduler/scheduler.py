@@ -43,6 +43,7 @@ from rollout_engine.scheduler.batch import (
 )
 from rollout_engine.scheduler.kv_manager import KVManager
 from rollout_engine.scheduler.lifecycle import RequestLifecycle
+from rollout_engine.scheduler.lora_registry import create_lora_registry
 from rollout_engine.scheduler.request import InFlight, Req, ReqState
 from rollout_engine.scheduler.stop import StopChecker, eos_token_ids
 from rollout_engine.scheduler.weight_state import WeightState
@@ -87,6 +88,8 @@ class Scheduler:
             any_whitespace=not config.constrained_json_disable_any_whitespace,
             max_whitespace_cnt=config.constrained_json_max_whitespace_cnt)
         self.weights = WeightState(config.weight_version)
+        # LoRA adapters: loaded versions, requests bound to them, the device pool's slots
+        self.lora = create_lora_registry(config, self.runner.arch, self.runner.dtype, self.device)
         self.arrivals = 0
         self.paused = False
         self.new_token_ratio = policy.NewTokenRatio()
@@ -95,7 +98,7 @@ class Scheduler:
         # every state change of a request (queues, in-flight table, outputs): lifecycle.py
         self.reqs = RequestLifecycle(self.kv, self.grammars, self.penalty_counts, self.stats,
                                      self._before_finish, self._before_retire,
-                                     routing=self.runner.routing)
+                                     routing=self.runner.routing, adapters=self.lora)
         # the routing rows sleep and wake with the KV they describe
         self.memory_saver = create_memory_saver(self.runner.model, self.runner.kv_pool,
                                                 config.enable_weights_cpu_backup, self.device,
@@ -123,6 +126,7 @@ class Scheduler:
             self.arrivals += 1
             why = self._refusal(req)
             if why is None:
+                self.lora.bind(req)   # the adapter version it runs with, until it ends
                 self.reqs.take(req, self.namespace_of(req))
             else:
                 self.reqs.refuse(req, why)
@@ -138,7 +142,7 @@ class Scheduler:
             return f"duplicate rid {req.rid!r}"
         if not self.can_run and not self.paused:
             return f"request refused: {self.refusal_reason()}"
-        return self._never_fits(req)
+        return self.lora.refusal(req) or self._never_fits(req)
 
     def _never_fits(self, req: Req) -> Optional[str]:
         """Why ``req`` can never be admitted (its KV would not fit even in an empty pool), or
@@ -153,7 +157,8 @@ class Scheduler:
                 "raise max_total_tokens")
 
     def namespace_of(self, req: Req) -> CacheNamespace:
-        return CacheNamespace(self.weights.generation, req.extra_key)  # never the user's label
+        # never the user's weight label; an adapter by (name, version): a reload never matches
+        return CacheNamespace(self.weights.generation, req.extra_key, req.lora_key)
 
     @property
     def by_rid(self) -> dict[str, Req]:
@@ -219,7 +224,7 @@ class Scheduler:
         active = self.active_reqs()
         # what this step computes right after a cached prefix: a waiting request sharing it
         # waits a step and finds it cached (policy.shares_uncached_prefix)
-        keys: set[tuple[int, ...]] = set()
+        keys: set[tuple[Any, ...]] = set()
         if self.chunked is not None:
             req, self.chunked = self.chunked, None
             ext = min(req.seq_len - req.kv_len, budget)
@@ -242,10 +247,13 @@ class Scheduler:
                                      self.config.schedule_lpm_fallback_queue_len)
         max_running = self.runner.max_running_requests
         admitted: set[int] = set()
+        adapters = self.lora.budget(active)   # at most max_loras_per_batch in a batch
         for cand in cands:
             req = cand.req
             if budget <= 0 or len(self.running) + len(reqs) >= max_running:
                 break
+            if not adapters.admits(req):
+                continue
             too_big = self._never_fits(req)
             if too_big is not None:
                 self.reqs.refuse_waiting(req, too_big)
@@ -279,6 +287,7 @@ class Scheduler:
                 self.kv.release(req, cache=False)
                 break
             self.reqs.admit(req, matched, self.weights.version)
+            adapters.add(req)
             reqs.append(req)
             lens.append(ext)
             admitted.add(id(req))
@@ -329,6 +338,7 @@ class Scheduler:
 
     def run_batch(self, batch: ScheduleBatch) -> None:
         fb = batch.to_forward_batch(self.device)
+        fb.lora = self.lora.prepare(batch.reqs, batch.extend_lens)
         sampling = [(r, row) for r, row in zip(batch.reqs, batch.sample_rows) if row >= 0]
         to_sample = [(r, row) for r, row in sampling if not self._finish_without_sampling(r)]
         # the grammar rows' mask is filled on a worker thread while the forward runs
@@ -407,6 +417,7 @@ class Scheduler:
         report = self.kv.check_integrity(self.active_reqs(), idle=idle)
         for req in self.waiting:
             assert req.req_pool_idx is None and not req.slots, f"waiting {req.rid} holds KV"
+        self.lora.check_integrity(list(self.by_rid.values()))   # adapter users == requests
         report["idle"] = idle
         report["time"] = time.time()
         return report

@@ -43,7 +43,7 @@ GENERATE_REFUSED = {
     "return_sampling_mask": True, "return_flat_raw_top_logprobs": True,
     "return_flat_raw_top_logprobs_b64": True, "return_hidden_states": True,
     "return_indexer_topk": True,
-    "lora_path": "adapters/math", "lora_id": "math-1",
+    "lora_id": "math-1",
     "custom_logit_processor": '{"callable": "gASV..."}', "positional_embed_overrides": [[0.5]],
     "bootstrap_host": "10.0.0.7", "bootstrap_port": 8998, "bootstrap_room": 12345,
     "bootstrap_pair_key": "pair", "decode_tp_size": 2, "disagg_prefill_dp_rank": 1,
@@ -65,13 +65,13 @@ SAMPLING_REFUSED = {"stop_regex": r"\d+", "logit_bias": {"5": 2.0}, "beam_width"
 SAMPLING_IGNORED = {"stream_interval": 4}
 OPENAI_COMMON_REFUSED = {
     "logit_bias": {"5": 2.0}, "return_hidden_states": True, "return_cached_tokens_details": True,
-    "return_token_ids": True, "stop_regex": [r"\d"], "lora_path": "adapters/math", "session_params": {"id": "s"},
+    "return_token_ids": True, "stop_regex": [r"\d"], "session_params": {"id": "s"},
     "custom_logit_processor": '{"callable": "gASV..."}', "images_config": {"max_pixels": 9},
     "bootstrap_host": "10.0.0.7", "bootstrap_port": 8998, "bootstrap_room": 5,
     "routed_dp_rank": 2, "disagg_prefill_dp_rank": 1, "data_parallel_rank": 1,
 }
 OPENAI_COMMON_IGNORED = {
-    "model": "any-name", "user": "user-1", "session_id": "s-1",
+    "user": "user-1", "session_id": "s-1",
     "custom_params": {"return_top_p_token_ids": True}, "ngram_corpus_id": "corpus",
     "priority": 3, "custom_labels": {"team": "rl"},
 }
@@ -146,15 +146,15 @@ def test_lists_are_documented() -> None:
 
 
 def test_default_rules() -> None:
-    lora = GENERATE_REQUEST["lora_path"]
+    lora = GENERATE_REQUEST["lora_id"]
     assert lora.is_default(None) and lora.is_default([None, None]) and lora.is_default("")
     assert not lora.is_default(["a", None])
     hidden = GENERATE_REQUEST["return_hidden_states"]
     assert hidden.is_default(False) and not hidden.is_default(0) and not hidden.is_default("last")
     assert GENERATE_REQUEST["routed_dp_rank"].is_default(0)
     assert SAMPLING_PARAMS["stop_regex"].is_default([])   # SGLang's frontend sends ()
-    with pytest.raises(ValueError, match=r"^x\.lora_path: .*not supported by this engine"):
-        lora.check("adapters/a", "x.")
+    with pytest.raises(ValueError, match=r"^x\.lora_id: lora_id is not supported by this engine: .*lora_path"):
+        lora.check("adapter-1", "x.")
     SglangField("f", 1, X, "n").check("anything")       # ignored: never refused
     with pytest.raises(ValueError, match="listed twice"):
         FieldList("L", "src", [SglangField("a", 0, S, ""), SglangField("a", 0, X, "")])

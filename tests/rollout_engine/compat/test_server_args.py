@@ -158,10 +158,10 @@ def test_areal_command_line() -> None:
         "disable_radix_cache": True, "context_length": 32768, "mem_fraction_static": 0.9,
         # SGLang's -1 (no chunking): one chunk per prefill budget
         "chunked_prefill_size": 32768, "max_prefill_tokens": 32768, "dtype": "bfloat16",
-        "host": "10.0.0.1", "port": 30001,
+        "host": "10.0.0.1", "port": 30001, "max_loaded_loras": 8,   # inert without LoRA
         # logging and launch knobs: no effect here, kept to be reported by get_server_info
         "ignored_sglang_args": {
-            "trust_remote_code": True, "max_loaded_loras": 8, "lora_backend": "triton",
+            "trust_remote_code": True, "lora_backend": "triton",
             "log_level_http": "warning", "log_requests_level": 0, "enable_metrics": True,
             "decode_log_interval": 1},
     }   # fa3: not ours, the device's default backend; lpm / warning: our defaults already
@@ -197,7 +197,6 @@ def test_sglang_spellings_are_converted() -> None:
                          "parallelism"),
     (["--expert-parallel-size", "4"], "--ep-size 4"),
     (["--nnodes", "2"], "--nnodes 2"),
-    (["--enable-lora"], "--enable-lora True: LoRA adapters are not implemented"),
     (["--quantization", "fp8"], "--quantization 'fp8'"),
     (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm 'EAGLE': speculative "
      "decoding: --speculative-algorithm NGRAM and STANDALONE (a draft model) are implemented"),
@@ -312,7 +311,7 @@ def test_slime_and_verl_server_args_build_an_engine_config(qwen2_path: str) -> N
 
 @pytest.mark.parametrize("kwargs,named", [
     ({"ep_size": 2}, "--ep-size 2"), ({"pp_size": 2}, "--pp-size 2"),
-    ({"skip_tokenizer_init": True, "lora_paths": ["a=/lora"]}, "--lora-paths ['a=/lora']"),
+    ({"skip_tokenizer_init": True, "lora_strict_loading": True}, "--lora-strict-loading True"),
     ({"kv_cache_dtype": "fp8_e5m2"}, "--kv-cache-dtype 'fp8_e5m2'"),
 ])
 def test_engine_kwargs_we_cannot_honour_name_the_flag(
