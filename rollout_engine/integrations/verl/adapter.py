@@ -94,14 +94,15 @@ class ServerAdapter(BaseRollout):
     async def update_weights(self, weights: Weights, global_steps: Optional[int] = None,
                              wire_format: str = "named_tensors", **kwargs: Any) -> None:
         """Refit the engine with ``weights`` ((name, tensor) pairs, sync or async). ValueError
-        for verl's delta flushes and LoRA adapter loads, which this engine does not take; an
+        for verl's delta flushes and LoRA adapter loads, which this integration does not take; an
         engine refusal raises `EngineCallError` with its message."""
         if wire_format != "named_tensors":
             raise ValueError(f"rollout_engine takes full named tensors, not wire_format="
                              f"{wire_format!r}: use a checkpoint engine other than delta_sharded")
         if kwargs.get("peft_config") and kwargs.get("base_sync_done"):
-            raise ValueError("rollout_engine loads no LoRA adapters: set "
-                             "actor_rollout_ref.model.lora.merge=True")
+            raise ValueError("rollout_engine's verl integration loads no LoRA adapters yet "
+                             "(the engine serves them, --enable-lora, but verl's adapter path "
+                             "is not wired): set actor_rollout_ref.model.lora.merge=True")
         engine = await self._engine()
         bucket_bytes = int(self.config.checkpoint_engine.update_weights_bucket_megabytes) << 20
         bucket: list[tuple[str, torch.Tensor]] = []

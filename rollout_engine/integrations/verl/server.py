@@ -70,7 +70,8 @@ class RolloutEngineServer:
             raise ValueError(f"rollout_engine serves a replica from one node; got nnodes={nnodes}"
                              f", node_rank={node_rank}")
         if lora_served_as_adapter(self.model_config):
-            raise ValueError("rollout_engine serves no LoRA adapters: set "
+            raise ValueError("rollout_engine's verl integration serves no LoRA adapters yet "
+                             "(verl's adapter path is not wired): set "
                              "actor_rollout_ref.model.lora.merge=True so the trainer sends merged "
                              "weights")
         max_len = get_max_position_embeddings(self.model_config.hf_config)
