@@ -29,7 +29,7 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 class MoeExperts:
     """The compiled kernel; `__call__` checks what the C side cannot see."""
 
-    ABI = 2
+    ABI = 3
 
     def __init__(self, library_path: str) -> None:
         lib = build.open_library(library_path, "rollout_engine_moe_experts_abi", self.ABI)
