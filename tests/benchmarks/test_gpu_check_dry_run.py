@@ -34,7 +34,9 @@ def test_dry_run_every_section(tmp_path):
     assert result["sections"]["sleep"]["data"]["tokens_equal"] is True
     assert result["sections"]["refit"]["data"]["tokens_equal"] is True
     parity = result["sections"]["parity"]["rows"]
-    assert len(parity) == 3 and all(r[1] == "ok" for r in parity)
+    # the three dense architectures and one MoE model (the dry run's CPU sizes)
+    assert len(parity) == 4 and all(r[1] == "ok" for r in parity)
+    assert "qwen3_moe" in parity[-1][0]
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("| refit"), "the table must be printed last"
 

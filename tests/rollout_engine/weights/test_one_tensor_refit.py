@@ -25,7 +25,8 @@ def _callers(name: str) -> list[str]:
 
 
 def test_only_the_one_refit_reads_a_tensor_payload() -> None:
-    assert _callers("read_refit_payload") == ["weights/refit.py"]
+    # and the one adapter load (its tensors go to the LoRA pool, not to parameters)
+    assert _callers("read_refit_payload") == ["control/lora_control.py", "weights/refit.py"]
 
 
 def test_every_tensor_refit_handler_goes_through_it() -> None:
