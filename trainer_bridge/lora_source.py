@@ -74,9 +74,10 @@ class AdapterSource:
 
 def adapter_source(source: Any, config: Any = None, adapter_name: str = "default"
                    ) -> AdapterSource:
-    """The adapter of a PeftModel (``config`` None: its own ``peft_config[adapter_name]``), or
-    of (name, tensor) pairs / a state dict with ``config`` (a peft ``LoraConfig`` or the dict
-    of an ``adapter_config.json``). Names of ``named_parameters()`` (``.lora_A.<adapter>.``)
+    """The adapter of a PeftModel (its ``adapter_name`` adapter's lora_A / lora_B
+    parameters; ``config`` None: its own ``peft_config[adapter_name]``), or of (name, tensor)
+    pairs / a state dict with ``config`` (a peft ``LoraConfig`` or the dict of an
+    ``adapter_config.json``). Names of ``named_parameters()`` (``.lora_A.<adapter>.``)
     become PEFT's saved names. ValueError for no tensors, no config, a tensor that is not a
     LoRA A / B or whose rank is not the config's ``r``."""
     if not isinstance(adapter_name, str) or not adapter_name:
@@ -86,15 +87,17 @@ def adapter_source(source: Any, config: Any = None, adapter_name: str = "default
         if not hasattr(source, "peft_config"):
             raise ValueError("model: not a PeftModel (wrap it with peft.get_peft_model), or "
                              "pass the adapter's (name, tensor) pairs and its config")
-        from peft import get_peft_model_state_dict
-
         if adapter_name not in source.peft_config:
             raise ValueError(f"adapter_name: the model has no adapter {adapter_name!r} "
                              f"(it has {sorted(source.peft_config)})")
         peft_model = source
         config = source.peft_config[adapter_name] if config is None else config
-        pairs: Iterable[tuple[str, Any]] = get_peft_model_state_dict(
-            source, adapter_name=adapter_name).items()
+        # its lora_A / lora_B parameters: the tensors PEFT saves for a LoRA the engine takes
+        # (peft's get_peft_model_state_dict gives the same, at ~30 ms a call on a 55M model)
+        inner = f".{adapter_name}.weight"
+        pairs: Iterable[tuple[str, Any]] = [
+            (n, p) for n, p in source.named_parameters()
+            if n.endswith(inner) and (".lora_A." in n or ".lora_B." in n)]
     elif isinstance(source, Mapping):
         pairs = source.items()
     else:

@@ -228,9 +228,15 @@ def test_bad_adapters_are_refused_and_change_nothing(lora_engine: Any, trainer: 
 
 
 def test_parameter_names_and_configs_become_peft_files(trainer: Any) -> None:
-    """A PeftModel's named_parameters() names lose their adapter segment; a LoraConfig
-    becomes plain JSON (its target_modules set a sorted list); both equal the PeftModel's."""
+    """A PeftModel's adapter is what PEFT saves (get_peft_model_state_dict: the same names,
+    the same tensors); named_parameters() names lose their adapter segment; a LoraConfig
+    becomes plain JSON (its target_modules set a sorted list)."""
+    from peft import get_peft_model_state_dict
+
     from_model = adapter_source(trainer)
+    saved = get_peft_model_state_dict(trainer)
+    assert sorted(n for n, _ in from_model.tensors) == sorted(saved)
+    assert all(torch.equal(t, saved[n]) for n, t in from_model.tensors)
     pairs = [(n, p) for n, p in trainer.named_parameters() if "lora_" in n]
     assert ".lora_A.default.weight" in pairs[0][0]
     from_pairs = adapter_source(pairs, trainer.peft_config["default"])
