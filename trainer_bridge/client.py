@@ -202,9 +202,11 @@ class _Routes(LoraRoutes):
     def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> Any:
         """Relabel the weights (their KV stays valid); aborts running requests unless
         ``abort_all_requests=False``, as the Engine's."""
-        return self._send("POST", "/update_weight_version", {
-            "new_version": new_version, "abort_all_requests": abort_all_requests},
-            admin=True, parse=lambda r: _result(r)["weight_version"])
+        body: dict[str, Any] = {"new_version": new_version}
+        if not abort_all_requests:   # the route's default is True
+            body["abort_all_requests"] = False
+        return self._send("POST", "/update_weight_version", body, admin=True,
+                          parse=lambda r: _result(r)["weight_version"])
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
         return self._send("POST", "/get_weights_by_name",
