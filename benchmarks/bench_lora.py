@@ -179,7 +179,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(5, vocab, (NUM_PROMPTS, prompt_len), generator=gen).tolist()
     result: dict[str, Any] = {"machine": mach, "threads": threads, "quick": args.quick,
-                              "model_dir": model_dir, "repeats": args.repeats,
+                              "model": 'tiny_model_path("qwen2")' if args.quick else
+                              'tiny_model_path("qwen2", **PRESET_55M)', "repeats": args.repeats,
                               "workload": {"prompts": NUM_PROMPTS, "n": N,
                                            "prompt_len": prompt_len, "new_tokens": new_tokens,
                                            "adapters": NUM_ADAPTERS, "rank": ROLLOUT_RANK}}
