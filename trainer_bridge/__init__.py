@@ -1,4 +1,5 @@
-"""The trainer side of RL with rollout_engine: talk to servers, push weights, sleep and wake.
+"""The trainer side of RL with rollout_engine: talk to servers, push weights (or only a LoRA
+adapter), sleep and wake.
 
 Imports `rollout_engine.protocol` only; engines are passed in (an `Engine` or a
 `RolloutClient`), never created here.
@@ -13,6 +14,7 @@ from trainer_bridge.fleet import (
     FleetReport,
     RolloutFleet,
 )
+from trainer_bridge.lora_syncer import LoraSyncer, LoraSyncReport
 from trainer_bridge.weight_syncer import SyncReport, WeightSyncer
 
 __all__ = [
@@ -21,6 +23,8 @@ __all__ = [
     "FleetError",
     "FleetRefitError",
     "FleetReport",
+    "LoraSyncReport",
+    "LoraSyncer",
     "Rollout",
     "RolloutClient",
     "RolloutError",

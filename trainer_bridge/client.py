@@ -26,6 +26,7 @@ import httpx
 
 from rollout_engine.protocol.payload_sender import lend_named_tensors
 from rollout_engine.protocol.shm_lease import ShmLease
+from trainer_bridge.client_lora import LoraRoutes
 
 __all__ = ["AsyncRolloutClient", "Rollout", "RolloutClient", "RolloutError", "to_rollouts"]
 
@@ -113,8 +114,8 @@ def _drop_none(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if v is not None}
 
 
-class _Routes:
-    """Each route once. `_send` returns the parsed answer (sync) or an awaitable of it
+class _Routes(LoraRoutes):
+    """Each route once (the LoRA routes in client_lora.py). `_send` returns the parsed answer (sync) or an awaitable of it
     (async); the error check happens before `parse`, unless the status is in `accept`."""
 
     def __init__(self, base_url: str, api_key: Optional[str] = None,
@@ -150,29 +151,31 @@ class _Routes:
     def generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                  return_logprob: Any = False, top_logprobs_num: Any = 0,
                  logprob_start_len: Any = -1, rid: Any = None,
-                 return_routed_experts: Any = False, routed_experts_start_len: Any = 0) -> Any:
+                 return_routed_experts: Any = False, routed_experts_start_len: Any = 0,
+                 lora_path: Any = None) -> Any:
         """POST /generate (non-streaming): a dict, or a list for a batch or n > 1. A MoE
         server started with ``--enable-return-routed-experts`` returns
-        ``meta_info["routed_experts"]`` where ``return_routed_experts`` asks."""
+        ``meta_info["routed_experts"]`` where ``return_routed_experts`` asks. ``lora_path``:
+        a loaded adapter's name (a list: one per prompt; None: the base model)."""
         body = {"text": prompt, "input_ids": input_ids, "sampling_params": sampling_params,
                 "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
-                "logprob_start_len": logprob_start_len, "rid": rid}
+                "logprob_start_len": logprob_start_len, "rid": rid, "lora_path": lora_path}
         if return_routed_experts:   # absent otherwise: a server without the field accepts it
             body.update(return_routed_experts=return_routed_experts,
                         routed_experts_start_len=routed_experts_start_len)
         return self._send("POST", "/generate", _drop_none(body))
 
     def generate_batch(self, prompts_or_ids: list[Any], sampling_params: Optional[dict] = None,
-                       n: int = 1) -> Any:
-        """Sample `n` completions of each prompt (strings or token-id lists) with logprobs;
-        returns `Rollout`s, prompt-major."""
+                       n: int = 1, lora_path: Any = None) -> Any:
+        """Sample `n` completions of each prompt (strings or token-id lists) with logprobs,
+        with the adapter `lora_path` when given; returns `Rollout`s, prompt-major."""
         if not isinstance(prompts_or_ids, list) or not prompts_or_ids:
             raise ValueError("prompts_or_ids: must be a non-empty list of strings or id lists")
         params = {**(sampling_params or {}), "n": n}
         key = "text" if isinstance(prompts_or_ids[0], str) else "input_ids"
-        return self._send("POST", "/generate", {
-            key: prompts_or_ids, "sampling_params": params, "return_logprob": True},
-            parse=lambda r: to_rollouts(r.json(), n))
+        return self._send("POST", "/generate", _drop_none({
+            key: prompts_or_ids, "sampling_params": params, "return_logprob": True,
+            "lora_path": lora_path}), parse=lambda r: to_rollouts(r.json(), n))
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> Any:
         return self._send("POST", "/abort_request", {"rid": rid, "abort_all": abort_all},
@@ -196,9 +199,14 @@ class _Routes:
     def get_weight_version(self) -> Any:
         return self._send("GET", "/get_weight_version", parse=lambda r: _result(r)["weight_version"])
 
-    def update_weight_version(self, new_version: str) -> Any:
-        return self._send("POST", "/update_weight_version", {"new_version": new_version},
-                          admin=True, parse=lambda r: _result(r)["weight_version"])
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> Any:
+        """Relabel the weights (their KV stays valid); aborts running requests unless
+        ``abort_all_requests=False``, as the Engine's."""
+        body: dict[str, Any] = {"new_version": new_version}
+        if not abort_all_requests:   # the route's default is True
+            body["abort_all_requests"] = False
+        return self._send("POST", "/update_weight_version", body, admin=True,
+                          parse=lambda r: _result(r)["weight_version"])
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
         return self._send("POST", "/get_weights_by_name",

@@ -4,6 +4,7 @@
     python examples/rl/grpo_colocated.py --tiny     # CI smoke run, seconds
     python examples/rl/grpo_colocated.py --on-policy   # rollout == trainer logprobs, bit for bit
     python examples/rl/grpo_colocated.py --moe --routing-replay   # a tiny Qwen3-MoE with R3
+    python examples/rl/grpo_colocated.py --lora --lora-rank 8   # train an adapter, refit only it
 
 The engine (`rollout_engine.Engine`, scheduler in a child process) samples n completions per
 prompt with logprobs; the trainer (a `transformers` model loaded from the same directory,
@@ -11,7 +12,10 @@ float32) scores them, and while it takes its GRPO step the engine sleeps (weight
 released). The engine then wakes and takes the new weights through
 `WeightSyncer(transport="tensor")` (shared-memory handles), which bumps the weight version, so
 no KV computed under the old weights is reused. See grpo_loop.py for the step, grpo_common.py
-for the task, reward and loss. Logs: JSONL + wandb (offline) + a reward-curve PNG in --out-dir.
+for the task, reward and loss. With --lora the trainer trains a LoRA adapter on the frozen
+warm-started base: the base is refitted once, then each step only the KV cache sleeps and only
+the adapter is synced (`LoraSyncer`, tensor handles; grpo_lora.py). Logs: JSONL + wandb
+(offline) + a reward-curve PNG in --out-dir.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from grpo_loop import Trainer, add_common_args, resolve_args, run  # noqa: E402
+from grpo_lora import LoraPolicySync, engine_flags  # noqa: E402
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -49,11 +54,16 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                     scheduler_mode="process", max_total_tokens=args.max_total_tokens,
                     num_threads=args.threads, random_seed=args.seed, weight_version="init",
                     enable_deterministic_inference=args.on_policy,
-                    enable_return_routed_experts=args.routing_replay)
+                    enable_return_routed_experts=args.routing_replay, **engine_flags(args))
     try:
         with WeightSyncer(engine, transport="tensor",
                           bucket_bytes=args.bucket_mb << 20) as syncer:
-            summary = run(args, engine, syncer, trainer, "grpo_colocated", t_start)
+            if args.lora:
+                with LoraPolicySync(engine, trainer, syncer) as lora_syncer:
+                    summary = run(args, engine, lora_syncer, trainer, "grpo_colocated",
+                                  t_start)
+            else:
+                summary = run(args, engine, syncer, trainer, "grpo_colocated", t_start)
         engine.check_integrity()
     finally:
         engine.shutdown()

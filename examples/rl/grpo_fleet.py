@@ -50,6 +50,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="print the engines' refit seconds every this many refits")
     args = p.parse_args(argv)
     resolve_args(args)
+    if args.lora:
+        raise ValueError("--lora: the fleet refits by one broadcast of the full weights; "
+                         "adapters are synced per engine (grpo_colocated.py or "
+                         "grpo_server.py --lora)")
     if args.tiny:
         args.print_every = 1
     return args

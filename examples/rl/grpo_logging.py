@@ -97,7 +97,7 @@ def summarize(rows: list[dict[str, Any]], minutes: float, extra: dict[str, Any])
     out = {"steps": len(rows), "minutes": minutes}
     for key in ("reward", "accuracy", "expected_accuracy"):
         out[f"start_{key}"], out[f"end_{key}"] = mean(head, key), mean(tail, key)
-    for key in ("refit_seconds", "sleep_seconds", "wake_seconds", "rollout_tokens_per_s",
+    for key in ("refit_seconds", "refit_bytes", "sleep_seconds", "wake_seconds", "rollout_tokens_per_s",
                 "logprob_abs_diff", "kl_k3", "probe_abs_diff", "train_seconds"):
         out[f"mean_{key}"] = mean(rows, key)
     out["max_probe_abs_diff"] = max(r["probe_abs_diff"] for r in rows)

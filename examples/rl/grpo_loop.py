@@ -4,7 +4,8 @@
 Each step: rollout (n samples per prompt, logprobs, weight versions) -> reward -> the engine
 sleeps (weights + KV released) while the trainer re-scores the rollout and updates -> the
 engine wakes and is refitted through a `WeightSyncer` (new weight version) -> checks: no KV
-survives the refit, and the engine's logprobs on a fixed probe equal the trainer's.
+survives the refit, and the engine's logprobs on a fixed probe equal the trainer's. With
+--lora the trainer trains an adapter and only the adapter is refitted (grpo_lora.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from grpo_common import (  # noqa: E402
     warm_start,
 )
 from grpo_logging import RunLogger, asdict_files, summarize  # noqa: E402
+from grpo_lora import LORA_NAME, SLEEP_TAGS, adapter_version, wrap_with_lora  # noqa: E402
 from grpo_moe import decode_records  # noqa: E402
 
 from trainer_bridge import engine_sleeping  # noqa: E402
@@ -50,7 +52,8 @@ def add_common_args(p: argparse.ArgumentParser, out_dir: str) -> None:
     p.add_argument("--steps", type=int, default=300, help="GRPO steps (upper bound)")
     p.add_argument("--prompts-per-step", type=int, default=32)
     p.add_argument("--n", type=int, default=8, help="samples per prompt (the GRPO group)")
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=None,
+                   help="the trainer's learning rate (default 1e-4; with --lora 1e-3)")
     p.add_argument("--clip", type=float, default=0.2, help="PPO ratio clip epsilon")
     p.add_argument("--entropy-coef", type=float, default=0.0,
                    help="entropy bonus (keeps the policy from collapsing onto wrong answers)")
@@ -86,12 +89,26 @@ def add_common_args(p: argparse.ArgumentParser, out_dir: str) -> None:
                    help="rollout routing replay (R3; implies --moe): the engine returns the "
                         "experts of every rollout token, and the trainer's forwards over "
                         "them route by that record")
+    p.add_argument("--lora", action="store_true",
+                   help="train a LoRA adapter on the frozen warm-started base; each step "
+                        "refits only the adapter (grpo_lora.py)")
+    p.add_argument("--lora-rank", type=int, default=8, help="the adapter's rank r")
+    p.add_argument("--lora-alpha", type=float, default=16.0,
+                   help="the adapter's lora_alpha (scale alpha / r)")
     p.add_argument("--tiny", action="store_true",
                    help="CI settings: at most 3 steps, 4 prompts x 4 samples, no wandb, no bar")
 
 
 def resolve_args(args: argparse.Namespace) -> None:
-    """What the flags imply: --tiny's CI settings, --routing-replay's --moe, the model dir."""
+    """What the flags imply: --tiny's CI settings, --routing-replay's --moe, the model dir,
+    the learning rate; --lora with --moe or --on-policy is refused (ValueError)."""
+    if args.lora and (args.moe or args.routing_replay or args.on_policy):
+        raise ValueError("--lora: not combined with --moe, --routing-replay or --on-policy "
+                         "(the on-policy scorer and the routing replay score the full model)")
+    if args.lora and args.lora_rank < 1:
+        raise ValueError(f"--lora-rank: must be at least 1, got {args.lora_rank}")
+    if args.lr is None:
+        args.lr = 1e-3 if args.lora else 1e-4
     if args.tiny:
         args.steps, args.prompts_per_step, args.n = min(args.steps, 3), 4, 4
         args.no_wandb, args.no_progress = True, True
@@ -115,7 +132,16 @@ class Trainer:
         self.model = load_trainer_model(self.model_dir)
         self.warm = warm_start(self.model, self.task, args.warm_start_target,
                                args.warm_start_lr, max_seconds=60.0, seed=args.seed)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=0.0)
+        # --lora: the warm-started weights are the frozen base (refitted once, by these
+        # tensors), and the adapter the policy; its name is what rollouts ask for
+        self.lora_name: Optional[str] = None
+        self.base_weights = [(n, p.detach()) for n, p in
+                             self.model.named_parameters(remove_duplicate=False)]
+        if getattr(args, "lora", False):
+            self.model = wrap_with_lora(self.model, args.lora_rank, args.lora_alpha)
+            self.lora_name = LORA_NAME
+        self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
+                                     lr=args.lr, weight_decay=0.0)
         self.scorer = None
         if getattr(args, "on_policy", False):
             from trainer_bridge.on_policy import OnPolicyModel
@@ -123,20 +149,28 @@ class Trainer:
             self.scorer = OnPolicyModel(str(self.model_dir))
 
 
+def policy(trainer: Trainer) -> dict[str, Any]:
+    """The generate keywords that ask for the trainer's policy (its adapter with --lora)."""
+    return {} if trainer.lora_name is None else {"lora_path": trainer.lora_name}
+
+
 def check_after_refit(engine: Any, trainer: Trainer, version: str) -> dict[str, Any]:
     """Right after a refit: the engine reports `version`; a prompt it had cached under the old
     weights gets no cache hit (and does the second time: the cache works); the engine's
-    logprobs on the probe equal the trainer's within LOGPROB_TOL. Raises RefitCheckError."""
+    logprobs on the probe equal the trainer's within LOGPROB_TOL. Raises RefitCheckError.
+    With --lora the probes ask for the adapter, and the result carries its version."""
     probe = trainer.task.probe
     got = engine.get_weight_version()
     if got != version:
         raise RefitCheckError(f"engine reports weight_version {got!r}, expected {version!r}")
     plain = {"max_new_tokens": 1, "temperature": 0.0}
-    first = engine.generate(input_ids=probe, sampling_params=plain)["meta_info"]
+    first = engine.generate(input_ids=probe, sampling_params=plain, **policy(trainer))[
+        "meta_info"]
     out = engine.generate(input_ids=probe, sampling_params={"max_new_tokens": 1,
                                                             "temperature": 1.0},
-                          return_logprob=True, logprob_start_len=0)
-    second = engine.generate(input_ids=probe, sampling_params=plain)["meta_info"]
+                          return_logprob=True, logprob_start_len=0, **policy(trainer))
+    second = engine.generate(input_ids=probe, sampling_params=plain, **policy(trainer))[
+        "meta_info"]
     delta = probe_delta(out, probe_logprobs(trainer.model, probe))
     if first["cached_tokens"] != 0:
         raise RefitCheckError(f"stale KV: the probe hit {first['cached_tokens']} cached tokens "
@@ -149,8 +183,11 @@ def check_after_refit(engine: Any, trainer: Trainer, version: str) -> dict[str, 
     if not delta <= LOGPROB_TOL:
         raise RefitCheckError(f"engine vs trainer logprobs on the probe after the refit to "
                               f"{version!r}: mean |delta| {delta:.3g} > {LOGPROB_TOL:g}")
-    return {"probe_abs_diff": delta, "probe_cached_after_refit": first["cached_tokens"],
-            "probe_cached_second": second["cached_tokens"]}
+    checked = {"probe_abs_diff": delta, "probe_cached_after_refit": first["cached_tokens"],
+               "probe_cached_second": second["cached_tokens"]}
+    if trainer.lora_name is not None:
+        checked["lora_version"] = adapter_version(engine)
+    return checked
 
 
 def rollout(engine: Any, trainer: Trainer, indices: list[int], n: int, version: str,
@@ -164,7 +201,7 @@ def rollout(engine: Any, trainer: Trainer, indices: list[int], n: int, version: 
     extra = {"return_routed_experts": True} if routed else {}
     outputs = engine.generate(input_ids=prompts, sampling_params={
         "n": n, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0}, return_logprob=True,
-        **extra)
+        **extra, **policy(trainer))
     seconds = time.perf_counter() - start
     rollouts = to_rollouts(outputs, n)
     bad = sorted({v for r in rollouts for v in r.weight_versions} - {version})
@@ -214,6 +251,9 @@ def run(args: argparse.Namespace, engine: Any, syncer: Any, trainer: Trainer, na
     eval_start = evaluate(engine, trainer, args.n, "0")
     rng = random.Random(args.seed)
     task, model = trainer.task, trainer.model
+    # --lora: only the KV cache sleeps (the frozen base stays), the adapter's version moves
+    sleep_tags = None if trainer.lora_name is None else SLEEP_TAGS
+    lora_version = first_check.get("lora_version")
     setup_s = time.perf_counter() - t_start
     bar = None
     if not args.no_progress:
@@ -231,7 +271,7 @@ def run(args: argparse.Namespace, engine: Any, syncer: Any, trainer: Trainer, na
         idx = [indices[r.prompt_index] for r in rollouts]
         scores = [task.score(i, r.output_ids) for i, r in zip(idx, rollouts)]
         rewards = [s for s, _ in scores]
-        with engine_sleeping(engine, syncer, model, version=new_version) as sleep:
+        with engine_sleeping(engine, syncer, model, sleep_tags, version=new_version) as sleep:
             t = time.perf_counter()
             stats = train_step(model, trainer.opt, [task.prompts[i] for i in idx],
                                [r.output_ids for r in rollouts],
@@ -250,6 +290,14 @@ def run(args: argparse.Namespace, engine: Any, syncer: Any, trainer: Trainer, na
             raise RefitCheckError(f"step {step}: rollout vs trainer logprobs differ by "
                                   f"{stats['logprob_abs_diff']:.3g} > {LOGPROB_TOL:g}")
         check = check_after_refit(engine, trainer, new_version)
+        if lora_version is not None:
+            if sleep.sync.lora_versions != (check["lora_version"],) or \
+                    check["lora_version"] <= lora_version:
+                raise RefitCheckError(f"step {step}: the adapter's version did not move "
+                                      f"({lora_version} -> {check['lora_version']}, the "
+                                      f"sync reported {sleep.sync.lora_versions})")
+            lora_version = check["lora_version"]
+            check["adapter_refit_seconds"] = sleep.sync.seconds
         row = {"step": step, "weight_version": version, "new_weight_version": new_version,
                "reward": sum(rewards) / len(rewards),
                "accuracy": sum(c for _, c in scores) / len(scores),
@@ -265,7 +313,9 @@ def run(args: argparse.Namespace, engine: Any, syncer: Any, trainer: Trainer, na
         if bar is not None:
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row['accuracy']:.2f}",
-                            exp_acc=f"{row['expected_accuracy']:.2f}")
+                            exp_acc=f"{row['expected_accuracy']:.2f}",
+                            refit=f"{1e3 * row['refit_seconds']:.1f}ms/"
+                                  f"{row['refit_bytes'] / 1e6:.3g}MB")
     if bar is not None:
         bar.close()
     if not logger.rows:
@@ -280,7 +330,12 @@ def run(args: argparse.Namespace, engine: Any, syncer: Any, trainer: Trainer, na
         "model": spec, "routing_replay": args.routing_replay,
         "threads": args.threads, "cpu_count": os.cpu_count(),
         "on_policy": trainer.scorer is not None,
-        "max_logprob_max_abs_diff": max(r["logprob_max_abs_diff"] for r in logger.rows)})
+        "max_logprob_max_abs_diff": max(r["logprob_max_abs_diff"] for r in logger.rows),
+        "lora": trainer.lora_name is not None,
+        **({} if trainer.lora_name is None else {
+            "lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha,
+            "base_refit_seconds": syncer.base_report.seconds,
+            "base_refit_bytes": syncer.base_report.bytes})})
     files = logger.finish(summary)
     summary["files"] = asdict_files(files)
     print_summary(summary)
@@ -295,8 +350,8 @@ def print_summary(s: dict[str, Any]) -> None:
         print(f"[grpo] {key:18s} {a:.3f} -> {b:.3f} ({100 * (b - a):+.1f} points; all 100 "
               f"problems x n before step 0 / after the last step)")
     print(f"[grpo] per step: sleep {s['mean_sleep_seconds']:.3f}s, wake "
-          f"{s['mean_wake_seconds']:.3f}s, refit {s['mean_refit_seconds']:.3f}s "
-          f"({s['transport']}), train {s['mean_train_seconds']:.3f}s, rollout "
+          f"{s['mean_wake_seconds']:.3f}s, refit {s['mean_refit_seconds']:.3f}s of "
+          f"{s['mean_refit_bytes'] / 1e6:.3g} MB ({s['transport']}), train {s['mean_train_seconds']:.3f}s, rollout "
           f"{s['mean_rollout_tokens_per_s']:.0f} tok/s")
     if s.get("routing_replay"):
         print(f"[grpo] routing replay: the trainer's own router picks other experts than the "
@@ -306,6 +361,10 @@ def print_summary(s: dict[str, Any]) -> None:
     if s.get("on_policy"):
         print(f"[grpo] on-policy: rollout vs trainer logprobs, max over every step and token "
               f"{s['max_logprob_max_abs_diff']:.1f} (bit for bit)")
+    if s.get("lora"):
+        print(f"[grpo] LoRA rank {s['lora_rank']}: the base refitted once "
+              f"({s['base_refit_bytes'] / 1e6:.3g} MB in {s['base_refit_seconds']:.3f}s), then "
+              f"only the adapter, {s['mean_refit_bytes'] / 1e6:.3g} MB a step")
     print(f"[grpo] logprob mismatch: rollout vs trainer {s['mean_logprob_abs_diff']:.2e} "
           f"(K3 KL {s['mean_kl_k3']:.2e}); probe after refit max {s['max_probe_abs_diff']:.2e}")
     print(f"[grpo] reward curve: {s['files']['plot']}")

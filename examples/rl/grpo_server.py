@@ -7,10 +7,13 @@ over HTTP with `trainer_bridge.RolloutClient`, and refitted by a torch.distribut
     python examples/rl/grpo_server.py --tiny          # CI smoke run
     python examples/rl/grpo_server.py --moe --routing-replay   # a tiny Qwen3-MoE with R3
     python examples/rl/grpo_server.py --url http://127.0.0.1:30000   # a server you started
+    python examples/rl/grpo_server.py --lora    # an adapter: the base by broadcast once, then
+                                                # the adapter's tensor handles each step
 
 Routes used: /health, /generate, /get_weight_version, /release_memory_occupation,
 /resume_memory_occupation, /init_weights_update_group, /update_weights_from_distributed,
-/destroy_weights_update_group, /check_integrity (docs/API.md).
+/destroy_weights_update_group, /check_integrity; with --lora also /update_weight_version and
+/load_lora_adapter_from_tensors (docs/API.md).
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from grpo_loop import Trainer, add_common_args, resolve_args, run  # noqa: E402
+from grpo_lora import LoraPolicySync, server_flags  # noqa: E402
 
 RL_ROUTES = ("/generate", "/get_weight_version", "/release_memory_occupation",
              "/resume_memory_occupation", "/init_weights_update_group",
              "/update_weights_from_distributed", "/destroy_weights_update_group")
+LORA_ROUTES = ("/update_weight_version", "/load_lora_adapter_from_tensors")
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -45,15 +50,15 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     return args
 
 
-def missing_routes(client: Any) -> list[str]:
-    """The RL routes this server does not serve (read from its OpenAPI schema; [] when the
+def missing_routes(client: Any, routes: tuple[str, ...] = RL_ROUTES) -> list[str]:
+    """The ``routes`` this server does not serve (read from its OpenAPI schema; [] when the
     schema is unavailable: the calls themselves will then say what is wrong)."""
     try:
         response = client.http.get("/openapi.json")
         paths = response.json()["paths"] if response.status_code == 200 else None
     except Exception:  # noqa: BLE001 - best effort
         paths = None
-    return [] if paths is None else [r for r in RL_ROUTES if r not in paths]
+    return [] if paths is None else [r for r in routes if r not in paths]
 
 
 def start_server(args: argparse.Namespace, model_dir: Path, log_path: Path
@@ -67,6 +72,7 @@ def start_server(args: argparse.Namespace, model_dir: Path, log_path: Path
            "--random-seed", str(args.seed), "--weight-version", "init"]
     if args.routing_replay:
         cmd.append("--enable-return-routed-experts")
+    cmd += server_flags(args)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = log_path.open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -109,13 +115,18 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                 client.wait_healthy(args.server_start_timeout)
             except TimeoutError as e:
                 raise RuntimeError(f"{e}; server log: {log_path}") from e
-            missing = missing_routes(client)
+            missing = missing_routes(client, RL_ROUTES + (LORA_ROUTES if args.lora else ()))
             if missing:
                 raise NotImplementedError(f"the server at {url} lacks the RL route(s) "
                                           f"{', '.join(missing)} (docs/API.md)")
             with WeightSyncer(client, transport="distributed", backend="gloo",
                               bucket_bytes=args.bucket_mb << 20) as syncer:
-                summary = run(args, client, syncer, trainer, "grpo_server", t_start)
+                if args.lora:
+                    with LoraPolicySync(client, trainer, syncer) as lora_syncer:
+                        summary = run(args, client, lora_syncer, trainer, "grpo_server",
+                                      t_start)
+                else:
+                    summary = run(args, client, syncer, trainer, "grpo_server", t_start)
             integrity = client.http.get("/check_integrity")
             if integrity.status_code != 200:
                 raise RuntimeError(f"/check_integrity: {integrity.status_code} {integrity.text}")

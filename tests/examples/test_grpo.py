@@ -2,7 +2,8 @@
 refitted; the weight version advances every step and every rollout reports it; the engine's
 logprobs equal the trainer's (on the rollouts, and on a probe right after each refit). The
 same on a tiny Qwen3-MoE (--moe), and with rollout routing replay (--routing-replay): every
-rollout's routing record is replayed in the trainer's re-scoring and in its loss forwards."""
+rollout's routing record is replayed in the trainer's re-scoring and in its loss forwards. With
+--lora only the adapter is refitted each step."""
 
 from __future__ import annotations
 
@@ -80,6 +81,48 @@ def test_grpo_colocated_tiny_on_policy(tmp_path, model_dir):
     _check_run(summary, tmp_path / "grpo_colocated.jsonl", 3)
     assert summary["on_policy"] is True
     assert summary["max_logprob_max_abs_diff"] == 0.0
+
+
+def _adapter_bytes(model_dir: Path, rank: int) -> int:
+    """fp32 bytes of a rank-``rank`` adapter on every projection of the model in
+    ``model_dir``: A is [r, in] and B [out, r] for each projection of each layer."""
+    c = json.loads((model_dir / "config.json").read_text())
+    h, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    head_dim = c.get("head_dim") or h // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+    in_out = [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]
+    return 4 * layers * rank * sum(i + o for i, o in in_out)
+
+
+def test_grpo_colocated_tiny_lora(tmp_path, model_dir):
+    """--lora: the warm-started base is refitted once, then every step refits only the adapter
+    (its bytes, nothing else), its version on the engine moves every step, the rollouts ask
+    for it, and the engine's logprobs with the adapter equal the trainer's peft model's."""
+    import grpo_colocated
+
+    summary = grpo_colocated.main([*_argv(tmp_path, model_dir), "--lora", "--lora-rank", "4",
+                                   "--lora-alpha", "8"])
+    jsonl = tmp_path / "grpo_colocated.jsonl"
+    _check_run(summary, jsonl, 3)
+    assert summary["lora"] is True and summary["transport"] == "lora-tensor"
+    adapter = _adapter_bytes(model_dir, 4)
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()][:-1]
+    assert [r["refit_bytes"] for r in rows] == [adapter] * 3
+    assert summary["base_refit_bytes"] > 20 * adapter      # the base went once, at the start
+    versions = [r["lora_version"] for r in rows]
+    assert versions == sorted(set(versions)) and versions[0] > 1   # moves every step
+    assert all(0 < r["adapter_refit_seconds"] <= r["refit_seconds"] for r in rows)
+    # the trainer's updates reached the engine: the adapter changed the policy
+    assert summary["eval_end_expected_accuracy"] != summary["eval_start_expected_accuracy"]
+
+
+def test_lora_flags_refuse_what_they_cannot_combine(tmp_path, model_dir):
+    import grpo_colocated
+
+    with pytest.raises(ValueError, match="--lora: not combined with --moe"):
+        grpo_colocated.parse_args([*_argv(tmp_path, model_dir), "--lora", "--on-policy"])
+    with pytest.raises(ValueError, match="--lora-rank: must be at least 1"):
+        grpo_colocated.parse_args([*_argv(tmp_path, model_dir), "--lora", "--lora-rank", "0"])
 
 
 def test_grpo_server_tiny(tmp_path, model_dir):

@@ -18,6 +18,7 @@ from rollout_engine.protocol.tensor_payload import deserialize_named_tensors
 from trainer_bridge import AsyncRolloutClient, RolloutClient, RolloutError
 
 OK = {"success": True, "message": "ok"}
+LOADED = {"loaded_adapters": {"a": {"lora_name": "a", "version": 3}}}
 GEN_OUT = {"text": "ab", "output_ids": [5, 6], "meta_info": {
     "id": "r", "finish_reason": {"type": "length", "length": 2}, "weight_version": "3",
     "weight_versions": ["3"], "output_token_logprobs": [[-0.5, 5, None], [-1.5, 6, None]]}}
@@ -71,12 +72,26 @@ ROUTES: list[tuple[Any, str, str, Any, Any, Any]] = [
     (lambda c: c.metrics(), "GET", "/metrics", None, "up 1\n", "up 1\n"),
     (lambda c: c.update_weight_version("4"), "POST", "/update_weight_version",
      {"new_version": "4"}, {**OK, "result": {"weight_version": "4"}}, "4"),
+    (lambda c: c.update_weight_version("5", abort_all_requests=False), "POST",
+     "/update_weight_version", {"new_version": "5", "abort_all_requests": False},
+     {**OK, "result": {"weight_version": "5"}}, "5"),
+    (lambda c: c.generate(input_ids=[1, 2], lora_path="a"), "POST", "/generate",
+     {"input_ids": [1, 2], "return_logprob": False, "top_logprobs_num": 0,
+      "logprob_start_len": -1, "lora_path": "a"}, {"text": "x"}, {"text": "x"}),
+    (lambda c: c.load_lora_adapter("a", "/adapters/a", upsert=True), "POST",
+     "/load_lora_adapter", {"lora_name": "a", "lora_path": "/adapters/a", "pinned": False,
+                            "upsert": True},
+     {**OK, "result": LOADED, **LOADED}, {"success": True, **LOADED}),
+    (lambda c: c.unload_lora_adapter("a"), "POST", "/unload_lora_adapter", {"lora_name": "a"},
+     {**OK, "result": {"loaded_adapters": {}}, "loaded_adapters": {}},
+     {"success": True, "loaded_adapters": {}}),
 ]
 ADMIN = {"/flush_cache", "/abort_request", "/pause_generation", "/continue_generation",
          "/release_memory_occupation", "/resume_memory_occupation", "/update_weights_from_disk",
          "/update_weights_from_tensor", "/init_weights_update_group",
          "/update_weights_from_distributed", "/destroy_weights_update_group",
-         "/update_weight_version", "/get_weights_by_name"}
+         "/update_weight_version", "/get_weights_by_name", "/load_lora_adapter",
+         "/unload_lora_adapter", "/load_lora_adapter_from_tensors"}
 
 
 class FakeServer:
@@ -117,6 +132,22 @@ def test_every_route_sync_and_async(call, method, path, body, answer, expected):
     assert asyncio.run(run()) == expected
     assert (server.seen[-1].url.path, server.body()) == (path, body)
     assert "authorization" not in server.seen[-1].headers
+
+
+def test_load_lora_adapter_from_tensors_sends_handles():
+    server = FakeServer({**OK, "result": LOADED, **LOADED})
+    tensors = [("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+                torch.arange(8.0).view(2, 4))]
+    with _client(server, admin_api_key="admin") as client:
+        assert client.load_lora_adapter_from_tensors("a", iter(tensors), {"r": 2},
+                                                     upsert=True) == {"success": True, **LOADED}
+    body = server.body()
+    assert server.seen[-1].url.path == "/load_lora_adapter_from_tensors"
+    assert {k: v for k, v in body.items() if k != "serialized_tensors"} == {
+        "lora_name": "a", "config_dict": {"r": 2}, "load_format": None, "pinned": False,
+        "added_tokens_config": None, "upsert": True}
+    got = deserialize_named_tensors(body["serialized_tensors"])
+    assert [n for n, _ in got] == [tensors[0][0]] and torch.equal(got[0][1], tensors[0][1])
 
 
 def test_update_weights_from_tensor_sends_handles():
