@@ -3,41 +3,20 @@ thread): rollouts, and WeightSyncer / engine_sleeping driving the server through
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.trainer_bridge.conftest import GREEDY, PROBE, PROMPTS, assert_same_rollouts
+from tests.trainer_bridge.live_server import live_client
 from trainer_bridge import RolloutClient, RolloutError, WeightSyncer, engine_sleeping
-from trainer_bridge.transports.group_ranks import free_port
-
-ADMIN_KEY = "admin-secret"
 
 
 @pytest.fixture(scope="module")
 def served(engine: Any) -> Iterator[tuple[RolloutClient, set[str]]]:
-    uvicorn = pytest.importorskip("uvicorn")
-    from rollout_engine.entrypoints.http_server import create_app
-
-    app = create_app(engine, admin_api_key=ADMIN_KEY)
-    routes = {getattr(r, "path", "") for r in app.routes}
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    client = RolloutClient(f"http://127.0.0.1:{port}", admin_api_key=ADMIN_KEY, timeout=120)
-    client.wait_healthy(30)
-    yield client, routes
-    client.close()
-    server.should_exit = True
-    thread.join(timeout=10)
+    with live_client(engine) as (client, routes):
+        yield client, routes
 
 
 def needs(routes: set[str], *paths: str) -> None:

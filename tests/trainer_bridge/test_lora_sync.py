@@ -12,24 +12,21 @@ from __future__ import annotations
 
 import random
 import re
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
+from tests.trainer_bridge.live_server import live_client
 from trainer_bridge import LoraSyncer, RolloutClient
 from trainer_bridge.lora_source import adapter_source, config_dict
 from trainer_bridge.transports.base import WeightSyncError
-from trainer_bridge.transports.group_ranks import free_port
 
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA, MAX_RANK = 8, 16, 16
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0}
 TOL = 1e-5
-ADMIN_KEY = "admin-secret"
 TRANSPORTS = {"tensor": {"transport": "tensor", "pack": False},
               "tensor-packed": {"transport": "tensor", "pack": True},
               "disk": {"transport": "disk"}}
@@ -125,24 +122,8 @@ def lora_engine(qwen2_path: str) -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def client(lora_engine: Any) -> Iterator[RolloutClient]:
     """A live server (uvicorn in a thread) over ``lora_engine``, and a client of it."""
-    uvicorn = pytest.importorskip("uvicorn")
-    from rollout_engine.entrypoints.http_server import create_app
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(lora_engine, admin_api_key=ADMIN_KEY),
-                                           host="127.0.0.1", port=port, log_level="warning",
-                                           access_log=False))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    c = RolloutClient(f"http://127.0.0.1:{port}", admin_api_key=ADMIN_KEY, timeout=120)
-    c.wait_healthy(30)
-    yield c
-    c.close()
-    server.should_exit = True
-    thread.join(timeout=10)
+    with live_client(lora_engine) as (c, _):
+        yield c
 
 
 def _sync_twice(engine: Any, syncer: LoraSyncer, trainer: Any,
