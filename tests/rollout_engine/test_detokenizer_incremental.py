@@ -3,8 +3,8 @@ the length of the text (the window and the string checks read only the end)."""
 
 from __future__ import annotations
 
-import random
 import gc
+import random
 import time
 from typing import Any
 
