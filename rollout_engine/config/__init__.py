@@ -33,6 +33,10 @@ _SAMPLING_DEFAULTS = ("model", "openai")
 _KV_CACHE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16}   # besides "auto"
 
 
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+"""The ``logprobs_mode`` values served (vLLM's names)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every knob of the engine. ``None`` means "choose from the machine and the model"."""
@@ -111,6 +115,9 @@ class EngineConfig:
     max_loaded_loras: Optional[int] = None
     weight_version: str = "default"
     weight_update_group_timeout: float = 30.0   # s the rendezvous with a trainer may take
+    # vLLM's --logprobs-mode: raw_logprobs (the model's distribution, before any sampling
+    # transform) or processed_logprobs (after temperature, penalties and top-k / top-p / min-p)
+    logprobs_mode: str = "raw_logprobs"
     # process model / serving
     scheduler_mode: str = "process"
     dp_size: int = 1                     # scheduler replicas behind one frontend (rollout_engine/dp)
@@ -241,6 +248,9 @@ class EngineConfig:
         for name, why in spec_options.check(self):
             bad(name, why)
         check_lora(self, bad)
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            bad("logprobs_mode", f"must be one of {list(LOGPROBS_MODES)}, "
+                f"got {self.logprobs_mode!r}")
         if not self.weight_update_group_timeout > 0:
             bad("weight_update_group_timeout",
                 f"must be > 0 seconds, got {self.weight_update_group_timeout}")

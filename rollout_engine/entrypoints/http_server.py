@@ -45,6 +45,9 @@ from rollout_engine.entrypoints.openai_api import add_openai_routes
 from rollout_engine.entrypoints.profile_routes import add_profile_routes
 from rollout_engine.entrypoints.rl_routes import add_rl_routes
 from rollout_engine.entrypoints.serving import GenerationService
+from rollout_engine.entrypoints.vllm_control_routes import add_vllm_control_routes
+from rollout_engine.entrypoints.vllm_generate_routes import add_vllm_generate_routes
+from rollout_engine.entrypoints.vllm_weight_routes import add_vllm_weight_routes
 from rollout_engine.request_state import add_token_text
 from rollout_engine.tokenizer_manager import SchedulerDeadError
 
@@ -232,6 +235,10 @@ def create_app(engine: Engine, *, api_key: Optional[str] = None,
     add_rl_routes(app, engine, admin)
     add_lora_routes(app, engine, admin)
     add_profile_routes(app, engine, admin)
+    # vLLM's face: the same engine behind vLLM's routes and shapes
+    add_vllm_generate_routes(app, engine, service, admin)
+    add_vllm_control_routes(app, engine, admin)
+    add_vllm_weight_routes(app, engine, admin)
     return app
 
 
