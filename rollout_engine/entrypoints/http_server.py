@@ -45,6 +45,7 @@ from rollout_engine.entrypoints.openai_api import add_openai_routes
 from rollout_engine.entrypoints.profile_routes import add_profile_routes
 from rollout_engine.entrypoints.rl_routes import add_rl_routes
 from rollout_engine.entrypoints.serving import GenerationService
+from rollout_engine.entrypoints.trl_routes import add_trl_routes
 from rollout_engine.entrypoints.vllm_control_routes import add_vllm_control_routes
 from rollout_engine.entrypoints.vllm_generate_routes import add_vllm_generate_routes
 from rollout_engine.entrypoints.vllm_weight_routes import add_vllm_weight_routes
@@ -239,6 +240,7 @@ def create_app(engine: Engine, *, api_key: Optional[str] = None,
     add_vllm_generate_routes(app, engine, service, admin)
     add_vllm_control_routes(app, engine, admin)
     add_vllm_weight_routes(app, engine, admin)
+    add_trl_routes(app, engine, service, admin)   # TRL's `trl vllm-serve` routes
     return app
 
 
