@@ -181,10 +181,11 @@ class TokenizerManager:
             "prompt_tokens": out.prompt_tokens,
             "completion_tokens": out.completion_tokens,
             "cached_tokens": out.cached_tokens,
-            "weight_version": out.weight_versions[-1] if out.weight_versions else None,
-            "weight_versions": out.weight_versions,
+            "weight_version": out.weight_version,
             "e2e_latency": time.time() - st.created,
         }
+        if out.weight_spans is not None:   # the final output: vLLM's WeightVersionSpan list
+            meta["weight_versions"] = [span.to_dict() for span in out.weight_spans]
         if out.spec is not None:
             meta.update(out.spec.meta_info(out.completion_tokens))
         if out.top_p_kept is not None:   # CSR over this output's tokens, as slime reads it

@@ -51,7 +51,7 @@ class Rollout:
     sample_index: int
     output_ids: list[int]
     output_logprobs: list[float]       # log p(token) under the weights that sampled it
-    weight_versions: list[str]         # the version(s) that produced the tokens
+    weight_versions: list[str]         # the label(s) that sampled the tokens, in order
     finish_reason: Optional[dict[str, Any]]
     text: str
 
@@ -67,7 +67,9 @@ def to_rollouts(outputs: Any, n: int) -> list[Rollout]:
     rollouts = []
     for k, out in enumerate(outputs):
         meta = out["meta_info"]
-        versions = meta.get("weight_versions") or (
+        # the engine's spans ({"version", "start", "end"}); a bare label list is read too
+        spans = meta.get("weight_versions") or []
+        versions = [s["version"] if isinstance(s, dict) else s for s in spans] or (
             [meta["weight_version"]] if meta.get("weight_version") is not None else [])
         rollouts.append(Rollout(
             prompt_index=k // n, sample_index=k % n, output_ids=list(out["output_ids"]),

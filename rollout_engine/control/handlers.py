@@ -18,6 +18,7 @@ from rollout_engine.control.introspection import Introspection
 from rollout_engine.control.lora_control import LoraControl
 from rollout_engine.control.profiler import Profiler
 from rollout_engine.control.rl_control import RLControl
+from rollout_engine.control.vllm_control import VllmControl
 from rollout_engine.control.weight_checks import WeightChecks
 from rollout_engine.protocol.messages import AbortReq, ControlReq, ControlResult, GenerateReq
 from rollout_engine.scheduler.scheduler import Scheduler
@@ -62,9 +63,15 @@ CALLS: dict[str, tuple[str, str]] = {
     "load_lora_adapter_from_tensors": ("lora", "rpc_load_lora_adapter_from_tensors"),
     "unload_lora_adapter": ("lora", "rpc_unload_lora_adapter"),
     "list_lora_adapters": ("lora", "rpc_list_lora_adapters"),
+    # vLLM's pause modes and prefix-cache reset (its sleep / wake are the memory calls)
+    "vllm_pause": ("vllm", "rpc_vllm_pause"),
+    "vllm_resume": ("vllm", "rpc_vllm_resume"),
+    "vllm_pause_state": ("vllm", "rpc_vllm_pause_state"),
+    "reset_prefix_cache": ("vllm", "rpc_reset_prefix_cache"),
 }
 OWNER_CLASSES: dict[str, type] = {"info": Introspection, "rl": RLControl, "checks": WeightChecks,
-                                  "profiler": Profiler, "lora": LoraControl}
+                                  "profiler": Profiler, "lora": LoraControl,
+                                  "vllm": VllmControl}
 
 
 def declared_calls() -> dict[str, Callable[..., Any]]:
@@ -73,10 +80,10 @@ def declared_calls() -> dict[str, Callable[..., Any]]:
 
 
 def handler_table(info: Introspection, rl: RLControl, profiler: Profiler,
-                  lora: LoraControl) -> dict[str, Handler]:
+                  lora: LoraControl, vllm: VllmControl) -> dict[str, Handler]:
     """Every control call the engine answers, by the name a ``ControlReq`` gives."""
     owners: dict[str, Any] = {"info": info, "rl": rl, "checks": rl.checks, "profiler": profiler,
-                              "lora": lora}
+                              "lora": lora, "vllm": vllm}
     return {name: getattr(owners[owner], attr) for name, (owner, attr) in CALLS.items()}
 
 
@@ -86,10 +93,12 @@ class ControlPlane:
     ``wake`` (set by the loop) is called when one ends."""
 
     def __init__(self, scheduler: Scheduler, handlers: Mapping[str, Handler],
-                 cancellers: Mapping[str, Canceller], profiler: Profiler) -> None:
+                 cancellers: Mapping[str, Canceller], profiler: Profiler,
+                 vllm: VllmControl) -> None:
         self.scheduler = scheduler
         self.handlers = handlers
         self.profiler = profiler
+        self.vllm = vllm
         self.dispatcher = ControlDispatcher(handlers, cancellers)
 
     def handle(self, msg: Union[GenerateReq, AbortReq, ControlReq]) -> Optional[ControlResult]:
@@ -100,8 +109,10 @@ class ControlPlane:
         return None
 
     def finished(self) -> list[ControlResult]:
-        """Called after every step: deferred answers, and the profiler's start / stop step."""
+        """Called after every step: deferred answers (a ``wait`` pause that drained among
+        them), and the profiler's start / stop step."""
         self.profiler.poll()
+        self.vllm.poll()
         return self.dispatcher.finished()
 
     @property
@@ -133,4 +144,6 @@ def build_control(scheduler: Scheduler) -> ControlPlane:
     cancellers = {"update_weights_from_tensor": rl.cancel_update_weights_from_tensor}
     profiler = Profiler(lambda: scheduler.stats["forward_passes"], scheduler.device)
     lora = LoraControl(scheduler.lora, scheduler.runner.model)
-    return ControlPlane(scheduler, handler_table(info, rl, profiler, lora), cancellers, profiler)
+    vllm = VllmControl(scheduler, scheduler.kv, scheduler.weights, rl)
+    return ControlPlane(scheduler, handler_table(info, rl, profiler, lora, vllm), cancellers,
+                        profiler, vllm)

@@ -7,8 +7,8 @@ anything, then bumps the weight *generation*, an internal counter that keys the 
 tensor or one bucket of a partial sync included, is a new generation.
 
 A request already running when the weights change keeps its KV and finishes on the new
-weights (as in SGLang; its ``weight_versions`` lists both labels). Its old-generation KV is
-never matched by later requests and is freed when it finishes, not cached; a ``flush_cache``
+weights (as in SGLang; its ``weight_versions`` spans show where the label changed). Its
+old-generation KV is never matched by later requests and is freed when it finishes, not cached; a ``flush_cache``
 asked for while such requests hold KV is deferred to the next moment none does.
 
 After a wake without a CPU backup the weights are zeros: generation is refused until every
@@ -130,7 +130,11 @@ class RLControl(BroadcastRefits):
                 "stale_reason": self.serving.refusal_reason() if stale else None}
 
     # -- sleep / wake --------------------------------------------------------------------------
-    def rpc_release_memory_occupation(self, tags: Optional[list[str]] = None) -> dict[str, Any]:
+    def rpc_release_memory_occupation(self, tags: Optional[list[str]] = None,
+                                      weights_backup: Optional[bool] = None) -> dict[str, Any]:
+        """Release ``tags`` once no request holds KV. ``weights_backup``: keep the weights in
+        CPU memory for the wake (vLLM's sleep level 1) or not (level 2: stale after the wake
+        until refitted); None: the engine's ``enable_weights_cpu_backup``."""
         tags = _tags(tags)
         s, saver = self.serving, self.memory_saver
         self._refuse_while_receiving("release_memory_occupation")
@@ -150,7 +154,7 @@ class RLControl(BroadcastRefits):
             # a sleeping engine pins none of the trainer's shm, nor (through the refit plans
             # kept with it) any parameter storage the release frees
             self.mapped.clear()
-        freed = saver.release(tags)
+        freed = saver.release(tags, weights_backup)
         if "weights" in tags:
             self.groups.release_buffers()       # nor a broadcast receive buffer
             if self.shadow is not None:

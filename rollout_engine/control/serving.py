@@ -17,6 +17,7 @@ from rollout_engine.scheduler.request import Req
 
 class Serving(Protocol):
     paused: bool                 # set by pause / continue and by a refit's keep_pause
+    draining: bool               # no admission from the queue; running requests finish
     waiting: deque[Req]
     running: list[Req]
     chunked: Optional[Req]

@@ -92,8 +92,10 @@ class MemorySaver(ABC):
         self._shapes: dict[str, tuple[torch.Size, torch.dtype, torch.device]] = {}
         self._backup: Optional[dict[str, torch.Tensor]] = None
 
-    def release(self, tags: list[str]) -> int:
-        """Free the memory of ``tags``; returns bytes released. Releasing twice is a no-op."""
+    def release(self, tags: list[str], weights_backup: Optional[bool] = None) -> int:
+        """Free the memory of ``tags``; returns bytes released. Releasing twice is a no-op.
+        ``weights_backup``: keep a CPU copy of the weights to restore on resume (None: the
+        engine's ``enable_weights_cpu_backup``)."""
         freed = 0
         if set(tags) - self.released:
             freed += self.graphs.drop()   # before the buffers they point into go away
@@ -103,7 +105,8 @@ class MemorySaver(ABC):
             if tag == "cuda_graph":
                 self.graphs.suspend()
             elif tag == "weights":
-                freed += self._release_weights()
+                freed += self._release_weights(
+                    self.weights_cpu_backup if weights_backup is None else weights_backup)
             elif tag == "kv_cache":
                 freed += self.kv_pool.nbytes()
                 self.kv_pool.release()
@@ -132,13 +135,13 @@ class MemorySaver(ABC):
             self.released.discard(tag)
         return stale
 
-    def _release_weights(self) -> int:
+    def _release_weights(self, backup: bool) -> int:
         freed = 0
         params = dict(self.model.named_parameters())
         # the block's start drops the packed copies (before the backup is made: they go with
         # the weights they were made of)
         with weight_writes.writing():
-            if self.weights_cpu_backup:
+            if backup:
                 self._backup = {n: self._backup_copy(p.data) for n, p in params.items()}
             for name, p in params.items():
                 self._shapes[name] = (p.shape, p.dtype, p.device)

@@ -116,6 +116,19 @@ class SpecDecodeCounts:
                 "spec_off_low_accept_ct": self.off_low_accept}
 
 
+@dataclass(frozen=True)
+class WeightVersionSpan:
+    """Output tokens ``[start, end)`` were sampled under the weights labelled ``version``
+    (vLLM's ``WeightVersionSpan``; the label is the engine's ``weight_version``)."""
+
+    version: str
+    start: int
+    end: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "start": self.start, "end": self.end}
+
+
 @dataclass
 class ReqOutput:
     """New tokens of one request since its last output (all of them when it finishes,
@@ -134,7 +147,10 @@ class ReqOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    weight_versions: list[str] = field(default_factory=list)
+    # the label of the weights that sampled the newest token (the serving label when none was)
+    weight_version: Optional[str] = None
+    # the final output only: contiguous spans over the output tokens, one per label change
+    weight_spans: Optional[list[WeightVersionSpan]] = None
     spec: Optional[SpecDecodeCounts] = None   # set when the engine speculates
     # the final output of a request that asked (GenerateReq.return_routed_experts), when its
     # KV covered every token fed to the model: positions [routed_experts_start_len, end - 1)

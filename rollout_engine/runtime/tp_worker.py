@@ -264,10 +264,10 @@ class TPWorker:
         return self.checker.run(action, models, skip)
 
     # -- memory and invariants -----------------------------------------------------------------
-    def rpc_release_memory_occupation(self, call_id: int,
-                                      tags: Optional[list[str]] = None) -> dict[str, Any]:
+    def rpc_release_memory_occupation(self, call_id: int, tags: Optional[list[str]] = None,
+                                      weights_backup: Optional[bool] = None) -> dict[str, Any]:
         tags = list(TAGS) if tags is None else tags   # rank 0 checked them
-        freed = self.memory_saver.release(tags)
+        freed = self.memory_saver.release(tags, weights_backup)
         if "weights" in tags:
             if self.mapped is not None:
                 self.mapped.clear()

@@ -113,14 +113,13 @@ class RequestLifecycle:
             self.retire(req)
 
     # -- running -------------------------------------------------------------------------------
-    def admit(self, req: Req, matched: int, weight_version: str) -> None:
+    def admit(self, req: Req, matched: int) -> None:
         """WAITING -> PREFILL (its KV is reserved; the caller takes it off the queue)."""
         if req.cached_tokens is None:   # a retracted request keeps its first count
             req.cached_tokens = matched
             self.stats["cached_tokens"] += matched
             self.stats["prompt_tokens"] += len(req.input_ids)
         req.state = ReqState.PREFILL
-        req.see_weight_version(weight_version)
 
     def decoding(self, req: Req) -> None:
         """PREFILL -> DECODE: its prompt is in and its first token sampled."""

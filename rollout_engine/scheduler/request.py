@@ -8,7 +8,12 @@ from typing import Any, Optional
 from rollout_engine.constrained.matcher import GrammarState
 from rollout_engine.constrained.spec import Constraint
 from rollout_engine.memory.prefix_cache import MatchResult
-from rollout_engine.protocol.messages import GenerateReq, ReqOutput, SpecDecodeCounts
+from rollout_engine.protocol.messages import (
+    GenerateReq,
+    ReqOutput,
+    SpecDecodeCounts,
+    WeightVersionSpan,
+)
 from rollout_engine.protocol.routed_experts import RoutedExperts
 from rollout_engine.sampling_params import SamplingParams
 
@@ -85,7 +90,8 @@ class Req:
             [] if msg.sampling_params.return_top_p_token_ids else None)
         self.input_token_ids_logprobs: list[Optional[list[tuple[float, int]]]] = []
         self.cached_tokens: Optional[int] = None   # reported: the first admission's prefix hit
-        self.weight_versions: list[str] = []
+        # (label, first output index) each time the sampling weights' label changed
+        self.weight_starts: list[tuple[str, int]] = []
         # rollout routing replay: read from the routing store as the request ends
         self.return_routed_experts = msg.return_routed_experts
         self.routed_experts_start_len = msg.routed_experts_start_len
@@ -154,8 +160,20 @@ class Req:
         return len(self.input_logprobs) >= len(self.input_ids) - max(self.logprob_start_len, 0)
 
     def see_weight_version(self, version: str) -> None:
-        if not self.weight_versions or self.weight_versions[-1] != version:
-            self.weight_versions.append(version)
+        """The newest output token was sampled under ``version``: a span starts when the label
+        differs from the last one (one tuple per change, nothing per token otherwise)."""
+        if not self.weight_starts or self.weight_starts[-1][0] != version:
+            self.weight_starts.append((version, len(self.output_ids) - 1))
+
+    def weight_spans(self) -> list[WeightVersionSpan]:
+        """Contiguous ``[start, end)`` spans over the output tokens, one per label::
+
+            weight_starts: (v1, 0) (v2, 5)   output_ids: 8 tokens
+            spans:         v1 [0, 5)  v2 [5, 8)
+        """
+        starts = self.weight_starts
+        ends = [start for _, start in starts[1:]] + [len(self.output_ids)]
+        return [WeightVersionSpan(v, s, e) for (v, s), e in zip(starts, ends)]
 
     def make_output(self, full: bool) -> ReqOutput:
         """Tokens since the last output (or all for ``full``), with their logprobs."""
@@ -167,7 +185,8 @@ class Req:
             prompt_tokens=len(self.input_ids),
             completion_tokens=len(self.output_ids),
             cached_tokens=self.cached_tokens or 0,
-            weight_versions=list(self.weight_versions),
+            weight_version=self.weight_starts[-1][0] if self.weight_starts else None,
+            weight_spans=self.weight_spans() if self.finished else None,
             spec=None if self.spec is None else self.spec.snapshot(),
         )
         if self.return_logprob:

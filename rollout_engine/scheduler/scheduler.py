@@ -92,6 +92,9 @@ class Scheduler:
         self.lora = create_lora_registry(config, self.runner.arch, self.runner.dtype, self.device)
         self.arrivals = 0
         self.paused = False
+        # admitting nothing from the queue while the requests holding KV run to their end
+        # (vLLM's pause mode "wait"; the control plane pauses once none is left)
+        self.draining = False
         self.new_token_ratio = policy.NewTokenRatio()
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "cached_tokens": 0,
                       "prompt_tokens": 0, "num_retractions": 0, "forward_passes": 0}
@@ -207,8 +210,9 @@ class Scheduler:
             self.kv.flush()   # a refit deferred it until no request held KV
             self.weights.flush_pending = False
         out, self.outbox = self.outbox, []
-        for o in out:   # never computed (refused, aborted while queued): the serving version
-            o.weight_versions = o.weight_versions or [self.weights.version]
+        for o in out:   # no token sampled yet (queued, refused, aborted): the serving label
+            if o.weight_version is None:
+                o.weight_version = self.weights.version
         if not self.has_work:
             self.new_token_ratio.reset()
             if self.config.debug_integrity:
@@ -239,7 +243,7 @@ class Scheduler:
             if req.kv_len + ext < req.seq_len:
                 self.chunked = req
                 return ScheduleBatch(ForwardMode.EXTEND, reqs, lens)
-        if not self.waiting:
+        if not self.waiting or self.draining:
             return ScheduleBatch(ForwardMode.EXTEND, reqs, lens) if reqs else None
         reserved = ratio.reservation(active)   # O(batch): only when there is a queue to admit
         cands = policy.order_waiting(list(self.waiting), self.kv, self.namespace_of,
@@ -286,7 +290,7 @@ class Scheduler:
             if not self.kv.reserve(req, req.seq_len):
                 self.kv.release(req, cache=False)
                 break
-            self.reqs.admit(req, matched, self.weights.version)
+            self.reqs.admit(req, matched)
             adapters.add(req)
             reqs.append(req)
             lens.append(ext)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -237,8 +237,9 @@ class SaverWithDraft:
     def released(self) -> set[str]:
         return self.target.released
 
-    def release(self, tags: list[str]) -> int:
-        return self.target.release(tags) + self.draft_saver.release(tags)
+    def release(self, tags: list[str], weights_backup: Optional[bool] = None) -> int:
+        return (self.target.release(tags, weights_backup)
+                + self.draft_saver.release(tags, weights_backup))
 
     def resume(self, tags: list[str]) -> bool:
         """As ``MemorySaver.resume`` (True: the target's weights came back stale)."""
