@@ -248,7 +248,7 @@ class TokenizerManager:
         if control.released & {"weights", "kv_cache"}:
             raise EngineAsleepError(
                 f"the engine is asleep (released: {sorted(control.released)}); "
-                "call resume_memory_occupation first")
+                "call resume_memory_occupation (vLLM: /wake_up) first")
         if control.weights_stale:
             raise EngineAsleepError(control.stale_reason or
                                     "weights were released without a CPU backup and are stale; "

@@ -59,6 +59,7 @@ class VllmControl:
             raise ValueError(f"clear_cache: must be true or false, got {clear_cache!r}")
         s = self.serving
         if mode == "wait" and s.active_reqs():
+            s.paused = False    # requests frozen by an earlier pause drain too (vLLM's PAUSED_NEW)
             s.draining = True
             future: Future[None] = Future()
             self.drains.append(future)

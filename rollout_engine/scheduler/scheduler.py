@@ -179,7 +179,7 @@ class Scheduler:
         asleep = sorted(self.memory_saver.released & {"weights", "kv_cache"})
         if asleep:
             return (f"the engine is asleep (released: {asleep}); "
-                    "call resume_memory_occupation first")
+                    "call resume_memory_occupation (vLLM: /wake_up) first")
         if self.weights.stale:
             total = len(weight_names(self.runner.model))
             return (f"weights are stale: {len(self.weights.missing)} of {total} weights not "

@@ -127,3 +127,18 @@ def test_bad_input_is_a_400_naming_it(http):
     r = http.post("/abort_requests", json={"request_ids": "all"})
     assert r.status_code == 400 and "request_ids" in r.json()["error"]
     assert http.get("/is_paused").json() == {"is_paused": False}
+
+
+def test_wait_after_keep_lets_the_frozen_requests_finish(http, server):
+    """As vLLM's PAUSED_NEW replaces PAUSED_ALL: the frozen request runs to its end, then the
+    wait pause answers."""
+    url, engine = server
+    t, box = stream_generate(url, PROMPTS[1], "frozen", n=60)
+    wait_running(engine, 1)
+    assert http.post("/pause?mode=keep&clear_cache=false").json() == {"status": "paused"}
+    r = http.post("/pause?mode=wait&clear_cache=false", timeout=60)
+    assert r.json() == {"status": "paused"}
+    assert "frozen" not in engine.tm.states
+    t.join(30)
+    assert len(box["final"]["output_ids"]) == 60
+    assert http.get("/is_paused").json() == {"is_paused": True}
