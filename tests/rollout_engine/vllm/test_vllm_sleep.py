@@ -110,3 +110,16 @@ def test_bad_levels_and_tags_are_400(http):
     r = http.post("/wake_up?tags=optimizer")
     assert r.status_code == 400 and "optimizer" in r.json()["error"]["message"]
     assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+
+
+def test_sleep_wait_mode_sleeps_once_the_request_finished(http, server):
+    url, engine = server
+    t, box = stream_generate(url, PROMPTS[0], "finishing", n=40)
+    wait_running(engine, 1)
+    assert http.post("/sleep?level=1&mode=wait").json() == {"status": "sleeping", "level": 1}
+    assert "finishing" not in engine.tm.states   # ended before the memory was released
+    t.join(30)
+    assert box["final"]["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(box["final"]["output_ids"]) == 40
+    assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+    assert http.post("/wake_up").json()["status"] == "awake"
