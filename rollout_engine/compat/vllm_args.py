@@ -27,11 +27,11 @@ from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 from rollout_engine.compat.vllm_flags import VLLM_FLAGS, UnsupportedVllmFlagError, VllmFlag
-from rollout_engine.compat.vllm_special import SPECIAL, is_default
+from rollout_engine.compat.vllm_special import NOTES, SPECIAL, is_default
 
 __all__ = ["IGNORED", "UNSUPPORTED", "VLLM_DEFAULT_PORT", "VLLM_FLAGS", "VLLM_VERSION",
            "UnsupportedVllmFlagError", "VllmFlag", "add_vllm_flags", "human_readable_int",
-           "normalize_argv", "vllm_to_engine_kwargs"]
+           "markdown", "normalize_argv", "vllm_to_engine_kwargs"]
 
 VLLM_VERSION = "0.32.0"
 VLLM_DEFAULT_PORT = 8000
@@ -209,3 +209,28 @@ def vllm_to_engine_kwargs(given: Mapping[str, Any], env: Optional[Mapping[str, s
     if (env or {}).get("VLLM_BATCH_INVARIANT", "0").strip() not in ("", "0"):
         out["enable_deterministic_inference"] = True
     return out, ignored
+
+
+def markdown() -> str:
+    """docs/VLLM_CLI.md's tables: every row, by treatment (and reason)."""
+    def names(rows: list[VllmFlag]) -> str:
+        return ", ".join(f"`{f.option}`" for f in sorted(rows, key=lambda f: f.option))
+
+    rows = sorted(VLLM_FLAGS.values(), key=lambda f: f.option)
+    out = [f"Mapped onto the engine (vllm serve {VLLM_VERSION}):", "",
+           "| flag | here |", "|---|---|"]
+    for f in rows:
+        if f.treatment == "ours":
+            out.append(f"| `{f.option}` | `{f.detail}` |")
+        elif f.treatment == "special":
+            out.append(f"| `{f.option}` | {NOTES[f.name]} |")
+    out += ["", "Accepted with any value, without effect:", ""]
+    for key, why in IGNORED.items():
+        group = [f for f in rows if f.treatment == "ignore" and f.detail == key]
+        out.append(f"- {why}: {names(group)}")
+    out += ["", "Accepted at vLLM's default only (any other value exits 2 naming the flag):", ""]
+    for key, why in UNSUPPORTED.items():
+        group = [f for f in rows if f.treatment == "default" and f.detail == key]
+        if group:
+            out.append(f"- {why}: {names(group)}")
+    return "\n".join(out) + "\n"

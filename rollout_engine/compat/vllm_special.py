@@ -12,7 +12,7 @@ from typing import Any
 
 from rollout_engine.compat.vllm_flags import VLLM_FLAGS, UnsupportedVllmFlagError, VllmFlag
 
-__all__ = ["SPECIAL", "is_default"]
+__all__ = ["NOTES", "SPECIAL", "is_default"]
 
 Convert = Callable[[VllmFlag, Any, Mapping[str, Any]], dict[str, Any]]
 
@@ -258,4 +258,41 @@ SPECIAL: dict[str, Convert] = {
     "weight_transfer_config": _weight_transfer,
     "logprobs_mode": _choice(("raw_logprobs", "processed_logprobs"), "logprobs are served, "
                              "not logits", "logprobs_mode"),
+}
+
+# what each special row does, for docs/VLLM_CLI.md
+NOTES: dict[str, str] = {
+    "model_tag": "the model directory (positional; wins over `--model`)",
+    "model": "the model directory (`model_path`)",
+    "dtype": "`dtype` (`half` -> float16, `float` -> float32)",
+    "max_model_len": "`context_length` (`auto` / -1: the model's; `32k`, `1K` sizes)",
+    "served_model_name": "`served_model_name` (one name)",
+    "api_key": "`api_key` (one key)",
+    "generation_config": "`auto` -> `sampling_defaults` model, `vllm` -> openai; a directory "
+                         "is refused",
+    "enable_prefix_caching": "`--no-enable-prefix-caching` -> `disable_radix_cache`",
+    "kv_cache_dtype": "`kv_cache_dtype`: auto or bfloat16; fp8 caches refused",
+    "max_logprobs": "`max_top_logprobs_num` (-1, no cap, refused)",
+    "max_num_batched_tokens": "`chunked_prefill_size` and `max_prefill_tokens`",
+    "num_gpu_blocks_override": "`max_total_tokens` = blocks x `--block-size` (16)",
+    "lora_modules": "`lora_paths` (`NAME=PATH` or `{\"name\", \"path\"}`), `enable_lora`",
+    "tool_call_parser": "`tool_call_parser` (`llama3_json` -> llama3; hermes ...)",
+    "reasoning_parser": "`reasoning_parser` (`deepseek_r1` -> deepseek-r1, qwen3 ...)",
+    "speculative_config": "`method` ngram -> NGRAM (prompt_lookup_min/max: the match "
+                          "windows), draft_model -> STANDALONE; num_speculative_tokens + 1 "
+                          "draft tokens; other methods refused",
+    "spec_method": "as `--speculative-config`'s method",
+    "spec_model": "as `--speculative-config`'s model",
+    "spec_tokens": "as `--speculative-config`'s num_speculative_tokens",
+    "structured_outputs_config": "backend auto / xgrammar; `disable_any_whitespace` -> "
+                                 "`constrained_json_disable_any_whitespace`",
+    "aux_output_config": "`enable_return_routed_experts`",
+    "load_format": "auto, safetensors, dummy (reads the real weights); others refused",
+    "log_level": "`log_level`",
+    "scheduling_policy": "fcfs -> `schedule_policy` fcfs; priority refused",
+    "runner": "auto / generate only",
+    "convert": "auto / none only",
+    "weight_transfer_config": "backend nccl or ipc accepted (the weight routes take the "
+                              "details per call); others refused",
+    "logprobs_mode": "`logprobs_mode`: raw_logprobs, processed_logprobs (logits modes refused)",
 }

@@ -17,6 +17,7 @@ from rollout_engine.compat.vllm_args import (
     VLLM_FLAGS,
     VLLM_VERSION,
     human_readable_int,
+    markdown,
     normalize_argv,
 )
 from rollout_engine.compat.vllm_special import SPECIAL
@@ -67,6 +68,12 @@ def test_every_treatment_has_its_reason_or_field() -> None:
             assert flag.detail in IGNORED, name
         else:
             assert flag.treatment == "default" and flag.detail in UNSUPPORTED, name
+
+
+def test_table_is_documented() -> None:
+    doc = (Path(__file__).parents[3] / "docs" / "VLLM_CLI.md").read_text()
+    assert markdown() in doc, "docs/VLLM_CLI.md: regenerate from vllm_args.markdown()"
+    assert "VLLM_CLI.md" in (Path(__file__).parents[3] / "docs" / "API.md").read_text()
 
 
 # -- mapped flags ----------------------------------------------------------------------------------
