@@ -12,7 +12,8 @@ table of ``vllm_flags.py`` (every flag of vLLM 0.32's ``vllm serve`` parser).
                    ``UnsupportedVllmFlagError`` naming the flag (the launcher exits 2)
 
 A flag absent from the command line keeps our default, except ``--port``, whose default is
-vLLM's (8000). The environment variable ``VLLM_BATCH_INVARIANT=1`` turns on
+vLLM's (8000), and, with ``--enable-lora`` and no ``--lora-modules``, the adapter pool's size
+(``--max-lora-rank`` 16, every projection), which SGLang's rules would otherwise require. The environment variable ``VLLM_BATCH_INVARIANT=1`` turns on
 ``enable_deterministic_inference`` (batch-invariant forwards), as it turns on vLLM's
 batch-invariant mode. A flag on no row is unknown to vLLM 0.32 as well: argparse exits 2
 naming it.
@@ -208,6 +209,10 @@ def vllm_to_engine_kwargs(given: Mapping[str, Any], env: Optional[Mapping[str, s
                              f"{flag.default!r} is accepted; see docs/API.md)")
     if (env or {}).get("VLLM_BATCH_INVARIANT", "0").strip() not in ("", "0"):
         out["enable_deterministic_inference"] = True
+    if out.get("enable_lora") and not out.get("lora_paths"):
+        # vLLM sizes the adapter pool itself: rank 16, every projection
+        out.setdefault("max_lora_rank", VLLM_FLAGS["max_lora_rank"].default)
+        out.setdefault("lora_target_modules", ["all"])
     return out, ignored
 
 

@@ -99,7 +99,9 @@ def test_table_is_documented() -> None:
     (["--device-memory-utilization", "0.5"], {"mem_fraction_static": 0.5}),
     (["--enable-lora", "--max-loras", "4", "--max-lora-rank", "32", "--max-cpu-loras", "6"],
      {"enable_lora": True, "max_loras_per_batch": 4, "max_lora_rank": 32,
-      "max_loaded_loras": 6}),
+      "max_loaded_loras": 6, "lora_target_modules": ["all"]}),
+    (["--enable-lora"], {"enable_lora": True, "max_lora_rank": 16,
+                         "lora_target_modules": ["all"]}),
     (["--lora-modules", "a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}'],
      {"enable_lora": True, "lora_paths": [{"lora_name": "a", "lora_path": "/x"},
                                           {"lora_name": "b", "lora_path": "/y"}]}),
@@ -149,6 +151,14 @@ def test_model_as_flag_and_positional() -> None:
     assert vllm_serve.parse_args(["--port", "1", "--model=/a"], env={})["model_path"] == "/a"
     # vLLM: the positional model wins over --model
     assert vllm_serve.parse_args(["/b", "--model", "/a"], env={})["model_path"] == "/b"
+
+
+def test_enable_lora_alone_builds_a_config(qwen2_path: str) -> None:
+    """vLLM sizes the adapter pool itself (SGLang's rules would want rank and modules)."""
+    config = EngineConfig.from_kwargs(**vllm_serve.parse_args(
+        [qwen2_path, "--enable-lora", "--max-loras", "2"], env={}))
+    assert (config.enable_lora, config.max_lora_rank, config.max_loras_per_batch) == (
+        True, 16, 2)
 
 
 def test_batch_invariant_env() -> None:
