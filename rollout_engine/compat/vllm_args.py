@@ -13,9 +13,9 @@ table of ``vllm_flags.py`` (every flag of vLLM 0.32's ``vllm serve`` parser).
 
 A flag absent from the command line keeps our default, except ``--port``, whose default is
 vLLM's (8000), and, with ``--enable-lora`` and no ``--lora-modules``, the adapter pool's size
-(``--max-lora-rank`` 16, every projection), which SGLang's rules would otherwise require. The environment variable ``VLLM_BATCH_INVARIANT=1`` turns on
-``enable_deterministic_inference`` (batch-invariant forwards), as it turns on vLLM's
-batch-invariant mode. A flag on no row is unknown to vLLM 0.32 as well: argparse exits 2
+(``--max-lora-rank`` 16, every projection), which SGLang's rules would otherwise require.
+The environment variable ``VLLM_BATCH_INVARIANT=1`` turns on ``enable_deterministic_inference``
+(batch-invariant forwards), as it turns on vLLM's batch-invariant mode. A flag on no row is unknown to vLLM 0.32 as well: argparse exits 2
 naming it.
 """
 
@@ -206,7 +206,7 @@ def vllm_to_engine_kwargs(given: Mapping[str, Any], env: Optional[Mapping[str, s
         elif not is_default(flag, value):
             raise UnsupportedVllmFlagError(
                 flag, value, f"{UNSUPPORTED[flag.detail]} (only vLLM's default "
-                             f"{flag.default!r} is accepted; see docs/API.md)")
+                             f"{flag.default!r} is accepted; see docs/VLLM_CLI.md)")
     if (env or {}).get("VLLM_BATCH_INVARIANT", "0").strip() not in ("", "0"):
         out["enable_deterministic_inference"] = True
     if out.get("enable_lora") and not out.get("lora_paths"):

@@ -35,14 +35,14 @@ PROG = "python -m rollout_engine.entrypoints.vllm_serve"
 
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
-    """Every flag of ``vllm serve`` (hidden from ``--help``: the table is docs/API.md's)."""
+    """Every flag of ``vllm serve`` (hidden from ``--help``: docs/VLLM_CLI.md lists them)."""
     parser = argparse.ArgumentParser(
         prog=prog or PROG, usage=f"{prog or PROG} MODEL [vllm serve flags]",
         description=f"Serve a model over HTTP from vllm serve's command line (vLLM "
                     f"{VLLM_VERSION}); SGLang's routes are served too.",
         epilog="Each flag of vllm serve is mapped onto the engine's settings, accepted without "
                "effect (logging, kernel and launch knobs), or refused naming the flag (exit "
-               "status 2); the table is in docs/API.md. VLLM_BATCH_INVARIANT=1 turns on "
+               "status 2); the table is in docs/VLLM_CLI.md. VLLM_BATCH_INVARIANT=1 turns on "
                "batch-invariant (deterministic) inference.")
     add_vllm_flags(parser)
     return parser
