@@ -32,7 +32,7 @@ from rollout_engine.compat.vllm_special import NOTES, SPECIAL, is_default
 
 __all__ = ["IGNORED", "UNSUPPORTED", "VLLM_DEFAULT_PORT", "VLLM_FLAGS", "VLLM_VERSION",
            "UnsupportedVllmFlagError", "VllmFlag", "add_vllm_flags", "human_readable_int",
-           "markdown", "normalize_argv", "vllm_to_engine_kwargs"]
+           "expand_config_file", "markdown", "normalize_argv", "vllm_to_engine_kwargs"]
 
 VLLM_VERSION = "0.32.0"
 VLLM_DEFAULT_PORT = 8000
@@ -179,6 +179,53 @@ def normalize_argv(argv: list[str]) -> list[str]:
     for key, value in dotted.items():
         out += [key, json.dumps(value)]
     return out
+
+
+def expand_config_file(argv: list[str], options: Mapping[str, Any]) -> list[str]:
+    """vLLM's ``--config FILE.yaml``: the file's keys become flags (``true`` -> ``--key``,
+    ``false`` -> ``--no-key`` where there is one, a list -> its items, a mapping -> JSON), put
+    after a leading MODEL and before the other flags, so that the command line wins.
+    ``options``: the parser's option strings. ValueError naming the problem."""
+    at = [i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")]
+    if not at:
+        return argv
+    if len(at) > 1:
+        raise ValueError("--config: more than one config file")
+    i = at[0]
+    if argv[i] == "--config":
+        if i + 1 >= len(argv):
+            raise ValueError("--config: no file given")
+        path, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+    else:
+        path, rest = argv[i].partition("=")[2], argv[:i] + argv[i + 1:]
+    if not path.endswith((".yaml", ".yml")):
+        raise ValueError(f"--config {path!r}: a YAML file (.yaml or .yml)")
+    import yaml
+
+    try:
+        with open(path) as f:
+            config = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"--config {path!r}: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--config {path!r}: a mapping of flag names to values")
+    added: list[str] = []
+    for key, value in config.items():
+        flag = f"--{key}"
+        if isinstance(value, bool):
+            if value:
+                added.append(flag)
+            elif f"--no-{key}" in options:
+                added.append(f"--no-{key}")
+        elif isinstance(value, list):
+            if value:
+                added += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            added += [flag, json.dumps(value)]
+        else:
+            added += [flag, str(value)]
+    model_first = bool(rest) and not rest[0].startswith("-")
+    return rest[:1] + added + rest[1:] if model_first else added + rest
 
 
 # -- vLLM values -> EngineConfig keywords ---------------------------------------------------------

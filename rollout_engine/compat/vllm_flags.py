@@ -44,7 +44,7 @@ cohere_format                                str           'cmd4'               
 cohere_is_reasoning_model                    bool          True                   ignore:routes
 collect_detailed_traces                      str+          None                   ignore:log
 compilation_config                           json          {}                     ignore:perf
-config                                       str           None                   default:frontend
+config                                       str           None                   special
 config_format                                str           'auto'                 ignore:launch
 convert                                      str           'auto'                 special
 cp_kv_cache_interleave_size                  int           None                   default:1gpu

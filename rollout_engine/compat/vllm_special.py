@@ -256,6 +256,7 @@ SPECIAL: dict[str, Convert] = {
     "runner": _choice(("auto", "generate"), "only generative models are served"),
     "convert": _choice(("auto", "none"), "only generative models are served"),
     "weight_transfer_config": _weight_transfer,
+    "config": lambda flag, value, given: {},   # read before parsing: expand_config_file
     "logprobs_mode": _choice(("raw_logprobs", "processed_logprobs"), "logprobs are served, "
                              "not logits", "logprobs_mode"),
 }
@@ -263,6 +264,7 @@ SPECIAL: dict[str, Convert] = {
 # what each special row does, for docs/VLLM_CLI.md
 NOTES: dict[str, str] = {
     "model_tag": "the model directory (positional; wins over `--model`)",
+    "config": "a YAML file of flags (`key: value`), read first: the command line wins",
     "model": "the model directory (`model_path`)",
     "dtype": "`dtype` (`half` -> float16, `float` -> float32)",
     "max_model_len": "`context_length` (`auto` / -1: the model's; `32k`, `1K` sizes)",

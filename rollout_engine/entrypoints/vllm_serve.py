@@ -2,8 +2,8 @@
 the server started from ``vllm serve``'s command line (vLLM 0.32).
 
 Every flag of ``vllm serve`` parses as vLLM parses it (``--max_model_len`` too, ``-tp 2``,
-``-O3``, ``--speculative-config.method ngram``) and is treated as the table of
-``rollout_engine/compat/vllm_flags.py`` says: mapped onto ``EngineConfig``, accepted without
+``-O3``, ``--speculative-config.method ngram``, ``--config FILE.yaml``) and is treated as the
+table of ``rollout_engine/compat/vllm_flags.py`` says: mapped onto ``EngineConfig``, accepted without
 effect, or refused naming the flag (exit status 2). An unknown flag exits 2 naming it. The server
 is the same one ``launch_server`` starts, so SGLang's routes and vLLM's are both served; the
 port defaults to vLLM's 8000.
@@ -23,6 +23,7 @@ from rollout_engine.compat.vllm_args import (
     VLLM_FLAGS,
     VLLM_VERSION,
     add_vllm_flags,
+    expand_config_file,
     normalize_argv,
     vllm_to_engine_kwargs,
 )
@@ -55,6 +56,7 @@ def parse_args(argv: Optional[list[str]] = None, prog: Optional[str] = None,
     parser = build_parser(prog)
     try:
         args = normalize_argv(sys.argv[1:] if argv is None else list(argv))
+        args = normalize_argv(expand_config_file(args, parser._option_string_actions))
     except ValueError as e:
         parser.error(str(e))
     given = vars(parser.parse_args(args))

@@ -161,6 +161,25 @@ def test_enable_lora_alone_builds_a_config(qwen2_path: str) -> None:
         True, 16, 2)
 
 
+def test_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's ``--config FILE.yaml``: its keys are flags; the command line wins."""
+    path = tmp_path / "serve.yaml"
+    path.write_text("port: 9000\nmax_model_len: 128\nenable-prefix-caching: false\n"
+                    "served-model-name: [foo]\nspeculative-config:\n  method: ngram\n"
+                    "  prompt_lookup_max: 3\nenforce-eager: true\n")
+    kwargs = parse("--config", str(path), "--port", "9001")
+    assert kwargs == {"model_path": "/models/m", "port": 9001, "context_length": 128,
+                      "disable_radix_cache": True, "served_model_name": "foo",
+                      "speculative_algorithm": "NGRAM", "disable_cuda_graph": True,
+                      "speculative_ngram_min_match_window_size": 3,
+                      "speculative_ngram_max_match_window_size": 3}
+    assert vllm_serve.parse_args([f"--config={path}", "--model", "/a"], env={})["port"] == 9000
+    path.write_text("pipeline-parallel-size: 2\n")
+    assert "error: --pipeline-parallel-size 2: " in refused(capsys, "--config", str(path))
+    assert "a YAML file" in refused(capsys, "--config", str(tmp_path / "x.json"))
+    assert "x.yaml" in refused(capsys, "--config", str(tmp_path / "x.yaml"))   # missing
+
+
 def test_batch_invariant_env() -> None:
     assert parse(env={"VLLM_BATCH_INVARIANT": "1"})["enable_deterministic_inference"] is True
     assert "enable_deterministic_inference" not in parse(env={"VLLM_BATCH_INVARIANT": "0"})
