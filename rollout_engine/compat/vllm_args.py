@@ -11,8 +11,8 @@ table of ``vllm_flags.py`` (every flag of vLLM 0.32's ``vllm serve`` parser).
     default[:WHY]  accepted at vLLM's default only; any other value is a
                    ``UnsupportedVllmFlagError`` naming the flag (the launcher exits 2)
 
-A flag absent from the command line keeps our default, except ``--port``, whose default is
-vLLM's (8000), and, with ``--enable-lora`` and no ``--lora-modules``, the adapter pool's size
+A flag absent from the command line keeps our default, except ``--host`` and ``--port``,
+whose defaults are vLLM's (every interface, 8000), and, with ``--enable-lora`` and no ``--lora-modules``, the adapter pool's size
 (``--max-lora-rank`` 16, every projection), which SGLang's rules would otherwise require.
 The environment variable ``VLLM_BATCH_INVARIANT=1`` turns on ``enable_deterministic_inference``
 (batch-invariant forwards), as it turns on vLLM's batch-invariant mode. A flag on no row is unknown to vLLM 0.32 as well: argparse exits 2
@@ -30,12 +30,14 @@ from typing import Any, Optional
 from rollout_engine.compat.vllm_flags import VLLM_FLAGS, UnsupportedVllmFlagError, VllmFlag
 from rollout_engine.compat.vllm_special import NOTES, SPECIAL, is_default
 
-__all__ = ["IGNORED", "UNSUPPORTED", "VLLM_DEFAULT_PORT", "VLLM_FLAGS", "VLLM_VERSION",
+__all__ = ["IGNORED", "UNSUPPORTED", "VLLM_DEFAULTS", "VLLM_FLAGS", "VLLM_VERSION",
            "UnsupportedVllmFlagError", "VllmFlag", "add_vllm_flags", "human_readable_int",
            "expand_config_file", "markdown", "normalize_argv", "vllm_to_engine_kwargs"]
 
 VLLM_VERSION = "0.32.0"
-VLLM_DEFAULT_PORT = 8000
+VLLM_DEFAULTS = {"host": "0.0.0.0", "port": 8000}
+"""Where vLLM's default differs from ours and a client depends on it: vLLM listens on every
+interface, port 8000 (ours: 127.0.0.1:30000, SGLang's)."""
 
 UNSUPPORTED = {
     "1gpu": "rollout_engine shards a model only by tensor parallelism (--tensor-parallel-size) "
@@ -235,7 +237,7 @@ def vllm_to_engine_kwargs(given: Mapping[str, Any], env: Optional[Mapping[str, s
     (``EngineConfig`` keywords, the ignored flags given with a value not vLLM's default).
     Raises ``UnsupportedVllmFlagError`` naming a flag we cannot honour, ValueError for a
     name on no row. ``env`` is read for ``VLLM_BATCH_INVARIANT``."""
-    out: dict[str, Any] = {"port": VLLM_DEFAULT_PORT}
+    out: dict[str, Any] = dict(VLLM_DEFAULTS)
     ignored: dict[str, Any] = {}
     unknown = sorted(set(given) - set(VLLM_FLAGS))
     if unknown:

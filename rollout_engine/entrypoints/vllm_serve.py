@@ -5,8 +5,8 @@ Every flag of ``vllm serve`` parses as vLLM parses it (``--max_model_len`` too, 
 ``-O3``, ``--speculative-config.method ngram``, ``--config FILE.yaml``) and is treated as the
 table of ``rollout_engine/compat/vllm_flags.py`` says: mapped onto ``EngineConfig``, accepted without
 effect, or refused naming the flag (exit status 2). An unknown flag exits 2 naming it. The server
-is the same one ``launch_server`` starts, so SGLang's routes and vLLM's are both served; the
-port defaults to vLLM's 8000.
+is the same one ``launch_server`` starts, so SGLang's routes and vLLM's are both served; it
+listens where vLLM does by default (every interface, port 8000).
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def test_table_is_documented() -> None:
 
 # -- mapped flags ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("argv, expected", [
-    (["--port", "9001", "--host", "0.0.0.0"], {"port": 9001, "host": "0.0.0.0"}),
+    (["--port", "9001", "--host", "127.0.0.1"], {"port": 9001, "host": "127.0.0.1"}),
     (["--max-model-len", "256"], {"context_length": 256}),
     (["--max-model-len", "32k"], {"context_length": 32000}),
     (["--max-model-len", "1K"], {"context_length": 1024}),
@@ -143,7 +143,7 @@ def test_table_is_documented() -> None:
 ])
 def test_mapping(argv: list[str], expected: dict[str, Any]) -> None:
     kwargs = parse(*argv)
-    assert kwargs == {"model_path": "/models/m", "port": 8000, **expected}
+    assert kwargs == {"model_path": "/models/m", "host": "0.0.0.0", "port": 8000, **expected}
 
 
 def test_model_as_flag_and_positional() -> None:
@@ -168,7 +168,8 @@ def test_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
                     "served-model-name: [foo]\nspeculative-config:\n  method: ngram\n"
                     "  prompt_lookup_max: 3\nenforce-eager: true\n")
     kwargs = parse("--config", str(path), "--port", "9001")
-    assert kwargs == {"model_path": "/models/m", "port": 9001, "context_length": 128,
+    assert kwargs == {"model_path": "/models/m", "host": "0.0.0.0", "port": 9001,
+                      "context_length": 128,
                       "disable_radix_cache": True, "served_model_name": "foo",
                       "speculative_algorithm": "NGRAM", "disable_cuda_graph": True,
                       "speculative_ngram_min_match_window_size": 3,
@@ -263,7 +264,7 @@ def test_default_only_switch(capsys: pytest.CaptureFixture[str], name: str) -> N
     """Off (vLLM's default) is accepted, on is refused naming the flag."""
     flag = VLLM_FLAGS[name]
     if flag.kind == "bool":
-        assert parse("--no-" + flag.option[2:]) == {"model_path": "/models/m", "port": 8000}
+        assert parse("--no-" + flag.option[2:]) == {"model_path": "/models/m", "host": "0.0.0.0", "port": 8000}
     err = refused(capsys, flag.option)
     assert f"error: {flag.option} True: " in err and "vLLM's default" in err
 
@@ -273,7 +274,7 @@ def test_default_only_switch(capsys: pytest.CaptureFixture[str], name: str) -> N
                                         ("switch", "bool")))
 def test_ignored_switch_changes_nothing(name: str) -> None:
     flag = VLLM_FLAGS[name]
-    assert parse(flag.option) == {"model_path": "/models/m", "port": 8000}
+    assert parse(flag.option) == {"model_path": "/models/m", "host": "0.0.0.0", "port": 8000}
 
 
 # -- the console script ------------------------------------------------------------------------
@@ -287,8 +288,8 @@ def test_cli_dispatch(monkeypatch: pytest.MonkeyPatch, qwen2_path: str) -> None:
     # `vllm serve MODEL ...` spelled `rollout-engine serve MODEL ...`
     assert cli.main(["serve", qwen2_path, "-tp", "1", "--served-model-name", "x"]) == 0
     assert started == [
-        {"model_path": qwen2_path, "port": 8123, "context_length": 64},
-        {"model_path": qwen2_path, "port": 8000, "tp_size": 1, "served_model_name": "x"}]
+        {"model_path": qwen2_path, "host": "0.0.0.0", "port": 8123, "context_length": 64},
+        {"model_path": qwen2_path, "host": "0.0.0.0", "port": 8000, "tp_size": 1, "served_model_name": "x"}]
     # a value EngineConfig refuses: exit 2 before anything starts
     assert cli.main(["vllm-serve", qwen2_path, "--max-num-seqs", "0"]) == 2
     assert len(started) == 2
