@@ -98,6 +98,9 @@ HELP: dict[str, str] = {
     "weight_version": "Version label of the initial weights (reported with every output).",
     "weight_update_group_timeout": "Seconds init_weights_update_group may wait for the trainer "
                                    "to join the rendezvous.",
+    "logprobs_mode": "Which logprobs a request reports (vLLM's --logprobs-mode): raw_logprobs "
+                     "(the model's distribution) or processed_logprobs (after temperature, "
+                     "penalties and top-k / top-p / min-p).",
     "scheduler_mode": "process (a child process, default) or thread (same process).",
     "host": "Address to bind; 127.0.0.1 unless you mean to expose the server.",
     "port": "TCP port to listen on.",
