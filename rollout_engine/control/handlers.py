@@ -18,6 +18,7 @@ from rollout_engine.control.introspection import Introspection
 from rollout_engine.control.lora_control import LoraControl
 from rollout_engine.control.profiler import Profiler
 from rollout_engine.control.rl_control import RLControl
+from rollout_engine.control.vllm_transfer import VllmTransfer
 from rollout_engine.control.weight_checks import WeightChecks
 from rollout_engine.protocol.messages import AbortReq, ControlReq, ControlResult, GenerateReq
 from rollout_engine.scheduler.scheduler import Scheduler
@@ -62,9 +63,16 @@ CALLS: dict[str, tuple[str, str]] = {
     "load_lora_adapter_from_tensors": ("lora", "rpc_load_lora_adapter_from_tensors"),
     "unload_lora_adapter": ("lora", "rpc_unload_lora_adapter"),
     "list_lora_adapters": ("lora", "rpc_list_lora_adapters"),
+    # vLLM's native weight transfer (its routes: entrypoints/vllm_weight_routes.py)
+    "vllm_init_weight_transfer": ("vllm", "rpc_vllm_init_weight_transfer"),
+    "vllm_start_weight_update": ("vllm", "rpc_vllm_start_weight_update"),
+    "vllm_update_weights": ("vllm", "rpc_vllm_update_weights"),
+    "vllm_finish_weight_update": ("vllm", "rpc_vllm_finish_weight_update"),
+    "vllm_shutdown_weight_transfer": ("vllm", "rpc_vllm_shutdown_weight_transfer"),
 }
 OWNER_CLASSES: dict[str, type] = {"info": Introspection, "rl": RLControl, "checks": WeightChecks,
-                                  "profiler": Profiler, "lora": LoraControl}
+                                  "profiler": Profiler, "lora": LoraControl,
+                                  "vllm": VllmTransfer}
 
 
 def declared_calls() -> dict[str, Callable[..., Any]]:
@@ -76,7 +84,7 @@ def handler_table(info: Introspection, rl: RLControl, profiler: Profiler,
                   lora: LoraControl) -> dict[str, Handler]:
     """Every control call the engine answers, by the name a ``ControlReq`` gives."""
     owners: dict[str, Any] = {"info": info, "rl": rl, "checks": rl.checks, "profiler": profiler,
-                              "lora": lora}
+                              "lora": lora, "vllm": VllmTransfer(rl)}
     return {name: getattr(owners[owner], attr) for name, (owner, attr) in CALLS.items()}
 
 
