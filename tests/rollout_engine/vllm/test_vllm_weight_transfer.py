@@ -1,0 +1,183 @@
+"""vLLM's native weight transfer over gloo: init -> start -> update (per tensor, packed) ->
+finish from a trainer thread (trainer_bridge.vllm_transfer), against a live server."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from rollout_engine.protocol.vllm_wire import packed_chunks
+from tests.rollout_engine.entrypoints.conftest import LiveServer
+from tests.rollout_engine.vllm.weight_server import (
+    GREEDY,
+    checkpoints,
+    fresh_greedy,
+    greedy,
+    live_server,
+)
+from trainer_bridge.transports.group_ranks import free_port
+from trainer_bridge.vllm_transfer import VllmTransferError, VllmWeightSender
+
+
+def checkpoint_tensors(path: str) -> list[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    from rollout_engine.weights.loader import safetensors_files
+
+    out: list[tuple[str, torch.Tensor]] = []
+    for f in safetensors_files(path):
+        out.extend(sorted(load_file(f).items()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    with live_server(checkpoints()[0]) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[str, list[list[int]]]:
+    w1, w2 = checkpoints()
+    return {"w1": fresh_greedy(w1), "w2": fresh_greedy(w2)}
+
+
+@pytest.fixture
+def sender(server: LiveServer) -> Iterator[VllmWeightSender]:
+    s = VllmWeightSender(server.url, master_port=free_port(), packed_buffer_size_bytes=4096)
+    s.init()
+    try:
+        yield s
+    finally:
+        s.shutdown()
+
+
+def version(server: LiveServer) -> Any:
+    with server.client() as c:
+        return c.get("/get_weight_version").json()["weight_version"]
+
+
+def test_packed_chunks_follow_vllms_rule() -> None:
+    # a chunk closes on the tensor that takes it past the limit
+    assert packed_chunks([4, 4, 4, 4], 6) == [range(0, 2), range(2, 4)]
+    assert packed_chunks([4, 4, 4], 8) == [range(0, 3)]
+    assert packed_chunks([10, 1], 4) == [range(0, 1), range(1, 2)]
+    assert packed_chunks([], 4) == []
+
+
+@pytest.mark.parametrize("packed, updates", [(False, 1), (True, 1), (False, 3), (True, 3)])
+def test_transfer_equals_a_fresh_engine(server: LiveServer, sender: VllmWeightSender,
+                                        expected: dict, packed: bool, updates: int) -> None:
+    w1, w2 = checkpoints()
+    assert greedy(server) == expected["w1"]
+    sender.send(checkpoint_tensors(w2), weight_version=f"w2-{packed}-{updates}",
+                packed=packed, updates=updates)
+    assert greedy(server) == expected["w2"]
+    assert version(server) == f"w2-{packed}-{updates}"
+    sender.send(checkpoint_tensors(w1), weight_version="w1", packed=packed, updates=updates)
+    assert greedy(server) == expected["w1"]
+    server.assert_no_leak()
+
+
+def test_nothing_is_served_before_finish(server: LiveServer, sender: VllmWeightSender,
+                                         expected: dict) -> None:
+    w2 = checkpoints()[1]
+    sender.post("/start_weight_update")
+    sender.update(checkpoint_tensors(w2), packed=True)
+    assert greedy(server) == expected["w1"]   # received, not yet applied
+    sender.post("/finish_weight_update", {"weight_version": "w2"})
+    assert greedy(server) == expected["w2"]
+    sender.send(checkpoint_tensors(checkpoints()[0]), weight_version="w1")
+
+
+def bad_updates() -> list[tuple[str, Any]]:
+    return [
+        ("unknown name", lambda n, t: (n + ".extra", t) if n.endswith("norm.weight") else (n, t)),
+        ("shape", lambda n, t: (n, t[:-1]) if n.endswith("q_proj.weight") else (n, t)),
+        ("dtype", lambda n, t: (n, t.to(torch.int32)) if n.endswith("norm.weight") else (n, t)),
+    ]
+
+
+@pytest.mark.parametrize("what, change", bad_updates(), ids=[b[0] for b in bad_updates()])
+@pytest.mark.parametrize("packed", [False, True])
+def test_bad_update_is_refused_and_nothing_changes(server: LiveServer,
+                                                   sender: VllmWeightSender, expected: dict,
+                                                   what: str, change: Any,
+                                                   packed: bool) -> None:
+    w2 = checkpoints()[1]
+    before = version(server)
+    tensors = checkpoint_tensors(w2)
+    good, bad = tensors[: len(tensors) // 2], [change(n, t) for n, t in tensors]
+    sender.post("/start_weight_update")
+    sender.update(good, packed=packed)            # a first chunk arrives fine
+    with pytest.raises(VllmTransferError) as e:
+        sender.update(bad, packed=packed)          # drained, then refused
+    assert e.value.status == 400
+    # the refusal ended the update: nothing of it is applied
+    with pytest.raises(VllmTransferError, match="start_weight_update"):
+        sender.post("/finish_weight_update", {"weight_version": "bad"})
+    assert greedy(server) == expected["w1"]
+    assert version(server) == before
+    # and the group still works
+    sender.send(tensors, weight_version="w2", packed=packed)
+    assert greedy(server) == expected["w2"]
+    sender.send(checkpoint_tensors(checkpoints()[0]), weight_version="w1")
+
+
+def test_phases_out_of_order_are_refused(server: LiveServer) -> None:
+    with server.client() as c:
+        for path in ("/start_weight_update", "/finish_weight_update"):
+            r = c.post(path)
+            assert r.status_code == 400, r.text
+            assert "init_weight_transfer_engine" in r.json()["error"]["message"]
+        r = c.post("/update_weights", json={"update_info": {"names": []}})
+        assert r.status_code == 400
+        r = c.post("/init_weight_transfer_engine", json={"init_info": {"master_port": 1}})
+        assert r.status_code == 400 and "master_address" in r.json()["error"]["message"]
+        r = c.post("/init_weight_transfer_engine", json={"init_info": {"bogus": 1}})
+        assert r.status_code == 400 and "bogus" in r.json()["error"]["message"]
+
+
+def test_update_races_generation(server: LiveServer, sender: VllmWeightSender,
+                                 expected: dict) -> None:
+    """Requests running while the weights arrive and are applied all finish; afterwards the
+    server answers as the new weights do."""
+    w1, w2 = checkpoints()
+    results: list[int] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        with server.client() as c:
+            while not stop.is_set():
+                r = c.post("/generate", json={"input_ids": [3, 1, 4, 1, 5],
+                                              "sampling_params": {**GREEDY,
+                                                                  "max_new_tokens": 24}})
+                results.append(r.status_code)
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for packed in (False, True):
+            sender.send(checkpoint_tensors(w2), weight_version="w2", packed=packed, updates=2)
+            sender.send(checkpoint_tensors(w1), weight_version="w1", packed=packed, updates=2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert results and set(results) == {200}
+    assert greedy(server) == expected["w1"]
+    server.assert_no_leak()
+
+
+def test_world_size(server: LiveServer) -> None:
+    with server.client() as c:
+        assert c.get("/get_world_size").json() == {"world_size": 1}
+        assert c.get("/get_world_size", params={"include_dp": "false"}).json() == \
+            {"world_size": 1}
+        r = c.get("/get_world_size", params={"include_dp": "maybe"})
+        assert r.status_code == 400 and "include_dp" in r.json()["error"]["message"]
