@@ -181,3 +181,45 @@ def test_world_size(server: LiveServer) -> None:
             {"world_size": 1}
         r = c.get("/get_world_size", params={"include_dp": "maybe"})
         assert r.status_code == 400 and "include_dp" in r.json()["error"]["message"]
+
+
+def vllm_python() -> str:
+    """vLLM 0.32's venv (``$ROLLOUT_VLLM_VENV``, else the repository's ``.vllm-venv``: what
+    benchmarks/vllm_peer.py installs)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[3]
+    py = Path(os.environ.get("ROLLOUT_VLLM_VENV", repo / ".vllm-venv")) / "bin" / "python"
+    if not py.exists() or subprocess.run([str(py), "-c", "import vllm"],
+                                         capture_output=True).returncode:
+        pytest.skip(f"vLLM's venv is not installed at {py.parent.parent} "
+                    "(benchmarks/vllm_peer.py installs it)")
+    return str(py)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packed", [False, True])
+def test_vllms_own_trainer_sender(server: LiveServer, expected: dict, packed: bool) -> None:
+    """vLLM's NCCLTrainerWeightTransferEngine.send_weights and HTTPVLLMWeightSyncClient,
+    run in vLLM's venv, refit the server: its handshake, update_info and broadcast order /
+    packing are what this server reads (only the communicator is gloo: no CUDA here)."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from rollout_engine.weights.loader import safetensors_files
+
+    py = vllm_python()
+    w1, w2 = checkpoints()
+    repo = str(Path(__file__).resolve().parents[3])
+    for path, want in ((w2, "w2"), (w1, "w1")):
+        (checkpoint,) = safetensors_files(path)
+        args = {"repo": repo, "url": server.url, "port": free_port(), "checkpoint": checkpoint,
+                "packed": packed, "buffer": 4096}
+        run = subprocess.run([py, str(Path(__file__).parent / "vllm_trainer_script.py"),
+                              json.dumps(args)], capture_output=True, text=True, timeout=300,
+                             env={**__import__("os").environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert greedy(server) == expected[want]
