@@ -14,7 +14,7 @@
                                                    by name from a fixed table (any other: 400)
 
 Errors are ``{"error": {"message", "code"}}``: 400 bad input, 409 busy, 503 dead, 504 late.
-Every route but ``/get_world_size`` needs the admin key.
+Every route needs the admin key (SkyRL's client sends its key on each call).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def add_vllm_weight_routes(app: FastAPI, engine: Engine, admin: list[Any]) -> No
         return await call("vllm_shutdown_weight_transfer",
                           {"message": "Weight transfer shut down"})
 
-    @app.get("/get_world_size")
+    @app.get("/get_world_size", dependencies=admin)
     async def get_world_size(include_dp: Optional[str] = None) -> Response:
         """vLLM's parallel world: TP x PP (one stage here), x DP unless include_dp=false."""
         with_dp = _flag(include_dp, "include_dp", True)
