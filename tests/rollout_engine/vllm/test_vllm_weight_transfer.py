@@ -36,7 +36,7 @@ def checkpoint_tensors(path: str) -> list[tuple[str, torch.Tensor]]:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    with live_server(checkpoints()[0]) as s:
+    with live_server(checkpoints()[0], scheduler_mode="process") as s:
         yield s
 
 
