@@ -1,7 +1,6 @@
-"""SkyRL's weight sync against the vLLM face, replayed from its RemoteInferenceClient's call
-sites (skyrl/backends/skyrl_train/inference_servers/remote_inference_client.py and
-weight_sync/broadcast_strategy.py): the package at the version that has them is not on this
-workplace's index, so the calls are made here in its order and shapes.
+"""SkyRL's weight sync against the vLLM face: its own client and broadcast sender, run from a
+venv with the ``skyrl`` package (skyrl_sync_script.py says what is stubbed), and a replay of
+the same calls from its call sites (remote_inference_client.py, broadcast_strategy.py).
 
     GET  /get_world_size (a JSON body of {})           world size per server
     POST /init_weight_transfer_engine {"init_info": {master_address, master_port,
@@ -67,6 +66,37 @@ def test_skyrl_broadcast_sync(server: LiveServer) -> None:
         finally:
             assert c.post("/shutdown_weight_transfer_engine").status_code == 200
             group.shutdown()
+        assert c.post("/update_weights", json={"weight_dir": w1}).status_code == 200
+    server.assert_no_leak()
+
+
+SKYRL = ["skyrl==0.3.0", "aiohttp", "aiohappyeyeballs", "aiosignal", "frozenlist", "multidict",
+         "propcache", "yarl"]
+"""skyrl without its training stack (torch, safetensors and the rest come from the system)."""
+
+
+def test_skyrl_client_and_sender(server: LiveServer) -> None:
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from rollout_engine.weights.loader import safetensors_files
+    from tests.venvs import client_venv
+
+    py = client_venv("skyrl-venv", SKYRL, system_site_packages=True, no_deps=True)
+    repo = Path(__file__).resolve().parents[3]
+    w1, w2 = checkpoints()
+    expected = fresh_greedy(w2)
+    assert greedy(server) != expected
+    (checkpoint,) = safetensors_files(w2)
+    args = {"repo": str(repo), "url": server.url, "checkpoint": checkpoint}
+    run = subprocess.run([str(py), str(Path(__file__).parent / "skyrl_sync_script.py"),
+                          json.dumps(args)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "synced" in run.stdout
+    assert greedy(server) == expected
+    with server.client() as c:   # back to W1 for the other tests
+        assert c.post("/update_weights", json={"weight_dir": w1}).status_code == 200
     server.assert_no_leak()
 
 
