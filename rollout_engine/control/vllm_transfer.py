@@ -67,12 +67,13 @@ class VllmTransfer:
     # -- init / shutdown -----------------------------------------------------------------------
     def rpc_vllm_init_weight_transfer(self, init_info: dict[str, Any]) -> Deferred:
         """Join the trainer's group off the loop (requests keep being served); waits at most
-        ``weight_update_group_timeout`` seconds for the trainer."""
+        ``weight_update_group_timeout`` seconds for the trainer. A group joined before is left
+        first (as vLLM replaces its communicator: a restarted trainer simply inits again),
+        unless an update is open."""
         info = parse_init_info(init_info)
-        if self.init is not None:
-            raise ValueError("init_weight_transfer_engine: the weight transfer is already "
-                             "initialized; call shutdown_weight_transfer_engine first")
         rl = self.rl
+        if self.init is not None or VLLM_GROUP in rl.groups.groups:
+            self.rpc_vllm_shutdown_weight_transfer()
         backend = "nccl" if rl.runner.device.type == "cuda" else "gloo"
         future = rl.groups.start_init(info.master_address, info.master_port, info.rank_offset,
                                       info.world_size, VLLM_GROUP, backend, rl.group_timeout_s)

@@ -223,3 +223,19 @@ def test_vllms_own_trainer_sender(server: LiveServer, expected: dict, packed: bo
                              env={**__import__("os").environ, "VLLM_LOGGING_LEVEL": "ERROR"})
         assert run.returncode == 0, run.stderr[-3000:]
         assert greedy(server) == expected[want]
+
+
+def test_a_second_init_replaces_the_group(server: LiveServer, sender: VllmWeightSender,
+                                          expected: dict) -> None:
+    """A restarted trainer inits again (vLLM replaces its communicator): the new group is the
+    one updates arrive on."""
+    w1, w2 = checkpoints()
+    again = VllmWeightSender(server.url, master_port=free_port(), packed=True,
+                             packed_buffer_size_bytes=4096)
+    again.init()
+    try:
+        again.send(checkpoint_tensors(w2), weight_version="w2")
+        assert greedy(server) == expected["w2"]
+        again.send(checkpoint_tensors(w1), weight_version="w1")
+    finally:
+        again.shutdown()
