@@ -1,7 +1,9 @@
 """The trainer side of vLLM's native weight transfer (``rollout_engine/protocol/vllm_wire.py``):
 a server's ``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights`` and
-``/finish_weight_update`` over HTTP, the weights broadcast from rank 0 of the group (gloo on
-CPU, nccl on CUDA), per tensor or in vLLM's packed chunks.
+``/finish_weight_update`` over HTTP, the weights broadcast from rank 0 of the group, per tensor
+or in vLLM's packed chunks: on CUDA through vLLM's own NCCL rendezvous
+(``rollout_engine/protocol/vllm_nccl.py``: a vLLM server can be the other side), on CPU a gloo
+group.
 
     sender = VllmWeightSender("http://host:port", master_port=free_port())
     sender.init()                               # the server joins as rank 1
@@ -17,11 +19,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import httpx
 import torch
 
+from rollout_engine.protocol.vllm_nccl import VllmNcclGroup, join_vllm_nccl
 from rollout_engine.protocol.vllm_wire import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     dtype_name,
@@ -53,7 +56,7 @@ def update_info(named: Sequence[tuple[str, torch.Tensor]],
     return info
 
 
-def broadcast_weights(group: UpdateGroup, named: Sequence[tuple[str, torch.Tensor]],
+def broadcast_weights(group: Union[UpdateGroup, VllmNcclGroup], named: Sequence[tuple[str, torch.Tensor]],
                       packed: bool, buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
                       ) -> None:
     """Rank 0's broadcasts of one update, in wire order: one per tensor, or one per packed
@@ -86,7 +89,7 @@ class VllmWeightSender:
         self.timeout_s = timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)
-        self.group: Optional[UpdateGroup] = None
+        self.group: Optional[Union[UpdateGroup, VllmNcclGroup]] = None
         self._lock = threading.Lock()
 
     def post(self, path: str, body: Optional[dict[str, Any]] = None) -> dict[str, Any]:
@@ -108,13 +111,21 @@ class VllmWeightSender:
         with ThreadPoolExecutor(1) as pool:
             answer = pool.submit(self.post, "/init_weight_transfer_engine", {"init_info": info})
             try:
-                self.group = join_update_group(self.master_address, self.master_port, 0,
-                                               self.world_size, VLLM_GROUP, self.backend,
-                                               self.timeout_s)
+                self.group = self._join()
             except BaseException:
                 answer.cancel()
                 raise
             answer.result()
+
+    def _join(self) -> Any:
+        """Rank 0: vLLM's own NCCL rendezvous on CUDA (a vLLM server can be the other side),
+        else the gloo group this engine joins on CPU."""
+        if self.backend == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+            return join_vllm_nccl(self.master_address, self.master_port, 0, self.world_size,
+                                  device, self.timeout_s)
+        return join_update_group(self.master_address, self.master_port, 0, self.world_size,
+                                 VLLM_GROUP, self.backend, self.timeout_s)
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
              weight_version: Optional[str] = None, packed: Optional[bool] = None,

@@ -1,7 +1,9 @@
 """vLLM's native weight transfer on the engine side (``protocol/vllm_wire.py`` is the wire).
 
-    init      join the trainer's group as rank ``rank_offset`` (a rendezvous off the loop,
-              the machinery of ``init_weights_update_group``); gloo on CPU, nccl on CUDA
+    init      join the trainer's group as rank ``rank_offset`` (a rendezvous off the loop):
+              on CUDA vLLM's own (its store keys, NCCL unique id and warm-up:
+              ``protocol/vllm_nccl.py``), so vLLM's trainer can drive it; on CPU, with no
+              NCCL, a gloo group joined as ``init_weights_update_group`` joins one
     start     open a session
     update    post this call's receives (per tensor, or vLLM's packed chunks) and return to
               the loop; once every byte arrived the tensors are checked against the model and
@@ -18,6 +20,7 @@ drained first, so the trainer never hangs on a refusal.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -27,6 +30,7 @@ import torch
 from rollout_engine.control.dispatch import Deferred
 from rollout_engine.control.rl_control import RLControl
 from rollout_engine.protocol.messages import BusyError
+from rollout_engine.protocol.vllm_nccl import join_vllm_nccl
 from rollout_engine.protocol.vllm_wire import (
     TransferInit,
     TransferUpdate,
@@ -74,9 +78,15 @@ class VllmTransfer:
         rl = self.rl
         if self.init is not None or VLLM_GROUP in rl.groups.groups:
             self.rpc_vllm_shutdown_weight_transfer()
-        backend = "nccl" if rl.runner.device.type == "cuda" else "gloo"
-        future = rl.groups.start_init(info.master_address, info.master_port, info.rank_offset,
-                                      info.world_size, VLLM_GROUP, backend, rl.group_timeout_s)
+        device = rl.runner.device
+        if device.type == "cuda":   # vLLM's own rendezvous and NCCL communicator
+            backend = "nccl"
+            future = self._start_nccl_join(info, device)
+        else:   # no NCCL: the same protocol over a gloo group
+            backend = "gloo"
+            future = rl.groups.start_init(info.master_address, info.master_port,
+                                          info.rank_offset, info.world_size, VLLM_GROUP,
+                                          backend, rl.group_timeout_s)
 
         def finish(done: Future) -> dict[str, Any]:
             rl.groups.finish_init(VLLM_GROUP, done)
@@ -84,6 +94,30 @@ class VllmTransfer:
             return {"backend": backend, "rank": info.rank_offset, "packed": info.packed}
 
         return Deferred(future, finish)
+
+    def _start_nccl_join(self, info: TransferInit, device: torch.device) -> Future:
+        """vLLM's StatelessProcessGroup rendezvous and communicator (``protocol/vllm_nccl.py``)
+        in a helper thread; the future yields the group ``finish_init`` registers."""
+        groups = self.rl.groups
+        if VLLM_GROUP in groups.pending:
+            raise ValueError("init_weight_transfer_engine: a rendezvous is already running")
+        if not info.rank_offset < info.world_size:
+            raise ValueError(f"init_info.rank_offset: engine rank {info.rank_offset} must be "
+                             f"in [1, {info.world_size}) (rank 0 is the trainer)")
+        future: Future = Future()
+        groups.pending[VLLM_GROUP] = future
+        timeout_s = self.rl.group_timeout_s
+
+        def join() -> None:
+            try:
+                future.set_result(join_vllm_nccl(info.master_address, info.master_port,
+                                                 info.rank_offset, info.world_size, device,
+                                                 timeout_s))
+            except BaseException as e:  # noqa: BLE001 - handed to the scheduler thread
+                future.set_exception(e)
+
+        threading.Thread(target=join, daemon=True, name="vllm-weight-transfer-join").start()
+        return future
 
     def rpc_vllm_shutdown_weight_transfer(self) -> dict[str, Any]:
         """Leave the group (vLLM refuses this during an update, and so do we)."""

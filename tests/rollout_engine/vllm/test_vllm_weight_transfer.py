@@ -239,3 +239,23 @@ def test_a_second_init_replaces_the_group(server: LiveServer, sender: VllmWeight
         again.send(checkpoint_tensors(w1), weight_version="w1")
     finally:
         again.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True])
+def test_cuda_transfer_over_vllms_nccl_rendezvous(packed: bool) -> None:
+    """On CUDA both sides meet through vLLM's rendezvous and NCCL (protocol/vllm_nccl.py)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    w1, w2 = checkpoints()
+    want = fresh_greedy(w2)
+    with live_server(w1, device="cuda") as cuda_server:
+        s = VllmWeightSender(cuda_server.url, master_port=free_port(), packed=packed,
+                             packed_buffer_size_bytes=4096)
+        assert s.backend == "nccl"
+        s.init()
+        try:
+            s.send([(n, t.cuda()) for n, t in checkpoint_tensors(w2)], weight_version="w2")
+            assert greedy(cuda_server) == want
+        finally:
+            s.shutdown()
