@@ -244,12 +244,14 @@ def test_a_second_init_replaces_the_group(server: LiveServer, sender: VllmWeight
 @pytest.mark.gpu
 @pytest.mark.parametrize("packed", [False, True])
 def test_cuda_transfer_over_vllms_nccl_rendezvous(packed: bool) -> None:
-    """On CUDA both sides meet through vLLM's rendezvous and NCCL (protocol/vllm_nccl.py)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+    """On CUDA both sides meet through vLLM's rendezvous and NCCL (protocol/vllm_nccl.py).
+    NCCL wants one device per rank: the engine on GPU 0, the trainer on GPU 1."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices (one NCCL rank each)")
     w1, w2 = checkpoints()
     want = fresh_greedy(w2)
-    with live_server(w1, device="cuda") as cuda_server:
+    with live_server(w1, device="cuda", scheduler_mode="process") as cuda_server, \
+            torch.cuda.device(1):
         s = VllmWeightSender(cuda_server.url, master_port=free_port(), packed=packed,
                              packed_buffer_size_bytes=4096)
         assert s.backend == "nccl"
