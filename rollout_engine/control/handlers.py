@@ -19,6 +19,7 @@ from rollout_engine.control.lora_control import LoraControl
 from rollout_engine.control.profiler import Profiler
 from rollout_engine.control.rl_control import RLControl
 from rollout_engine.control.vllm_control import VllmControl
+from rollout_engine.control.vllm_transfer import VllmTransfer
 from rollout_engine.control.weight_checks import WeightChecks
 from rollout_engine.protocol.messages import AbortReq, ControlReq, ControlResult, GenerateReq
 from rollout_engine.scheduler.scheduler import Scheduler
@@ -68,10 +69,16 @@ CALLS: dict[str, tuple[str, str]] = {
     "vllm_resume": ("vllm", "rpc_vllm_resume"),
     "vllm_pause_state": ("vllm", "rpc_vllm_pause_state"),
     "reset_prefix_cache": ("vllm", "rpc_reset_prefix_cache"),
+    # vLLM's native weight transfer (its routes: entrypoints/vllm_weight_routes.py)
+    "vllm_init_weight_transfer": ("transfer", "rpc_vllm_init_weight_transfer"),
+    "vllm_start_weight_update": ("transfer", "rpc_vllm_start_weight_update"),
+    "vllm_update_weights": ("transfer", "rpc_vllm_update_weights"),
+    "vllm_finish_weight_update": ("transfer", "rpc_vllm_finish_weight_update"),
+    "vllm_shutdown_weight_transfer": ("transfer", "rpc_vllm_shutdown_weight_transfer"),
 }
 OWNER_CLASSES: dict[str, type] = {"info": Introspection, "rl": RLControl, "checks": WeightChecks,
                                   "profiler": Profiler, "lora": LoraControl,
-                                  "vllm": VllmControl}
+                                  "vllm": VllmControl, "transfer": VllmTransfer}
 
 
 def declared_calls() -> dict[str, Callable[..., Any]]:
@@ -83,7 +90,7 @@ def handler_table(info: Introspection, rl: RLControl, profiler: Profiler,
                   lora: LoraControl, vllm: VllmControl) -> dict[str, Handler]:
     """Every control call the engine answers, by the name a ``ControlReq`` gives."""
     owners: dict[str, Any] = {"info": info, "rl": rl, "checks": rl.checks, "profiler": profiler,
-                              "lora": lora, "vllm": vllm}
+                              "lora": lora, "vllm": vllm, "transfer": VllmTransfer(rl)}
     return {name: getattr(owners[owner], attr) for name, (owner, attr) in CALLS.items()}
 
 
