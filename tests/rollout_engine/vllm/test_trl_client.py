@@ -149,11 +149,10 @@ def test_chat_renders_the_template_and_decodes_greedily(generated: dict[str, Any
         assert len(out["logprobs"][i]) == len(completion)
 
 
-def test_world_size_and_prefix_cache_reset(generated: dict[str, Any],
-                                           trl_server: LiveServer) -> None:
+def test_world_size_and_prefix_cache_reset(generated: dict[str, Any]) -> None:
     assert generated["world_size"] == 1
     assert generated["weight_transfer_config"] == {"backend": "gloo"}
-    assert trl_server.wait_idle()["kv_cached_tokens"] == 0   # the client reset it last
+    assert generated["cached_before_reset"] > 0 and generated["cached_after_reset"] == 0
 
 
 def test_weight_sync_then_greedy_equals_fresh_engine(trl_python: Path, qwen2_path: str,

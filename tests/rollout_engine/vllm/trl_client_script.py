@@ -29,8 +29,15 @@ def generation(client: Any, spec: dict[str, Any]) -> dict[str, Any]:
         "regex": client.generate(prompts[:1], temperature=1.0, max_tokens=max_tokens,
                                  structured_outputs_regex="[0-9]{3}"),
         "chat": client.chat(spec["messages"], n=2, temperature=0.0, max_tokens=max_tokens),
+        "cached_before_reset": cached_tokens(client),
         "reset_prefix_cache": client.reset_prefix_cache(),
+        "cached_after_reset": cached_tokens(client),
     }
+
+
+def cached_tokens(client: Any) -> int:
+    """The server's prefix-cache size (SGLang's key of the shared /server_info answer)."""
+    return client.session.get(f"{client.base_url}/server_info").json()["kv_cached_tokens"]
 
 
 def weight_sync(client: Any, spec: dict[str, Any]) -> dict[str, Any]:
