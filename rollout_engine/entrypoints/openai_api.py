@@ -42,7 +42,6 @@ from rollout_engine.entrypoints.http_utils import (
 from rollout_engine.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from rollout_engine.entrypoints.serving import GenerationService
 from rollout_engine.entrypoints.token_pieces import TextOffsets, TokenPieces, legacy_logprobs
-from rollout_engine.entrypoints.vllm_openai_extras import TokenIdPieces
 from rollout_engine.parsers import tool_format
 from rollout_engine.tokenizer_manager import RequestState, SchedulerDeadError
 
@@ -91,7 +90,6 @@ class OpenAIServing:
         self.service = service
         self.model_name = model_name
         self.pieces = TokenPieces(service.engine.tokenizer)
-        self.id_pieces = TokenIdPieces(self.pieces)
         config = service.engine.config
         self.trust_request_template = config.trust_request_chat_template
         self.renderer = ChatTemplateRenderer(service.engine.tokenizer,
@@ -133,13 +131,9 @@ class OpenAIServing:
                 "model": self.model_name}
 
     # -- logprobs ------------------------------------------------------------------------------
-    def pieces_for(self, req: Union[CompletionRequest, ChatCompletionRequest]) -> TokenPieces:
-        """How the request's logprob entries name tokens (vLLM's "token_id:<id>" if asked)."""
-        return self.id_pieces if req.return_tokens_as_token_ids else self.pieces
-
-    def chat_logprobs(self, meta: dict[str, Any], pieces: TokenPieces) -> dict[str, Any]:
+    def chat_logprobs(self, meta: dict[str, Any]) -> dict[str, Any]:
         def item(lp: float, tid: int) -> dict[str, Any]:
-            s, raw = pieces.piece(tid)
+            s, raw = self.pieces.piece(tid)
             return {"token": s, "logprob": lp, "bytes": list(raw)}
 
         tops = meta.get("output_top_logprobs")
@@ -182,13 +176,10 @@ class OpenAIServing:
                     entries = meta.get("input_token_logprobs", []) + entries
                     if tops is not None:
                         tops = meta.get("input_top_logprobs", []) + tops
-                logprobs = legacy_logprobs(self.pieces_for(req), entries, tops)
+                logprobs = legacy_logprobs(self.pieces, entries, tops)
             choices.append({"index": i, "text": prefix + res["text"], "logprobs": logprobs,
                             "finish_reason": _finish_reason(meta["finish_reason"]),
                             "matched_stop": _matched_stop(meta["finish_reason"])})
-            if req.return_token_ids:
-                choices[-1]["prompt_token_ids"] = list(st.req.input_ids)
-                choices[-1]["token_ids"] = list(res["output_ids"])
         return json_response({**self._header("cmpl", "text_completion"), "choices": choices,
                               "usage": _usage([r["meta_info"] for r in results], req.n),
                               **_sglext(results[0]["meta_info"])})
@@ -206,7 +197,7 @@ class OpenAIServing:
                     logprobs = None
                     if req.logprobs is not None and chunk["output_ids"]:
                         logprobs = legacy_logprobs(
-                            self.pieces_for(req), meta.get("output_token_logprobs") or [],
+                            self.pieces, meta.get("output_token_logprobs") or [],
                             meta.get("output_top_logprobs") if req.logprobs else None,
                             offsets[i])
                     if reason is not None:
@@ -268,7 +259,6 @@ class OpenAIServing:
         if req.stream:
             return sse_response(self._stream_chat(req, states, parsing))
         results = await self.service.collect(states, request)
-        pieces = self.pieces_for(req)
         choices = []
         for i, res in enumerate(results):
             meta = res["meta_info"]
@@ -276,7 +266,7 @@ class OpenAIServing:
             message = output.message(res["text"])
             choices.append({
                 "index": i, "message": message,
-                "logprobs": self.chat_logprobs(meta, pieces) if req.logprobs else None,
+                "logprobs": self.chat_logprobs(meta) if req.logprobs else None,
                 "finish_reason": _tool_finish(_finish_reason(meta["finish_reason"]),
                                               output.has_calls),
                 "matched_stop": _matched_stop(meta["finish_reason"])})
@@ -284,12 +274,7 @@ class OpenAIServing:
                 choices[-1]["meta_info"] = meta
             if req.return_prompt_token_ids:
                 choices[-1]["prompt_token_ids"] = list(states[i].req.input_ids)
-            if req.return_token_ids:
-                choices[-1]["token_ids"] = list(res["output_ids"])
-        vllm_ids = ({"prompt_token_ids": list(states[0].req.input_ids)}
-                    if req.return_token_ids else {})
         return json_response({**self._header("chatcmpl", "chat.completion"), "choices": choices,
-                              **vllm_ids,
                               "usage": _usage([r["meta_info"] for r in results], req.n),
                               **_sglext(results[0]["meta_info"])})
 
@@ -307,8 +292,8 @@ class OpenAIServing:
                 async for i, chunk in stream:
                     meta = chunk["meta_info"]
                     reason = meta["finish_reason"]
-                    logprobs = (self.chat_logprobs(meta, self.pieces_for(req))
-                                if req.logprobs and chunk["output_ids"] else None)
+                    logprobs = (self.chat_logprobs(meta) if req.logprobs and chunk["output_ids"]
+                                else None)
                     deltas = outputs[i].feed(chunk["text"])
                     if reason is not None:
                         deltas += outputs[i].finish()

@@ -5,9 +5,7 @@ Every field of SGLang's ``CompletionRequest`` / ``ChatCompletionRequest`` is acc
 the others are checked against that list (null or the default value, else a 400 naming the
 field) and dropped before validation. Types are strict (a string is not a number) and a name
 neither we nor SGLang know is an error, so a typo is a 400 rather than a silently ignored
-option. Beyond SGLang's fields: ``spaces_between_special_tokens``, ``add_generation_prompt``
-and vLLM's ``structured_outputs``, ``return_token_ids``, ``return_tokens_as_token_ids``
-(``vllm_openai_extras.py``; ``top_k = 0`` is vLLM's "no truncation").
+option. Beyond SGLang's fields: ``spaces_between_special_tokens`` and ``add_generation_prompt``.
 
 Structured output: ``constraint()`` turns ``response_format``, the top-level ``regex`` / ``ebnf``
 (``extra_body``), completions' ``json_schema`` and chat's forcing ``tool_choice`` (a grammar in
@@ -26,10 +24,6 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from rollout_engine.compat.fields import CHAT_REQUEST, COMPLETION_REQUEST, FieldList
 from rollout_engine.constrained.spec import ANY_JSON, Constraint, make_constraint
-from rollout_engine.entrypoints.vllm_openai_extras import (
-    structured_outputs_constraint,
-    vllm_top_k,
-)
 from rollout_engine.parsers import DEFAULT_TOOL_FORMAT, tool_call_constraint
 
 M = TypeVar("M", bound="_SamplingFields")
@@ -81,10 +75,6 @@ class _SamplingFields(_Strict):
     response_format: Optional[dict[str, Any]] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
-    # vLLM's extensions (vllm_openai_extras.py)
-    structured_outputs: Optional[dict[str, Any]] = None
-    return_token_ids: bool = False
-    return_tokens_as_token_ids: bool = False
 
     @classmethod
     def parse(cls: type[M], body: Any) -> M:
@@ -100,16 +90,13 @@ class _SamplingFields(_Strict):
     def check_unsupported(self) -> None:
         if self.n < 1:
             raise ValueError(f"n: must be >= 1, got {self.n}")
-        if self.stream and self.return_token_ids:
-            raise ValueError("return_token_ids: not supported with stream = true")
         if None not in (self.seed, self.sampling_seed) and self.seed != self.sampling_seed:
             raise ValueError(f"sampling_seed: {self.sampling_seed} differs from seed "
                              f"{self.seed}; give one of them")
 
     def _constraints(self) -> list[Constraint]:
         """Every constraint the request names (constraint() allows one)."""
-        found = [response_format_constraint(self.response_format),
-                 structured_outputs_constraint(self.structured_outputs)]
+        found = [response_format_constraint(self.response_format)]
         for name in ("regex", "ebnf"):
             value = getattr(self, name)
             if value is not None:
@@ -133,8 +120,7 @@ class _SamplingFields(_Strict):
         seed = self.seed if self.seed is not None else self.sampling_seed
         params = {**constraint_params(self.constraint()),
             "max_new_tokens": max_new_tokens, "min_new_tokens": self.min_tokens,
-            "temperature": self.temperature, "top_p": self.top_p,
-            "top_k": vllm_top_k(self.top_k),
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty, "stop": self.stop,

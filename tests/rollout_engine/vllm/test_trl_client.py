@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.rollout_engine.entrypoints.conftest import LiveServer, bound_socket, serve_app
@@ -170,8 +171,11 @@ def test_weight_sync_then_greedy_equals_fresh_engine(trl_python: Path, qwen2_pat
                                       "max_tokens": MAX_TOKENS, "model_path": qwen2_path,
                                       "save_to": str(tmp_path / "new"), "seed": 3,
                                       "group_port": group_port})
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            version = c.get("/get_weight_version").json()["weight_version"]
     finally:
         engine.shutdown()
+    assert version != "default"
     fresh = Engine(model_path=str(tmp_path / "new"), dtype="float32", device="cpu",
                    context_length=512, scheduler_mode="thread")
     old = Engine(model_path=qwen2_path, dtype="float32", device="cpu", context_length=512,
