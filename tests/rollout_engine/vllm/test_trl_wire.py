@@ -91,13 +91,9 @@ def test_chat_token_ids(client: Any, engine: Any) -> None:
         assert [token_id(e["token"]) for e in content] == ref["output_ids"]
 
 
-@pytest.mark.parametrize(("extra", "named"), [
-    ({"stream": True}, "return_token_ids"),
-    ({"top_k": -2}, "top_k"),
-])
-def test_refusals_name_the_field(client: Any, extra: dict[str, Any], named: str) -> None:
-    r = client.post("/v1/completions", json=completions_body(["x"], **extra))
-    assert r.status_code == 400 and named in r.json()["error"]["message"], r.text
+def test_top_k_below_minus_one_is_refused(client: Any) -> None:
+    r = client.post("/v1/completions", json=completions_body(["x"], top_k=-2))
+    assert r.status_code == 400 and "top_k" in r.json()["error"]["message"], r.text
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])

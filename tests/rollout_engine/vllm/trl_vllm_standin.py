@@ -31,7 +31,7 @@ import torch
 from rollout_engine.protocol.weight_broadcast import UpdateGroup, join_update_group
 
 STANDIN_VERSION = "0.31.0"   # the newest vLLM TRL 1.16 names as supported
-GROUP_NAME = "weight_transfer"
+GROUP_NAME = "vllm_weight_transfer"   # the group the engine joins for vLLM's native transfer
 BUFFER_SIZE_BYTES = 1024 * 1024 * 1024   # vLLM's DEFAULT_PACKED_BUFFER_SIZE_BYTES
 JOIN_TIMEOUT_S = 60.0
 
