@@ -1,7 +1,7 @@
 """TRL 1.16's ``VLLMClient`` (``GRPOTrainer(use_vllm=True, vllm_mode="server")``) against our
-server, unchanged: generate (n > 1, logprobs, token prompts, regex), chat, world size, server
-info, prefix-cache reset, and the weight sync, after which greedy outputs equal a fresh engine
-on the new weights.
+server, unchanged: generate (n > 1, logprobs, token prompts, regex), chat, sequence logprobs,
+world size, server info, prefix-cache reset, and the weight sync, after which greedy outputs
+equal a fresh engine on the new weights.
 
 TRL 1.16 serves nothing of its own: ``trl vllm-serve`` runs ``vllm serve`` (dev mode, NCCL
 weight transfer, processed logprobs), and the client speaks vLLM's routes. The client needs an
@@ -147,6 +147,23 @@ def test_chat_renders_the_template_and_decodes_greedily(generated: dict[str, Any
         assert completion == greedy(trl_server.engine, out["prompt_ids"][i // 2],
                                     MAX_TOKENS)["output_ids"]
         assert len(out["logprobs"][i]) == len(completion)
+
+
+def test_sequence_logprobs_score_the_completion(generated: dict[str, Any],
+                                                trl_server: LiveServer) -> None:
+    """get_sequence_logprobs (distillation): per completion position the top 3 (descending)
+    and the actual token's logprob, equal to our prompt logprobs of the same sequence."""
+    got, scored = generated["sequence_logprobs"], generated["scored"]
+    for i, (seq, start) in enumerate(zip(scored["sequences"], scored["prompt_lengths"])):
+        ref = trl_server.engine.generate(input_ids=seq, return_logprob=True, logprob_start_len=0,
+                                         sampling_params={"temperature": 1.0,
+                                                          "max_new_tokens": 1})
+        expected = [lp for lp, _, _ in ref["meta_info"]["input_token_logprobs"][start:]]
+        assert got["actual_token_ids"][i] == [[t] for t in seq[start:]]
+        assert [row[0] for row in got["actual_logprobs"][i]] == pytest.approx(expected,
+                                                                              abs=1e-4)
+        for row, ids in zip(got["logprobs"][i], got["logprob_token_ids"][i], strict=True):
+            assert len(row) == len(ids) == 3 and row == sorted(row, reverse=True)
 
 
 def test_world_size_and_prefix_cache_reset(generated: dict[str, Any]) -> None:

@@ -16,7 +16,13 @@ from typing import Any
 
 def generation(client: Any, spec: dict[str, Any]) -> dict[str, Any]:
     prompts, max_tokens = spec["prompts"], spec["max_tokens"]
+    scored = client.generate(prompts, temperature=0.0, max_tokens=max_tokens)
+    sequences = [p + c for p, c in zip(scored["prompt_ids"], scored["completion_ids"])]
     return {
+        "scored": {"sequences": sequences, "prompt_lengths": [len(p) for p in
+                                                              scored["prompt_ids"]]},
+        "sequence_logprobs": client.get_sequence_logprobs(
+            sequences, [len(p) for p in scored["prompt_ids"]], top_logprobs=3),
         "world_size": client.get_world_size(),
         "weight_transfer_config": client.get_server_info()["weight_transfer_config"],
         "greedy": client.generate(prompts, n=2, temperature=0.0, max_tokens=max_tokens,
