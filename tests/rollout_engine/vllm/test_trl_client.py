@@ -13,6 +13,7 @@ CUDA streams). The TRL virtual environment takes about half a minute to build, o
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from collections.abc import Iterator
@@ -64,8 +65,8 @@ def trl_server(qwen2_path: str, serve_app: Any) -> Iterator[LiveServer]:
 
 def run_client(python: Path, spec: dict[str, Any]) -> dict[str, Any]:
     run = subprocess.run([str(python), str(SCRIPT), json.dumps(spec)], capture_output=True,
-                         text=True, timeout=300, cwd=REPO, env={"PYTHONPATH": str(REPO),
-                                                                "PATH": "/usr/bin:/bin"})
+                         text=True, timeout=300, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
