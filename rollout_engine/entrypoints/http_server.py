@@ -48,6 +48,7 @@ from rollout_engine.entrypoints.serving import GenerationService
 from rollout_engine.entrypoints.trl_routes import add_trl_routes
 from rollout_engine.entrypoints.vllm_control_routes import add_vllm_control_routes
 from rollout_engine.entrypoints.vllm_generate_routes import add_vllm_generate_routes
+from rollout_engine.entrypoints.vllm_server_info import CONFIG_FORMATS, vllm_config
 from rollout_engine.entrypoints.vllm_weight_routes import add_vllm_weight_routes
 from rollout_engine.request_state import add_token_text
 from rollout_engine.tokenizer_manager import SchedulerDeadError
@@ -185,9 +186,14 @@ def create_app(engine: Engine, *, api_key: Optional[str] = None,
     async def model_info() -> Response:
         return json_response(await asyncio.to_thread(engine.get_model_info))
 
-    async def server_info() -> Response:
+    async def server_info(config_format: str = "text") -> Response:
+        # One handler for SGLang's flat dict and vLLM's {"vllm_config": ...} (extra key).
+        if config_format not in CONFIG_FORMATS:
+            return error_response(400, f"config_format must be one of {list(CONFIG_FORMATS)}, "
+                                       f"got {config_format!r}")
         info = await asyncio.to_thread(engine.get_server_info)
-        return json_response({**info, "scheduler_pid": tm.host.pid})
+        return json_response({**info, "scheduler_pid": tm.host.pid,
+                              "vllm_config": vllm_config(info, config_format)})
 
     for path in ("/get_model_info", "/model_info"):
         app.get(path)(model_info)

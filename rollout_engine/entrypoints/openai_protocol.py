@@ -8,7 +8,8 @@ neither we nor SGLang know is an error, so a typo is a 400 rather than a silentl
 option. Beyond SGLang's fields: ``spaces_between_special_tokens`` and ``add_generation_prompt``.
 
 Structured output: ``constraint()`` turns ``response_format``, the top-level ``regex`` / ``ebnf``
-(``extra_body``), completions' ``json_schema`` and chat's forcing ``tool_choice`` (a grammar in
+(``extra_body``), vLLM's ``structured_outputs`` (``vllm_structured_outputs.py``), completions'
+``json_schema`` and chat's forcing ``tool_choice`` (a grammar in
 the server's tool-call format) into one ``Constraint`` (a ValueError naming both fields when two
 are given); ``sampling_params`` carries it under SGLang's names (``json_object`` as
 ``json_schema="$$ANY$$"``, as SGLang sends it), and fills the sampling fields the request omits
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from rollout_engine.compat.fields import CHAT_REQUEST, COMPLETION_REQUEST, FieldList
 from rollout_engine.constrained.spec import ANY_JSON, Constraint, make_constraint
+from rollout_engine.entrypoints.vllm_structured_outputs import structured_outputs_constraint
 from rollout_engine.parsers import DEFAULT_TOOL_FORMAT, tool_call_constraint
 
 M = TypeVar("M", bound="_SamplingFields")
@@ -75,17 +77,23 @@ class _SamplingFields(_Strict):
     response_format: Optional[dict[str, Any]] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
+    _structured_outputs: Any = PrivateAttr(default=None)   # vLLM's, taken out in parse()
 
     @classmethod
     def parse(cls: type[M], body: Any) -> M:
         """Validate a request body: SGLang's fields we do not type here are checked against
         ``FIELDS`` (null or the default, else ValueError naming the field) and dropped; null
-        means the default for every field."""
+        means the default for every field. vLLM's ``structured_outputs`` is kept aside for
+        ``constraint()``."""
+        structured = None
         if isinstance(body, dict):
             cls.FIELDS.check(body, cls.ROUTE, unknown_ok=True)
-            body = {k: v for k, v in body.items()
-                    if v is not None and (k in cls.model_fields or k not in cls.FIELDS)}
-        return cls.model_validate(body)
+            structured = body.get("structured_outputs")
+            body = {k: v for k, v in body.items() if v is not None and k != "structured_outputs"
+                    and (k in cls.model_fields or k not in cls.FIELDS)}
+        req = cls.model_validate(body)
+        req._structured_outputs = structured
+        return req
 
     def check_unsupported(self) -> None:
         if self.n < 1:
@@ -96,7 +104,8 @@ class _SamplingFields(_Strict):
 
     def _constraints(self) -> list[Constraint]:
         """Every constraint the request names (constraint() allows one)."""
-        found = [response_format_constraint(self.response_format)]
+        found = [response_format_constraint(self.response_format),
+                 structured_outputs_constraint(self._structured_outputs)]
         for name in ("regex", "ebnf"):
             value = getattr(self, name)
             if value is not None:
