@@ -3,7 +3,7 @@
 
 The bodies are SGLang's request dataclasses (``io_struct.py``: ``LoadLoRAAdapterReqInput``,
 ``LoadLoRAAdapterFromTensorsReqInput``, ``UnloadLoRAAdapterReqInput``, with their ``BaseReq``
-fields), plus our ``upsert`` on the two loads. A success answers 200 with SGLang's
+fields), plus our ``upsert`` on the two loads (a directory load upserts unless told not to). A success answers 200 with SGLang's
 ``loaded_adapters``; a refused adapter or payload 400 (nothing changed), an unload of an
 adapter in use 409.
 """
@@ -19,8 +19,10 @@ from rollout_engine.entrypoints.rl_routes import REQUIRED, ControlRoute, add_con
 if TYPE_CHECKING:
     from rollout_engine.entrypoints.engine import Engine
 
+# a directory load of a name already loaded reloads it in place (prime-rl reloads one fixed
+# name from each step's directory); upsert: false refuses it instead, as SGLang does
 LOAD_FIELDS = {"lora_name": REQUIRED, "lora_path": REQUIRED, "pinned": False, "lora_id": None,
-               "upsert": False}
+               "upsert": True}
 # the payload is serialized_tensors (one string) or, in later SGLang releases,
 # serialized_named_tensors (one per tensor-parallel rank): one of the two
 FROM_TENSORS_FIELDS = {

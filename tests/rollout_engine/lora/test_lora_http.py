@@ -148,3 +148,27 @@ def test_abort_request_ends_a_lora_generate_call(served: tuple[Any, TestClient],
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert len(out["output_ids"]) < 1500
     _ok(client.post("/unload_lora_adapter", json={"lora_name": "a"}, headers=ADMIN))
+
+
+def test_a_directory_load_of_a_loaded_name_reloads_it_in_place(
+        served: tuple[Any, TestClient], adapters: dict[str, str], vocab: int) -> None:
+    """prime-rl's step: ``/load_lora_adapter`` with one fixed name and each step's directory
+    (its vLLM server forces load_inplace): the name serves the newest weights, with no stale
+    prefix; ``upsert: false`` keeps SGLang's refusal."""
+    engine, client = served
+    prompt = prompts(vocab, [11], seed=2)[0]
+    step: dict[str, list[int]] = {}
+    for directory in (adapters["all8"], adapters["linear4"], adapters["all8"]):
+        _ok(client.post("/load_lora_adapter", headers=ADMIN,
+                        json={"lora_name": "policy", "lora_path": directory}))
+        served_now = _generate(client, prompt, lora_path="policy")["output_ids"]
+        step.setdefault(directory, served_now)
+        assert served_now == step[directory]
+    assert step[adapters["all8"]] != step[adapters["linear4"]]
+    _ok(client.post("/load_lora_adapter", headers=ADMIN,
+                    json={"lora_name": "fresh", "lora_path": adapters["linear4"]}))
+    assert _generate(client, prompt, lora_path="fresh")["output_ids"] == step[adapters["linear4"]]
+    refused = client.post("/load_lora_adapter", headers=ADMIN, json={
+        "lora_name": "policy", "lora_path": adapters["linear4"], "upsert": False})
+    assert refused.status_code == 400 and "already loaded" in refused.text
+    assert _generate(client, prompt, lora_path="policy")["output_ids"] == step[adapters["all8"]]
