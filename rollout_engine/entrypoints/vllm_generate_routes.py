@@ -154,7 +154,8 @@ class VllmGenerate:
             "weight_versions": out.weight_version_spans(meta) if final else None,
             "logprobs": self._logprobs(req, meta)}
         if req.output_mode == "text":
-            choice["text"] = text
+            choice["text"] = (out.through_stop(text, reason)
+                              if req.sampling_params.include_stop_str_in_output else text)
         return choice
 
     def _response(self, req: VllmGenerateRequest, states: list[RequestState],

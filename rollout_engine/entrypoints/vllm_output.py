@@ -115,6 +115,17 @@ def stop_reason(reason: Optional[dict[str, Any]], stop_token_ids: list[int]
     return None
 
 
+def through_stop(text: str, reason: Optional[dict[str, Any]]) -> str:
+    """vLLM's ``include_stop_str_in_output``: ``text`` (kept whole by the engine's
+    ``no_stop_trim``) ends right after the stop string that finished it (the first match:
+    an earlier one would have stopped the output there)."""
+    matched = None if reason is None else reason.get("matched")
+    if reason is None or reason.get("type") != "stop" or not isinstance(matched, str):
+        return text
+    at = text.find(matched)
+    return text if at < 0 else text[:at + len(matched)]
+
+
 def finish_reason(reason: Optional[dict[str, Any]]) -> Optional[str]:
     return None if reason is None else str(reason.get("type"))
 
