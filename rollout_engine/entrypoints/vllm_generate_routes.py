@@ -10,6 +10,11 @@ sampled under); ``prompt_logprobs`` when asked; ``usage`` counting the prompt on
 usage chunk when ``stream_options.include_usage``, then ``[DONE]``. ``model`` may name a loaded
 LoRA adapter (the request runs on it); any other name but the served model's is a 404, as vLLM.
 ``cache_salt`` gives the request its own prefix-cache namespace. Errors are vLLM's JSON body.
+
+``/tokenize`` takes a ``prompt`` (``add_special_tokens`` default true) or chat ``messages``
+(rendered by the server's chat template; ``add_special_tokens`` default false) and answers
+``{"count", "max_model_len", "tokens", "token_strs"}``; ``/detokenize`` takes ``tokens`` and
+answers ``{"prompt"}`` (special tokens kept).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from rollout_engine.entrypoints import vllm_output as out
+from rollout_engine.entrypoints.chat_template import ChatTemplateRenderer
 from rollout_engine.entrypoints.http_utils import (
     SSE_DONE,
     HTTPError,
@@ -33,7 +39,12 @@ from rollout_engine.entrypoints.http_utils import (
     sse_response,
 )
 from rollout_engine.entrypoints.token_pieces import TokenPieces
-from rollout_engine.entrypoints.vllm_protocol import VllmGenerateRequest
+from rollout_engine.entrypoints.vllm_protocol import (
+    VllmDetokenizeRequest,
+    VllmGenerateRequest,
+    VllmTokenizeChatRequest,
+    VllmTokenizeRequest,
+)
 from rollout_engine.tokenizer_manager import RequestState, SchedulerDeadError
 
 if TYPE_CHECKING:
@@ -216,8 +227,90 @@ class VllmGenerate:
         yield SSE_DONE
 
 
+class VllmTokenize:
+    """``/tokenize`` and ``/detokenize`` in vLLM's shapes, on the engine's tokenizer."""
+
+    def __init__(self, engine: Engine, service: GenerationService,
+                 generate: VllmGenerate) -> None:
+        self.engine = engine
+        self.service = service
+        self.generate = generate
+        self.renderer = ChatTemplateRenderer(engine.tokenizer,
+                                             engine.config.max_template_render_s)
+
+    async def _body(self, request: Request) -> tuple[Any, Optional[Response]]:
+        try:
+            return await read_json(request), None
+        except HTTPError as e:
+            return None, out.vllm_error(e.status, e.message)
+
+    def _render(self, req: VllmTokenizeChatRequest) -> str:
+        if req.chat_template is not None or (req.chat_template_kwargs or {}).get(
+                "chat_template") is not None:
+            if not self.engine.config.trust_request_chat_template:
+                raise ValueError("chat_template: this server renders chat with its own "
+                                 "template and does not run templates sent with requests "
+                                 "(start it with --trust-request-chat-template)")
+        kwargs = dict(req.chat_template_kwargs or {})
+        template = req.chat_template or kwargs.pop("chat_template", None)
+        return self.renderer.render(
+            [m.template_dict() for m in req.messages],
+            tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            template_kwargs=kwargs, template=template)
+
+    async def tokenize(self, request: Request) -> Response:
+        body, error = await self._body(request)
+        if error is not None:
+            return error
+        kind = VllmTokenizeChatRequest if isinstance(body, dict) and "messages" in body \
+            else VllmTokenizeRequest
+        req, error = parse_or_error(kind, body)
+        if error is not None:
+            return error
+        _, error = self.generate.adapter(req.model)
+        if error is not None:
+            return error
+        tok = self.engine.tokenizer
+        try:
+            if isinstance(req, VllmTokenizeChatRequest):
+                req.check()
+                text = await self.service.offload_template(self._render, req)
+            else:
+                text = req.prompt
+        except ValueError as e:
+            return out.vllm_error(400, str(e), str(e).split(":", 1)[0])
+        ids = await self.service.offload(tok.encode, text,
+                                         add_special_tokens=req.add_special_tokens)
+        return json_response({
+            "count": len(ids), "max_model_len": self.engine.tm.context_len, "tokens": ids,
+            "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None})
+
+    async def detokenize(self, request: Request) -> Response:
+        body, error = await self._body(request)
+        if error is not None:
+            return error
+        req, error = parse_or_error(VllmDetokenizeRequest, body)
+        if error is not None:
+            return error
+        _, error = self.generate.adapter(req.model)
+        if error is not None:
+            return error
+        vocab = self.engine.tm.builder.vocab_size
+        bad = [t for t in req.tokens if t >= vocab]
+        if bad:
+            return out.vllm_error(400, f"tokens: token id {bad[0]} is out of vocabulary "
+                                       f"[0, {vocab})", "tokens")
+        text = await self.service.offload(self.engine.tokenizer.decode, list(req.tokens))
+        return json_response({"prompt": text})
+
+
 def add_vllm_generate_routes(app: FastAPI, engine: Engine, service: GenerationService,
                              admin: list[Any]) -> None:
     """Register vLLM's data routes; ``admin`` is the admin-key dependency list."""
     generate = VllmGenerate(engine, service)
     app.post("/inference/v1/generate")(generate.generate)
+    tokenize = VllmTokenize(engine, service, generate)
+    app.post("/tokenize")(tokenize.tokenize)
+    app.post("/detokenize")(tokenize.detokenize)

@@ -9,15 +9,18 @@ no effect on the answer here (``stream_interval``, ``extra_args``, ``watermarkin
 configured watermark) is accepted.
 
 ``engine_params`` turns a request into the engine's (SGLang-named) ``sampling_params``.
+``/tokenize`` and ``/detokenize`` take vLLM's shapes too (extra keys ignored, as vLLM).
 """
 
 from __future__ import annotations
 
 import math
 import uuid
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from rollout_engine.entrypoints.openai_protocol import ChatMessage, Tool
 
 MAX_PRIORITY = 2**63 - 1
 MAX_CACHE_SALT = 128                  # vLLM's bound, and characters it refuses in a salt
@@ -237,3 +240,47 @@ class VllmGenerateRequest(BaseModel):
     def continuous_usage(self) -> bool:
         return bool(self.include_usage and self.stream_options
                     and self.stream_options.continuous_usage_stats)
+
+
+class VllmTokenizeRequest(BaseModel):
+    """``POST /tokenize`` with a ``prompt`` (vLLM's ``TokenizeCompletionRequest``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: Optional[bool] = False
+
+
+class VllmTokenizeChatRequest(BaseModel):
+    """``POST /tokenize`` with ``messages`` (vLLM's ``TokenizeChatRequest``): the chat
+    template's prompt, tokenized."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: Optional[bool] = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[Tool]] = None
+    mm_processor_kwargs: Optional[dict[str, Any]] = None
+    media_io_kwargs: Optional[dict[str, Any]] = None
+
+    def check(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be true together with "
+                             "add_generation_prompt (set add_generation_prompt to false)")
+
+
+class VllmDetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's ``DetokenizeRequest``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    tokens: list[Annotated[int, Field(ge=0, le=MAX_PRIORITY)]]
