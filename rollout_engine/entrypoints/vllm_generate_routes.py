@@ -182,7 +182,7 @@ class VllmGenerate:
         num = req.sampling_params.prompt_logprobs
         return {
             "request_id": request_id, "model": self.model_name, "created": int(time.time()),
-            "usage": out.usage(first["prompt_tokens"], completion),
+            "usage": out.usage(first["prompt_tokens"], completion, first["cached_tokens"]),
             "prompt_logprobs": (out.prompt_logprobs(first, num, self.piece)
                                 if num is not None else None),
             "prompt_token_id_logprobs": None,

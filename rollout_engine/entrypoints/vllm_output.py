@@ -145,7 +145,11 @@ def weight_version_spans(meta: dict[str, Any]) -> Optional[list[dict[str, Any]]]
     return None
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """vLLM's ``UsageInfo`` (no ``prompt_tokens_details``, as vLLM's default)."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+          ) -> dict[str, Any]:
+    """vLLM's ``UsageInfo``; ``prompt_tokens_details.cached_tokens`` when the prefix cache
+    served any of the prompt (as prime-rl's server reports it), else null."""
     return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens, "prompt_tokens_details": None}
+            "completion_tokens": completion_tokens,
+            "prompt_tokens_details": ({"cached_tokens": cached_tokens} if cached_tokens
+                                      else None)}

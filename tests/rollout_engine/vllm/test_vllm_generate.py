@@ -60,13 +60,15 @@ def test_renderers_body_answers_what_the_client_reads(http: httpx.Client, engine
     assert [e["token"] for e in content] == [f"token_id:{t}" for t in ids]
     assert all(e["logprob"] <= 0.0 and e["top_logprobs"][0]["token_id"] == e["token_id"]
                for e in content)
-    assert data["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": len(ids),
-                             "total_tokens": len(PROMPT) + len(ids),
-                             "prompt_tokens_details": None}
+    usage = data["usage"]
+    assert usage["prompt_tokens"] == len(PROMPT) and usage["completion_tokens"] == len(ids)
+    assert usage["total_tokens"] == len(PROMPT) + len(ids)
     assert data["request_id"].startswith("generate-tokens-")
     assert choice["weight_versions"] == [{"version": "default", "start": 0, "end": len(ids)}]
-    # seeded: the same body gives the same tokens
-    assert generate(http, body)["choices"][0]["token_ids"] == ids
+    # seeded: the same body gives the same tokens; the prompt is now cached (and said so)
+    again = generate(http, body)
+    assert again["choices"][0]["token_ids"] == ids
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(PROMPT) - 1
 
 
 def test_greedy_matches_native_generate(http: httpx.Client) -> None:
