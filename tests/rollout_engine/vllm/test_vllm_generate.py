@@ -71,6 +71,26 @@ def test_renderers_body_answers_what_the_client_reads(http: httpx.Client, engine
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(PROMPT) - 1
 
 
+def test_skyrl_body_and_reads(http: httpx.Client, engine: Any) -> None:
+    """SkyRL's RemoteInferenceClient: vLLM SamplingParams as its config gives them, the served
+    model's name, a session header; it reads token_ids, finish_reason and each
+    logprobs.content[].logprob, then detokenizes the ids through /detokenize."""
+    payload = {"sampling_params": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                                   "max_tokens": 5, "logprobs": 0, "stop": None,
+                                   "include_stop_str_in_output": False,
+                                   "skip_special_tokens": True, "n": 1},
+               "model": engine.config.model_path, "token_ids": PROMPT}
+    r = http.post("/inference/v1/generate", json=payload, headers={"X-Session-ID": "s-1"})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    logprobs = [e["logprob"] for e in choice["logprobs"]["content"]]
+    assert len(logprobs) == len(choice["token_ids"]) >= 1
+    assert choice["finish_reason"] in ("stop", "length")
+    text = http.post("/detokenize", json={"model": engine.config.model_path,
+                                          "tokens": choice["token_ids"]}).json()["prompt"]
+    assert text == engine.tokenizer.decode(choice["token_ids"])
+
+
 def test_greedy_matches_native_generate(http: httpx.Client) -> None:
     ref = native(http, PROMPT, max_new_tokens=5, ignore_eos=True)
     data = generate(http, {"token_ids": PROMPT, "sampling_params": {
