@@ -16,8 +16,9 @@ distribution after the sampling transforms, as vLLM defines them (its ``v1/sampl
     log_softmax(s)                                  (masked tokens: -inf)
 
 The sampled tokens are the sampler's; only the reported logprobs (the chosen token's and the top
-candidates) are recomputed, in one extra pass over the batch's ``[B, V]`` logits, so the default
-``raw_logprobs`` path pays nothing. ``processed_logprobs_ref`` is the definition written for one
+candidates) are recomputed, in one extra pass over the batch's ``[B, V]`` logits (the scheduler
+runs it for a batch where a request asked for logprobs), so the default ``raw_logprobs`` path
+pays nothing. ``processed_logprobs_ref`` is the definition written for one
 row at a time, the oracle the batched version is tested against.
 """
 

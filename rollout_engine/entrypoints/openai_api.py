@@ -49,7 +49,7 @@ from rollout_engine.entrypoints.openai_vllm_fields import (
 )
 from rollout_engine.entrypoints.serving import GenerationService
 from rollout_engine.entrypoints.token_pieces import TextOffsets, TokenPieces, legacy_logprobs
-from rollout_engine.entrypoints.vllm_output import prompt_logprobs
+from rollout_engine.entrypoints.vllm_output import StopCut, prompt_logprobs
 from rollout_engine.parsers import tool_format
 from rollout_engine.tokenizer_manager import RequestState, SchedulerDeadError
 
@@ -244,6 +244,7 @@ class OpenAIServing:
         metas: list[Optional[dict[str, Any]]] = [None] * len(states)
         offsets = [TextOffsets() for _ in states]
         pieces = self.pieces_for(req)
+        cuts = [StopCut(bool(req.include_stop_str_in_output)) for _ in states]
         try:
             async with aclosing(self.service.stream(states)) as stream:
                 async for i, chunk in stream:
@@ -255,12 +256,13 @@ class OpenAIServing:
                             pieces, meta.get("output_token_logprobs") or [],
                             meta.get("output_top_logprobs") if req.logprobs else None,
                             offsets[i])
+                    text = cuts[i].delta(chunk["text"], reason)
                     if reason is not None:
                         metas[i] = meta
-                    elif not chunk["text"] and logprobs is None:
+                    elif not text and logprobs is None:
                         continue
                     yield sse({**header, "choices": [{
-                        "index": i, "text": chunk["text"], "logprobs": logprobs,
+                        "index": i, "text": text, "logprobs": logprobs,
                         "finish_reason": _finish_reason(reason),
                         "matched_stop": _matched_stop(reason),
                         **self.vllm_choice(req, states[i], chunk, False)}], **_sglext(meta)})
@@ -351,6 +353,7 @@ class OpenAIServing:
         header = self._header("chatcmpl", "chat.completion.chunk")
         metas: list[Optional[dict[str, Any]]] = [None] * len(states)
         outputs = [parsing.output() for _ in states]
+        cuts = [StopCut(bool(req.include_stop_str_in_output)) for _ in states]
         try:
             for i in range(len(states)):
                 yield sse({**header, "choices": [{
@@ -363,7 +366,7 @@ class OpenAIServing:
                     logprobs = (self.chat_logprobs(meta, self.pieces_for(req),
                                                    req.top_logprobs or 0)
                                 if req.logprobs and chunk["output_ids"] else None)
-                    deltas = outputs[i].feed(chunk["text"])
+                    deltas = outputs[i].feed(cuts[i].delta(chunk["text"], reason))
                     if reason is not None:
                         deltas += outputs[i].finish()
                         metas[i] = meta

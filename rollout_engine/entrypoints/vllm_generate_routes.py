@@ -156,7 +156,8 @@ class VllmGenerate:
         return out.tokens_logprobs(entries, tops, num)
 
     def _choice(self, req: VllmGenerateRequest, index: int, token_ids: list[int],
-                meta: dict[str, Any], text: str, final: bool) -> dict[str, Any]:
+                meta: dict[str, Any], text: str, final: bool, streamed: bool = False
+                ) -> dict[str, Any]:
         reason = meta["finish_reason"]
         choice: dict[str, Any] = {
             "index": index, "finish_reason": out.finish_reason(reason),
@@ -165,8 +166,8 @@ class VllmGenerate:
             "weight_versions": out.weight_version_spans(meta) if final else None,
             "logprobs": self._logprobs(req, meta)}
         if req.output_mode == "text":
-            choice["text"] = (out.through_stop(text, reason)
-                              if req.sampling_params.include_stop_str_in_output else text)
+            choice["text"] = (out.through_stop(text, reason) if not streamed
+                              and req.sampling_params.include_stop_str_in_output else text)
         return choice
 
     def _response(self, req: VllmGenerateRequest, states: list[RequestState],
@@ -197,19 +198,21 @@ class VllmGenerate:
         generated = [0] * len(states)
         prompt_ids: Optional[list[int]] = (list(states[0].req.input_ids)
                                            if req.return_token_ids else None)
+        cuts = [out.StopCut(req.sampling_params.include_stop_str_in_output) for _ in states]
         try:
             async with aclosing(self.service.stream(states)) as stream:
                 async for i, chunk in stream:
                     meta = chunk["meta_info"]
                     ids = list(chunk["output_ids"])
                     final = meta["finish_reason"] is not None
-                    text_only = req.output_mode == "text" and chunk["text"]
+                    text = cuts[i].delta(chunk["text"], meta["finish_reason"])
+                    text_only = req.output_mode == "text" and text
                     if not (ids or final or text_only):
                         continue
                     generated[i] += len(ids)
                     event: dict[str, Any] = {
                         "request_id": request_id, "usage": None, "output_mode": req.output_mode,
-                        "choices": [self._choice(req, i, ids, meta, chunk["text"], final)]}
+                        "choices": [self._choice(req, i, ids, meta, text, final, True)]}
                     if prompt_ids is not None:
                         event["prompt_token_ids"], prompt_ids = prompt_ids, None
                         event["mm_placeholders"] = None

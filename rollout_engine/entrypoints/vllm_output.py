@@ -126,6 +126,23 @@ def through_stop(text: str, reason: Optional[dict[str, Any]]) -> str:
     return text if at < 0 else text[:at + len(matched)]
 
 
+class StopCut:
+    """One streamed choice's text deltas under ``include_stop_str_in_output`` (``active``):
+    the final delta ends right after the stop string, as ``through_stop`` cuts a whole text."""
+
+    def __init__(self, active: bool) -> None:
+        self.active = active
+        self.sent = ""
+
+    def delta(self, text: str, reason: Optional[dict[str, Any]]) -> str:
+        if not self.active:
+            return text
+        if reason is None:
+            self.sent += text
+            return text
+        return through_stop(self.sent + text, reason)[len(self.sent):]
+
+
 def finish_reason(reason: Optional[dict[str, Any]]) -> Optional[str]:
     return None if reason is None else str(reason.get("type"))
 

@@ -4,6 +4,7 @@ the fields refused by name."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -107,6 +108,18 @@ def test_include_stop_str_in_output_keeps_the_stop_string(client: TestClient) ->
                 {**body, "include_stop_str_in_output": True})["choices"][0]
     assert trimmed["stop_reason"] == stop and trimmed["finish_reason"] == "stop"
     assert kept["text"] == trimmed["text"] + stop and not trimmed["text"].endswith(stop)
+
+
+def test_include_stop_str_in_output_streamed(client: TestClient) -> None:
+    text = greedy(client, PROMPT, 12)["text"]
+    at = next(i for i, ch in enumerate(text) if i > 0 and ch.isascii() and ch.isalpha())
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True,
+            "stop": [text[at]], "include_stop_str_in_output": True}
+    whole = post(client, "/v1/completions", body)["choices"][0]["text"]
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    streamed = "".join(json.loads(ln)["choices"][0]["text"] for ln in lines[:-1])
+    assert streamed == whole and whole.endswith(text[at])
 
 
 def test_top_k_zero_is_vllms_no_top_k(client: TestClient) -> None:
