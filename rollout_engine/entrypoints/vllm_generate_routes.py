@@ -14,7 +14,8 @@ LoRA adapter (the request runs on it); any other name but the served model's is 
 ``/tokenize`` takes a ``prompt`` (``add_special_tokens`` default true) or chat ``messages``
 (rendered by the server's chat template; ``add_special_tokens`` default false) and answers
 ``{"count", "max_model_len", "tokens", "token_strs"}``; ``/detokenize`` takes ``tokens`` and
-answers ``{"prompt"}`` (special tokens kept).
+answers ``{"prompt"}`` (special tokens kept). ``/inference/v1/abort_requests`` aborts
+generate requests by their ``request_id``.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ from rollout_engine.tokenizer_manager import RequestState, SchedulerDeadError
 if TYPE_CHECKING:
     from rollout_engine.entrypoints.engine import Engine
     from rollout_engine.entrypoints.serving import GenerationService
+
+PREFIX = "generate-tokens-"   # vLLM's request ids on this route: the prefix + the caller's id
 
 
 def validation_param(err: dict[str, Any]) -> str:
@@ -129,7 +132,7 @@ class VllmGenerate:
         vocab = self.engine.tm.builder.vocab_size
         top = max([vocab if k == -1 else k for k in want], default=0)
         base_id = request.headers.get("X-Request-Id") or req.request_id
-        request_id = f"generate-tokens-{base_id}"
+        request_id = PREFIX + base_id
         try:
             states, _ = await self.service.submit(
                 input_ids=list(req.token_ids), sampling_params=sp.engine_params(max_tokens),
@@ -143,6 +146,25 @@ class VllmGenerate:
             return sse_response(self._stream(req, states, request_id))
         results = await self.service.collect(states, request)
         return json_response(self._response(req, states, results, request_id))
+
+    async def abort_requests(self, request: Request) -> Response:
+        """vLLM's ``/inference/v1/abort_requests``: ``{"request_ids": [...]}``, each the
+        ``request_id`` a generate answer carried (or the one its request gave); every sample
+        of each is aborted. 200 with an empty body."""
+        try:
+            body = await read_json(request)
+        except HTTPError as e:
+            return out.vllm_error(e.status, e.message)
+        ids = body.get("request_ids")
+        if ids is None:
+            return out.vllm_error(400, "Missing 'request_ids' in request body", "request_ids")
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            return out.vllm_error(400, "request_ids: must be a list of strings", "request_ids")
+        self.engine.tm.check_alive()
+        for rid in ids:
+            for name in {rid, rid if rid.startswith(PREFIX) else PREFIX + rid}:
+                self.engine.tm.abort(rid=name)
+        return Response(status_code=200)
 
     # -- one answer ----------------------------------------------------------------------------
     def _logprobs(self, req: VllmGenerateRequest, meta: dict[str, Any]) -> Any:
@@ -314,6 +336,7 @@ def add_vllm_generate_routes(app: FastAPI, engine: Engine, service: GenerationSe
     """Register vLLM's data routes; ``admin`` is the admin-key dependency list."""
     generate = VllmGenerate(engine, service)
     app.post("/inference/v1/generate")(generate.generate)
+    app.post("/inference/v1/abort_requests")(generate.abort_requests)
     tokenize = VllmTokenize(engine, service, generate)
     app.post("/tokenize")(tokenize.tokenize)
     app.post("/detokenize")(tokenize.detokenize)

@@ -5,6 +5,8 @@ stop reasons, cache_salt namespaces and vLLM's error answers."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -227,6 +229,34 @@ def test_unknown_fields_are_ignored_as_vllm_does(http: httpx.Client) -> None:
     data = generate(http, {"token_ids": PROMPT, "not_a_field": 1, "sampling_params": {
         "max_tokens": 2, "also_not_a_field": True, "extra_args": {"x": 1}}})
     assert len(data["choices"][0]["token_ids"]) <= 2
+
+
+def test_abort_requests_by_request_id(http: httpx.Client) -> None:
+    """A queued generate request (the scheduler paused) is aborted by the request_id its
+    caller gave: every sample ends with finish_reason "abort"."""
+    assert http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+    result: dict[str, Any] = {}
+
+    def call() -> None:
+        result["answer"] = http.post("/inference/v1/generate", json={
+            "token_ids": PROMPT, "request_id": "to-abort",
+            "sampling_params": {"n": 2, "max_tokens": 8}}).json()
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    try:
+        deadline = time.time() + 30
+        while http.get("/get_server_info").json()["num_waiting_reqs"] < 2:
+            assert time.time() < deadline, "the request never reached the queue"
+        r = http.post("/inference/v1/abort_requests", json={"request_ids": ["to-abort"]})
+        assert r.status_code == 200
+    finally:
+        http.post("/continue_generation")
+        worker.join(30)
+    choices = result["answer"]["choices"]
+    assert [c["finish_reason"] for c in choices] == ["abort", "abort"]
+    missing = http.post("/inference/v1/abort_requests", json={})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "request_ids"
 
 
 def test_weight_version_spans_pass_through() -> None:
