@@ -40,13 +40,7 @@ from rollout_engine.entrypoints.http_utils import (
     sse_response,
 )
 from rollout_engine.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
-from rollout_engine.entrypoints.openai_vllm_fields import (
-    TokenIdPieces,
-    VllmOpenAIFields,
-    output_text,
-    shape_prompts,
-    vllm_choice_fields,
-)
+from rollout_engine.entrypoints.openai_vllm_fields import VllmFieldsServing, output_text
 from rollout_engine.entrypoints.serving import GenerationService
 from rollout_engine.entrypoints.token_pieces import TextOffsets, TokenPieces, legacy_logprobs
 from rollout_engine.entrypoints.vllm_output import StopCut, prompt_logprobs
@@ -96,7 +90,7 @@ def _prompt_kwargs(prompt: Any) -> dict[str, Any]:
     return {"input_ids": prompt}
 
 
-class OpenAIServing:
+class OpenAIServing(VllmFieldsServing):
     """Builds OpenAI responses from engine results."""
 
     def __init__(self, service: GenerationService, model_name: str) -> None:
@@ -138,33 +132,6 @@ class OpenAIServing:
             return model
         _, colon, adapter = model.partition(":")
         return (adapter.strip() or None) if colon else None
-
-    def pieces_for(self, req: VllmOpenAIFields) -> Any:
-        """How logprob entries show a token: decoded, or vLLM's ``token_id:<id>``."""
-        return TokenIdPieces() if req.return_tokens_as_token_ids else self.pieces
-
-    async def shaped_prompt(self, req: Union[CompletionRequest, ChatCompletionRequest],
-                            prompt: Any) -> Any:
-        """``prompt`` after vLLM's ``add_special_tokens`` / ``truncate_prompt_tokens``."""
-        if not req.needs_ids():
-            return prompt
-        engine = self.service.engine
-        return await self.service.offload(shape_prompts, req, prompt, engine.tokenizer,
-                                          engine.tm.context_len)
-
-    def vllm_choice(self, req: Union[CompletionRequest, ChatCompletionRequest],
-                    st: RequestState, res: dict[str, Any], whole: bool) -> dict[str, Any]:
-        return vllm_choice_fields(req, lambda: st.req.input_ids, res, whole,
-                                  self.token_string)
-
-    def prompt_top(self, req: Union[CompletionRequest, ChatCompletionRequest]) -> int:
-        """How many top candidates ``prompt_logprobs`` needs at each prompt position."""
-        if req.prompt_logprobs is None:
-            return 0
-        return req.prompt_top(self.service.engine.tm.builder.vocab_size)
-
-    def token_string(self, token_id: int) -> str:
-        return self.pieces.piece(token_id)[0]
 
     def _header(self, prefix: str, obj: str) -> dict[str, Any]:
         return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),

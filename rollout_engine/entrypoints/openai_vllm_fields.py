@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel
 
+from rollout_engine.entrypoints.token_pieces import TokenPieces
 from rollout_engine.entrypoints.vllm_output import prompt_logprobs, stop_reason, through_stop
 
 REFUSED = {
@@ -172,3 +173,38 @@ def output_text(req: Any, res: dict[str, Any]) -> str:
     if req.include_stop_str_in_output:
         return through_stop(res["text"], res["meta_info"]["finish_reason"])
     return str(res["text"])
+
+
+class VllmFieldsServing:
+    """The OpenAI routes' handling of vLLM's fields (a base of ``OpenAIServing``, which sets
+    ``service`` and ``pieces``)."""
+
+    service: Any
+    pieces: TokenPieces
+
+    def pieces_for(self, req: VllmOpenAIFields) -> Any:
+        """How logprob entries show a token: decoded, or vLLM's ``token_id:<id>``."""
+        return TokenIdPieces() if req.return_tokens_as_token_ids else self.pieces
+
+    async def shaped_prompt(self, req: VllmOpenAIFields, prompt: Any) -> Any:
+        """``prompt`` after vLLM's ``add_special_tokens`` / ``truncate_prompt_tokens``."""
+        if not req.needs_ids():
+            return prompt
+        engine = self.service.engine
+        return await self.service.offload(shape_prompts, req, prompt, engine.tokenizer,
+                                          engine.tm.context_len)
+
+    def vllm_choice(self, req: Any, st: Any, res: dict[str, Any], whole: bool
+                    ) -> dict[str, Any]:
+        """``vllm_choice_fields`` of request state ``st``'s result ``res``."""
+        return vllm_choice_fields(req, lambda: st.req.input_ids, res, whole,
+                                  self.token_string)
+
+    def prompt_top(self, req: VllmOpenAIFields) -> int:
+        """How many top candidates ``prompt_logprobs`` needs at each prompt position."""
+        if req.prompt_logprobs is None:
+            return 0
+        return req.prompt_top(self.service.engine.tm.builder.vocab_size)
+
+    def token_string(self, token_id: int) -> str:
+        return self.pieces.piece(token_id)[0]
