@@ -258,7 +258,7 @@ class OpenAIServing(VllmFieldsServing):
             tools=[t.model_dump(exclude_none=True) for t in req.active_tools],
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
-            template_kwargs=req.template_kwargs, template=template)
+            template_kwargs=req.template_kwargs, template=template, documents=req.documents)
 
     async def chat_completions(self, request: Request) -> Response:
         req = ChatCompletionRequest.parse(await read_json(request),
@@ -286,13 +286,13 @@ class OpenAIServing(VllmFieldsServing):
             return_routed_experts=req.return_routed_experts,
             routed_experts_start_len=req.routed_experts_start_len, lora_path=self.lora_path(req))
         if req.stream:
-            return sse_response(self._stream_chat(req, states, parsing))
+            return sse_response(self._stream_chat(req, states, parsing, text))
         results = await self.service.collect(states, request)
         choices = []
         for i, res in enumerate(results):
             meta = res["meta_info"]
             output = parsing.output()
-            message = output.message(output_text(req, res))
+            message = req.visible(output.message(output_text(req, res)))
             choices.append({
                 "index": i, "message": message,
                 "logprobs": (self.chat_logprobs(meta, self.pieces_for(req), req.top_logprobs or 0)
@@ -311,21 +311,24 @@ class OpenAIServing(VllmFieldsServing):
                                                         req.prompt_logprobs, self.token_string)
         if req.return_token_ids:
             extras["prompt_token_ids"] = list(states[0].req.input_ids)
+        if req.return_prompt_text:
+            extras["prompt_text"] = text
         return json_response({**self._header("chatcmpl", "chat.completion"), "choices": choices,
                               "usage": _usage([r["meta_info"] for r in results], req.n),
                               **_sglext(results[0]["meta_info"]), **extras})
 
     async def _stream_chat(self, req: ChatCompletionRequest, states: list[RequestState],
-                           parsing: ChatParsing) -> AsyncIterator[bytes]:
+                           parsing: ChatParsing, prompt_text: str) -> AsyncIterator[bytes]:
         header = self._header("chatcmpl", "chat.completion.chunk")
         metas: list[Optional[dict[str, Any]]] = [None] * len(states)
         outputs = [parsing.output() for _ in states]
         cuts = [StopCut(bool(req.include_stop_str_in_output)) for _ in states]
         try:
             for i in range(len(states)):
+                first = {"prompt_text": prompt_text} if req.return_prompt_text and i == 0 else {}
                 yield sse({**header, "choices": [{
                     "index": i, "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None, "finish_reason": None}]})
+                    "logprobs": None, "finish_reason": None}], **first})
             async with aclosing(self.service.stream(states)) as stream:
                 async for i, chunk in stream:
                     meta = chunk["meta_info"]
@@ -337,7 +340,8 @@ class OpenAIServing(VllmFieldsServing):
                     if reason is not None:
                         deltas += outputs[i].finish()
                         metas[i] = meta
-                    elif not deltas and logprobs is None:
+                    deltas = [d for d in map(req.visible, deltas) if d]
+                    if reason is None and not deltas and logprobs is None:
                         continue
                     finish = _tool_finish(_finish_reason(reason), outputs[i].has_calls)
                     for delta in deltas[:-1]:

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from rollout_engine.compat.fields import CHAT_REQUEST, COMPLETION_REQUEST, FieldList
 from rollout_engine.constrained.spec import ANY_JSON, Constraint, make_constraint
-from rollout_engine.entrypoints.openai_vllm_fields import VllmOpenAIFields
+from rollout_engine.entrypoints.openai_vllm_fields import VllmChatFields, VllmOpenAIFields
 from rollout_engine.parsers import DEFAULT_TOOL_FORMAT, tool_call_constraint
 
 M = TypeVar("M", bound="_SamplingFields")
@@ -221,7 +221,7 @@ ReasoningEffort = Union[Literal["none", "minimal", "low", "medium", "high", "xhi
                         float]
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, VllmChatFields):
     """``POST /v1/chat/completions``."""
 
     FIELDS = CHAT_REQUEST

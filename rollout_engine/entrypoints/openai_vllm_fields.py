@@ -19,7 +19,9 @@ What each does here:
   ``allowed_token_ids``, ``logprob_token_ids``, ``structured_outputs`` (send
   ``response_format`` / ``regex`` / ``ebnf``), ``thinking_token_budget``,
   ``repetition_detection``, ``kv_transfer_params``, ``ec_transfer_params``, ``prompt_embeds``,
-  ``mm_payload``, ``return_mm_kwargs``, ``return_token_offsets`` true.
+  ``mm_payload``, ``return_mm_kwargs``, ``return_token_offsets`` true,
+  ``routed_experts_prompt_start`` other than 0.
+- chat only: ``VllmChatFields``.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ class VllmOpenAIFields(BaseModel):
         "return_tokens_as_token_ids", "return_token_ids", "prompt_logprobs",
         "include_stop_str_in_output", "truncate_prompt_tokens", "truncation_side",
         "add_special_tokens", "request_id", "use_beam_search", "length_penalty",
-        "stream_interval", "vllm_xargs", "watermarking", "return_token_offsets", *REFUSED)
+        "stream_interval", "vllm_xargs", "watermarking", "return_token_offsets",
+        "routed_experts_prompt_start", *REFUSED)
 
     return_tokens_as_token_ids: Optional[bool] = None
     return_token_ids: Optional[bool] = None
@@ -90,6 +93,7 @@ class VllmOpenAIFields(BaseModel):
     prompt_embeds: Optional[Union[str, list[str]]] = None
     mm_payload: Optional[Any] = None
     return_mm_kwargs: Optional[bool] = None
+    routed_experts_prompt_start: Optional[int] = None
 
     def check_vllm(self) -> None:
         """Refuse what this engine lacks (ValueError naming the field)."""
@@ -102,6 +106,10 @@ class VllmOpenAIFields(BaseModel):
         for name, why in REFUSED.items():
             if getattr(self, name) not in (None, [], {}, False):
                 raise ValueError(f"{name}: {why}")
+        if self.routed_experts_prompt_start:
+            raise ValueError("routed_experts_prompt_start: vLLM's routed-experts record is not "
+                             "returned here (SGLang's return_routed_experts with "
+                             "routed_experts_start_len is)")
         if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
             raise ValueError(f"prompt_logprobs: must be non-negative or -1, got "
                              f"{self.prompt_logprobs}")
@@ -134,6 +142,37 @@ class VllmOpenAIFields(BaseModel):
     def needs_ids(self) -> bool:
         """Whether a text prompt must be tokenized here (truncation, special tokens)."""
         return self.truncate_prompt_tokens is not None or self.add_special_tokens is not None
+
+
+class VllmChatFields(VllmOpenAIFields):
+    """vLLM's chat-only extras: ``include_reasoning`` (false: no ``reasoning_content`` in the
+    message or its deltas), ``documents`` (to the chat template, as transformers passes them),
+    ``return_prompt_text`` (the rendered prompt as ``prompt_text``; the first chunk of a
+    stream); ``media_io_kwargs`` / ``mm_processor_kwargs`` accepted (text-only models: no
+    effect); ``echo`` true refused."""
+
+    VLLM_CHAT_FIELDS: ClassVar[tuple[str, ...]] = (
+        "include_reasoning", "documents", "return_prompt_text", "media_io_kwargs",
+        "mm_processor_kwargs", "echo")
+
+    include_reasoning: Optional[bool] = None
+    documents: Optional[list[dict[str, Any]]] = None
+    return_prompt_text: Optional[bool] = None
+    media_io_kwargs: Optional[dict[str, Any]] = None
+    mm_processor_kwargs: Optional[dict[str, Any]] = None
+    echo: Optional[bool] = None
+
+    def check_vllm(self) -> None:
+        super().check_vllm()
+        if self.echo:
+            raise ValueError("echo: echoing the last message is not supported by this server "
+                             "(send false or leave it unset)")
+
+    def visible(self, part: dict[str, Any]) -> dict[str, Any]:
+        """A message or delta less ``reasoning_content`` when ``include_reasoning`` is false."""
+        if self.include_reasoning is False and "reasoning_content" in part:
+            part = {k: v for k, v in part.items() if k != "reasoning_content"}
+        return part
 
 
 def shape_prompts(req: VllmOpenAIFields, prompt: Any, tokenizer: Any, context_len: int) -> Any:

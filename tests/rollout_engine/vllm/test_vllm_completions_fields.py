@@ -142,7 +142,35 @@ def test_chat_token_ids_and_logprob_tokens_as_ids(client: TestClient) -> None:
     assert data["prompt_token_ids"] and len(choice["token_ids"]) == 3
 
 
+def test_chat_prompt_text_and_accepted_chat_extras(client: TestClient, engine: Any) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    want = engine.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                add_generation_prompt=True)
+    body = {"messages": messages, "max_tokens": 2, "return_prompt_text": True,
+            "include_reasoning": False, "media_io_kwargs": {}, "mm_processor_kwargs": {},
+            "echo": False, "documents": [{"title": "t", "text": "d"}]}
+    assert post(client, "/v1/chat/completions", body)["prompt_text"] == want
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        first = json.loads(next(ln for ln in r.iter_lines() if ln.startswith("data: "))[6:])
+    assert first["prompt_text"] == want
+    r = client.post("/v1/chat/completions", json={**body, "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("echo:")
+
+
+def test_chat_documents_reach_the_template(engine: Any) -> None:
+    from rollout_engine.entrypoints.chat_template import ChatTemplateRenderer
+    from rollout_engine.entrypoints.openai_protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest.parse({"messages": [{"role": "user", "content": "q"}],
+                                       "documents": [{"title": "t", "text": "doc-text"}]})
+    renderer = ChatTemplateRenderer(engine.tokenizer, 5.0)
+    text = renderer.render([m.template_dict() for m in req.messages], documents=req.documents,
+                           template="{% for d in documents %}[{{ d.text }}]{% endfor %}")
+    assert text == "[doc-text]"
+
+
 @pytest.mark.parametrize("field, value", [
+    ("routed_experts_prompt_start", 2),
     ("use_beam_search", True), ("bad_words", ["x"]), ("allowed_token_ids", [1, 2]),
     ("structured_outputs", {"regex": "a+"}), ("kv_transfer_params", {"x": 1}),
     ("logprob_token_ids", [3]), ("return_token_offsets", True), ("prompt_logprobs", -2),
