@@ -177,3 +177,12 @@ def test_processed_logprobs_match_vllm(tmp_path: Any) -> None:
         assert set(my_finite) == set(their_finite), row
         for t, lp in their_finite.items():
             assert my_finite[t] == pytest.approx(lp, abs=1e-4), (row, t)
+
+
+def test_processed_logprobs_refused_with_speculative_decoding(qwen2_path: str) -> None:
+    """A drafting scheduler reports its verified tokens' raw logprobs: refused by name."""
+    from rollout_engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        EngineConfig(model_path=qwen2_path, logprobs_mode="processed_logprobs",
+                     speculative_algorithm="NGRAM")
