@@ -323,7 +323,7 @@ _OPENAI_COMMON = [
     _f("routed_experts_start_len", 0, S, "first position whose routed experts are returned, "
        "in [0, prompt length]"),
     _f("return_cached_tokens_details", False, D, "cache tiers (usage has cached_tokens)"),
-    _f("return_token_ids", False, D, "token ids in choices (use /generate)"),
+    _f("return_token_ids", False, S, "vLLM's token_ids in each choice and prompt_token_ids"),
     _f("regex", None, S, _GRAMMAR + "sampling_params.regex"),
     _f("ebnf", None, S, _GRAMMAR + "sampling_params.ebnf"),
     _f("stop_regex", None, D, "stop regexes", "", []),

@@ -251,6 +251,9 @@ class EngineConfig:
         if self.logprobs_mode not in LOGPROBS_MODES:
             bad("logprobs_mode", f"must be one of {list(LOGPROBS_MODES)}, "
                 f"got {self.logprobs_mode!r}")
+        if self.logprobs_mode != "raw_logprobs" and self.speculative_algorithm is not None:
+            bad("logprobs_mode", f"{self.logprobs_mode!r} is not served with speculative "
+                "decoding (its verified tokens report raw logprobs); use raw_logprobs")
         if not self.weight_update_group_timeout > 0:
             bad("weight_update_group_timeout",
                 f"must be > 0 seconds, got {self.weight_update_group_timeout}")

@@ -43,9 +43,12 @@ class ChatTemplateRenderer:
                tools: Optional[list[dict[str, Any]]] = None,
                add_generation_prompt: bool = True, continue_final_message: bool = False,
                template_kwargs: Optional[dict[str, Any]] = None,
-               template: Optional[str] = None) -> str:
+               template: Optional[str] = None,
+               documents: Optional[list[dict[str, Any]]] = None) -> str:
         """The prompt text. ``template``: a template to use instead of the tokenizer's
-        (at most MAX_REQUEST_TEMPLATE_CHARS). ValueError names what was wrong."""
+        (at most MAX_REQUEST_TEMPLATE_CHARS); ``documents``: the template's ``documents``
+        (retrieval documents, as transformers passes them). ValueError names what was
+        wrong."""
         if template is not None and len(template) > MAX_REQUEST_TEMPLATE_CHARS:
             raise ValueError(f"chat_template: {len(template)} characters; a template sent with "
                              f"a request has at most {MAX_REQUEST_TEMPLATE_CHARS} "
@@ -63,7 +66,7 @@ class ChatTemplateRenderer:
         with self.env.bounded(self.limit_s, f"max_template_render_s, {self.limit_name}"):
             try:
                 text = self._compile(source).render(
-                    messages=chat, tools=tools or None, documents=None,
+                    messages=chat, tools=tools or None, documents=documents,
                     add_generation_prompt=add_generation_prompt, **context)
             except TemplateLimitError:
                 raise

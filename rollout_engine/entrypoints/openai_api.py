@@ -40,8 +40,10 @@ from rollout_engine.entrypoints.http_utils import (
     sse_response,
 )
 from rollout_engine.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from rollout_engine.entrypoints.openai_vllm_fields import VllmFieldsServing, output_text
 from rollout_engine.entrypoints.serving import GenerationService
 from rollout_engine.entrypoints.token_pieces import TextOffsets, TokenPieces, legacy_logprobs
+from rollout_engine.entrypoints.vllm_output import StopCut, prompt_logprobs
 from rollout_engine.parsers import tool_format
 from rollout_engine.tokenizer_manager import RequestState, SchedulerDeadError
 
@@ -77,13 +79,18 @@ def _tool_finish(reason: Optional[str], has_calls: bool) -> Optional[str]:
     return "tool_calls" if has_calls and reason == "stop" else reason
 
 
+def _trim_tops(tops: Optional[list[Any]], k: int) -> Optional[list[Any]]:
+    """Each position's top list cut to ``k`` (the engine was asked for more: prompt_logprobs)."""
+    return None if tops is None else [t[:k] if t else t for t in tops]
+
+
 def _prompt_kwargs(prompt: Any) -> dict[str, Any]:
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)) or prompt == []:
         return {"prompt": prompt}
     return {"input_ids": prompt}
 
 
-class OpenAIServing:
+class OpenAIServing(VllmFieldsServing):
     """Builds OpenAI responses from engine results."""
 
     def __init__(self, service: GenerationService, model_name: str) -> None:
@@ -131,12 +138,17 @@ class OpenAIServing:
                 "model": self.model_name}
 
     # -- logprobs ------------------------------------------------------------------------------
-    def chat_logprobs(self, meta: dict[str, Any]) -> dict[str, Any]:
+    def chat_logprobs(self, meta: dict[str, Any], pieces: Any = None,
+                      num: Optional[int] = None) -> dict[str, Any]:
+        pieces = self.pieces if pieces is None else pieces
+
         def item(lp: float, tid: int) -> dict[str, Any]:
-            s, raw = self.pieces.piece(tid)
+            s, raw = pieces.piece(tid)
             return {"token": s, "logprob": lp, "bytes": list(raw)}
 
         tops = meta.get("output_top_logprobs")
+        if num is not None:
+            tops = _trim_tops(tops, num)
         content = []
         for k, (lp, tid, _) in enumerate(meta.get("output_token_logprobs") or []):
             entry = item(lp, tid)
@@ -150,11 +162,17 @@ class OpenAIServing:
         req.check_unsupported()
         self.check_request(req, req.logprobs, "logprobs")
         want_lp = req.logprobs is not None
+        pieces = self.pieces_for(req)
+        prompt_top = self.prompt_top(req)
         states, _ = await self.service.submit(
-            **_prompt_kwargs(req.prompt), sampling_params=req.sampling_params(req.max_tokens),
-            return_logprob=want_lp, top_logprobs_num=req.logprobs or 0,
-            logprob_start_len=0 if (req.echo and want_lp) else -1, stream=req.stream,
-            rid=req.rid, extra_key=req.extra_key, cache_salt=req.cache_salt,
+            **_prompt_kwargs(await self.shaped_prompt(req, req.prompt)),
+            sampling_params=req.sampling_params(req.max_tokens),
+            return_logprob=want_lp or req.prompt_logprobs is not None,
+            top_logprobs_num=max(req.logprobs or 0, prompt_top),
+            logprob_start_len=0 if ((req.echo and want_lp) or req.prompt_logprobs is not None)
+            else -1, stream=req.stream,
+            rid=req.rid if req.rid is not None else req.request_id, extra_key=req.extra_key,
+            cache_salt=req.cache_salt,
             return_routed_experts=req.return_routed_experts,
             routed_experts_start_len=req.routed_experts_start_len, lora_path=self.lora_path(req))
         if req.stream:
@@ -176,10 +194,13 @@ class OpenAIServing:
                     entries = meta.get("input_token_logprobs", []) + entries
                     if tops is not None:
                         tops = meta.get("input_top_logprobs", []) + tops
-                logprobs = legacy_logprobs(self.pieces, entries, tops)
-            choices.append({"index": i, "text": prefix + res["text"], "logprobs": logprobs,
+                tops = _trim_tops(tops, req.logprobs or 0)
+                logprobs = legacy_logprobs(pieces, entries, tops)
+            choices.append({"index": i, "text": prefix + output_text(req, res),
+                            "logprobs": logprobs,
                             "finish_reason": _finish_reason(meta["finish_reason"]),
-                            "matched_stop": _matched_stop(meta["finish_reason"])})
+                            "matched_stop": _matched_stop(meta["finish_reason"]),
+                            **self.vllm_choice(req, st, res, True)})
         return json_response({**self._header("cmpl", "text_completion"), "choices": choices,
                               "usage": _usage([r["meta_info"] for r in results], req.n),
                               **_sglext(results[0]["meta_info"])})
@@ -189,6 +210,8 @@ class OpenAIServing:
         header = self._header("cmpl", "text_completion")
         metas: list[Optional[dict[str, Any]]] = [None] * len(states)
         offsets = [TextOffsets() for _ in states]
+        pieces = self.pieces_for(req)
+        cuts = [StopCut(bool(req.include_stop_str_in_output)) for _ in states]
         try:
             async with aclosing(self.service.stream(states)) as stream:
                 async for i, chunk in stream:
@@ -197,17 +220,19 @@ class OpenAIServing:
                     logprobs = None
                     if req.logprobs is not None and chunk["output_ids"]:
                         logprobs = legacy_logprobs(
-                            self.pieces, meta.get("output_token_logprobs") or [],
+                            pieces, meta.get("output_token_logprobs") or [],
                             meta.get("output_top_logprobs") if req.logprobs else None,
                             offsets[i])
+                    text = cuts[i].delta(chunk["text"], reason)
                     if reason is not None:
                         metas[i] = meta
-                    elif not chunk["text"] and logprobs is None:
+                    elif not text and logprobs is None:
                         continue
                     yield sse({**header, "choices": [{
-                        "index": i, "text": chunk["text"], "logprobs": logprobs,
+                        "index": i, "text": text, "logprobs": logprobs,
                         "finish_reason": _finish_reason(reason),
-                        "matched_stop": _matched_stop(reason)}], **_sglext(meta)})
+                        "matched_stop": _matched_stop(reason),
+                        **self.vllm_choice(req, states[i], chunk, False)}], **_sglext(meta)})
             if req.include_usage:
                 yield sse({**header, "choices": [], "usage": _usage(metas, req.n)})
         except SchedulerDeadError as e:
@@ -233,7 +258,7 @@ class OpenAIServing:
             tools=[t.model_dump(exclude_none=True) for t in req.active_tools],
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
-            template_kwargs=req.template_kwargs, template=template)
+            template_kwargs=req.template_kwargs, template=template, documents=req.documents)
 
     async def chat_completions(self, request: Request) -> Response:
         req = ChatCompletionRequest.parse(await read_json(request),
@@ -243,62 +268,80 @@ class OpenAIServing:
         template = self.request_template(req)
         text = "" if req.input_ids is not None else await self.service.offload_template(
             self.render_chat, req, template)
-        prompt: dict[str, Any] = ({"input_ids": req.input_ids} if req.input_ids is not None
-                                  else {"prompt": text})
+        prompt: dict[str, Any] = _prompt_kwargs(await self.shaped_prompt(
+            req, req.input_ids if req.input_ids is not None else text))
         parsing = ChatParsing.of(req, self.tool_call_parser, self.reasoning_parser, text)
         params = req.sampling_params(req.max_new_tokens, self.sampling_defaults)
         if (parsing.tool_names is not None and self.tool_call_parser is not None
                 and params["skip_special_tokens"] is None):
             params["skip_special_tokens"] = False    # a call may open with a special token
+        prompt_top = self.prompt_top(req)
         states, _ = await self.service.submit(
             **prompt, sampling_params=params,
-            return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
-            stream=req.stream, rid=req.rid, extra_key=req.extra_key, cache_salt=req.cache_salt,
+            return_logprob=req.logprobs or req.prompt_logprobs is not None,
+            top_logprobs_num=max(req.top_logprobs or 0, prompt_top),
+            logprob_start_len=0 if req.prompt_logprobs is not None else -1,
+            stream=req.stream, rid=req.rid if req.rid is not None else req.request_id,
+            extra_key=req.extra_key, cache_salt=req.cache_salt,
             return_routed_experts=req.return_routed_experts,
             routed_experts_start_len=req.routed_experts_start_len, lora_path=self.lora_path(req))
         if req.stream:
-            return sse_response(self._stream_chat(req, states, parsing))
+            return sse_response(self._stream_chat(req, states, parsing, text))
         results = await self.service.collect(states, request)
         choices = []
         for i, res in enumerate(results):
             meta = res["meta_info"]
             output = parsing.output()
-            message = output.message(res["text"])
+            message = req.visible(output.message(output_text(req, res)))
             choices.append({
                 "index": i, "message": message,
-                "logprobs": self.chat_logprobs(meta) if req.logprobs else None,
+                "logprobs": (self.chat_logprobs(meta, self.pieces_for(req), req.top_logprobs or 0)
+                             if req.logprobs else None),
                 "finish_reason": _tool_finish(_finish_reason(meta["finish_reason"]),
                                               output.has_calls),
-                "matched_stop": _matched_stop(meta["finish_reason"])})
+                "matched_stop": _matched_stop(meta["finish_reason"]),
+                **self.vllm_choice(req, states[i], res, False)})
             if req.return_meta_info:
                 choices[-1]["meta_info"] = meta
             if req.return_prompt_token_ids:
                 choices[-1]["prompt_token_ids"] = list(states[i].req.input_ids)
+        extras = {}
+        if req.prompt_logprobs is not None:
+            extras["prompt_logprobs"] = prompt_logprobs(results[0]["meta_info"],
+                                                        req.prompt_logprobs, self.token_string)
+        if req.return_token_ids:
+            extras["prompt_token_ids"] = list(states[0].req.input_ids)
+        if req.return_prompt_text:
+            extras["prompt_text"] = text
         return json_response({**self._header("chatcmpl", "chat.completion"), "choices": choices,
                               "usage": _usage([r["meta_info"] for r in results], req.n),
-                              **_sglext(results[0]["meta_info"])})
+                              **_sglext(results[0]["meta_info"]), **extras})
 
     async def _stream_chat(self, req: ChatCompletionRequest, states: list[RequestState],
-                           parsing: ChatParsing) -> AsyncIterator[bytes]:
+                           parsing: ChatParsing, prompt_text: str) -> AsyncIterator[bytes]:
         header = self._header("chatcmpl", "chat.completion.chunk")
         metas: list[Optional[dict[str, Any]]] = [None] * len(states)
         outputs = [parsing.output() for _ in states]
+        cuts = [StopCut(bool(req.include_stop_str_in_output)) for _ in states]
         try:
             for i in range(len(states)):
+                first = {"prompt_text": prompt_text} if req.return_prompt_text and i == 0 else {}
                 yield sse({**header, "choices": [{
                     "index": i, "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None, "finish_reason": None}]})
+                    "logprobs": None, "finish_reason": None}], **first})
             async with aclosing(self.service.stream(states)) as stream:
                 async for i, chunk in stream:
                     meta = chunk["meta_info"]
                     reason = meta["finish_reason"]
-                    logprobs = (self.chat_logprobs(meta) if req.logprobs and chunk["output_ids"]
-                                else None)
-                    deltas = outputs[i].feed(chunk["text"])
+                    logprobs = (self.chat_logprobs(meta, self.pieces_for(req),
+                                                   req.top_logprobs or 0)
+                                if req.logprobs and chunk["output_ids"] else None)
+                    deltas = outputs[i].feed(cuts[i].delta(chunk["text"], reason))
                     if reason is not None:
                         deltas += outputs[i].finish()
                         metas[i] = meta
-                    elif not deltas and logprobs is None:
+                    deltas = [d for d in map(req.visible, deltas) if d]
+                    if reason is None and not deltas and logprobs is None:
                         continue
                     finish = _tool_finish(_finish_reason(reason), outputs[i].has_calls)
                     for delta in deltas[:-1]:
@@ -307,8 +350,8 @@ class OpenAIServing:
                             "finish_reason": None}]})
                     yield sse({**header, "choices": [{
                         "index": i, "delta": deltas[-1] if deltas else {}, "logprobs": logprobs,
-                        "finish_reason": finish, "matched_stop": _matched_stop(reason)}],
-                        **_sglext(meta)})
+                        "finish_reason": finish, "matched_stop": _matched_stop(reason),
+                        **self.vllm_choice(req, states[i], chunk, False)}], **_sglext(meta)})
             if req.include_usage:
                 yield sse({**header, "choices": [], "usage": _usage(metas, req.n)})
         except SchedulerDeadError as e:

@@ -5,7 +5,8 @@ Every field of SGLang's ``CompletionRequest`` / ``ChatCompletionRequest`` is acc
 the others are checked against that list (null or the default value, else a 400 naming the
 field) and dropped before validation. Types are strict (a string is not a number) and a name
 neither we nor SGLang know is an error, so a typo is a 400 rather than a silently ignored
-option. Beyond SGLang's fields: ``spaces_between_special_tokens`` and ``add_generation_prompt``.
+option. Beyond SGLang's fields: ``spaces_between_special_tokens``, ``add_generation_prompt``
+and vLLM's extra fields (``openai_vllm_fields.py``).
 
 Structured output: ``constraint()`` turns ``response_format``, the top-level ``regex`` / ``ebnf``
 (``extra_body``), vLLM's ``structured_outputs`` (``vllm_structured_outputs.py``), completions'
@@ -25,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from rollout_engine.compat.fields import CHAT_REQUEST, COMPLETION_REQUEST, FieldList
 from rollout_engine.constrained.spec import ANY_JSON, Constraint, make_constraint
+from rollout_engine.entrypoints.openai_vllm_fields import VllmChatFields, VllmOpenAIFields
 from rollout_engine.entrypoints.vllm_structured_outputs import structured_outputs_constraint
 from rollout_engine.parsers import DEFAULT_TOOL_FORMAT, tool_call_constraint
 
@@ -40,7 +42,7 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(_Strict, VllmOpenAIFields):
     FIELDS: ClassVar[FieldList]   # SGLang's fields of this request type
     ROUTE: ClassVar[str]
 
@@ -96,6 +98,7 @@ class _SamplingFields(_Strict):
         return req
 
     def check_unsupported(self) -> None:
+        self.check_vllm()
         if self.n < 1:
             raise ValueError(f"n: must be >= 1, got {self.n}")
         if None not in (self.seed, self.sampling_seed) and self.seed != self.sampling_seed:
@@ -129,14 +132,16 @@ class _SamplingFields(_Strict):
         seed = self.seed if self.seed is not None else self.sampling_seed
         params = {**constraint_params(self.constraint()),
             "max_new_tokens": max_new_tokens, "min_new_tokens": self.min_tokens,
-            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "temperature": self.temperature, "top_p": self.top_p,
+            "top_k": -1 if self.top_k == 0 else self.top_k,   # vLLM's 0: no top-k
             "min_p": self.min_p, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty, "stop": self.stop,
             "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
-            "no_stop_trim": self.no_stop_trim, "n": self.n, "sampling_seed": seed,
+            "no_stop_trim": True if self.include_stop_str_in_output else self.no_stop_trim,
+            "n": self.n, "sampling_seed": seed,
         }
         for key, value in (defaults or {}).items():
             if params.get(key) is None:
@@ -225,7 +230,7 @@ ReasoningEffort = Union[Literal["none", "minimal", "low", "medium", "high", "xhi
                         float]
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, VllmChatFields):
     """``POST /v1/chat/completions``."""
 
     FIELDS = CHAT_REQUEST

@@ -26,6 +26,7 @@ from rollout_engine.memory.prefix_cache import CacheNamespace, MatchResult
 from rollout_engine.model_runner.model_runner import ModelRunner
 from rollout_engine.models.forward_batch import ForwardMode
 from rollout_engine.penalties import PenaltyCounts
+from rollout_engine.processed_logprobs import with_processed_logprobs
 from rollout_engine.protocol.messages import (
     AbortReq,
     BatchOutput,
@@ -367,6 +368,9 @@ class Scheduler:
             # decode samples every row in order: skip the [B, V] copy of an index
             whole = rows == list(range(logits.shape[0]))
             out = sample(logits if whole else logits[rows], sb, mask)
+            if (self.config.logprobs_mode == "processed_logprobs"
+                    and any(r.return_logprob for r in reqs)):
+                out = with_processed_logprobs(out, logits if whole else logits[rows], sb, mask)
             counted = [(r.penalty_row, t) for r, t in zip(reqs, out.token_ids)
                        if r.penalty_row is not None]
             if counted:

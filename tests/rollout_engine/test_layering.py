@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("memory",),                                                 # KV pool, prefix caches, sleep
     ("weights",),                                                # loading and refitting
     ("config",),                                                 # EngineConfig
-    ("model_runner", "sampler"),                                 # one forward, one sampling pass
+    ("model_runner", "sampler", "processed_logprobs"),           # one forward, one sampling pass
     ("scheduler",),                                              # the step loop's library
     ("speculative",),                                            # a scheduler that drafts
     ("control",),                                                # control calls over a scheduler

@@ -65,7 +65,7 @@ SAMPLING_REFUSED = {"stop_regex": r"\d+", "logit_bias": {"5": 2.0}, "beam_width"
 SAMPLING_IGNORED = {"stream_interval": 4}
 OPENAI_COMMON_REFUSED = {
     "logit_bias": {"5": 2.0}, "return_hidden_states": True, "return_cached_tokens_details": True,
-    "return_token_ids": True, "stop_regex": [r"\d"], "session_params": {"id": "s"},
+    "stop_regex": [r"\d"], "session_params": {"id": "s"},
     "custom_logit_processor": '{"callable": "gASV..."}', "images_config": {"max_pixels": 9},
     "bootstrap_host": "10.0.0.7", "bootstrap_port": 8998, "bootstrap_room": 5,
     "routed_dp_rank": 2, "disagg_prefill_dp_rank": 1, "data_parallel_rank": 1,

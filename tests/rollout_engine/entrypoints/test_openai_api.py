@@ -113,7 +113,7 @@ def test_completion_extensions(client: openai.OpenAI, live_server: LiveServer) -
 
 def test_completion_bad_input(client: openai.OpenAI) -> None:
     for kw in ({"temperature": -1.0}, {"top_p": 1.5}, {"max_tokens": 10**6}, {"n": 0},
-               {"logprobs": -1}, {"extra_body": {"top_k": 0}}, {"suffix": "x"}):
+               {"logprobs": -1}, {"extra_body": {"top_k": -2}}, {"suffix": "x"}):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model="m", prompt="hi", **kw)
         assert e.value.status_code == 400
