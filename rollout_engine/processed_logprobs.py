@@ -15,10 +15,12 @@ distribution after the sampling transforms, as vLLM defines them (its ``v1/sampl
          largest always kept)
     log_softmax(s)                                  (masked tokens: -inf)
 
-The sampled tokens are the sampler's; only the reported logprobs (the chosen token's and the top
-candidates) are recomputed, in one extra pass over the batch's ``[B, V]`` logits (the scheduler
-runs it for a batch where a request asked for logprobs), so the default ``raw_logprobs`` path
-pays nothing. ``processed_logprobs_ref`` is the definition written for one
+In this mode a sampled row draws its token from this distribution (vLLM samples what it
+reports: its order of min-p, top-k and top-p keeps a smaller set than the default sampler's
+when they are combined), by inverse CDF with the row's own uniform, so seeded requests stay
+reproducible and batch-invariant; greedy rows keep the argmax. One extra pass over the batch's
+``[B, V]`` logits, every step of this mode only: the default ``raw_logprobs`` path pays
+nothing. ``processed_logprobs_ref`` is the definition written for one
 row at a time, the oracle the batched version is tested against.
 """
 
@@ -31,7 +33,7 @@ import torch
 
 from rollout_engine.constrained.matcher import TokenMask
 from rollout_engine.penalties import penalised_logits
-from rollout_engine.sampler import SampleOutput, SamplingBatch
+from rollout_engine.sampler import SampleOutput, SamplingBatch, greedy_rows
 
 __all__ = ["processed_logprobs", "processed_logprobs_ref", "with_processed_logprobs"]
 
@@ -115,9 +117,16 @@ def processed_logprobs_ref(logits: torch.Tensor, temperature: float, top_k: int,
 
 def with_processed_logprobs(out: SampleOutput, logits: torch.Tensor, sb: SamplingBatch,
                             mask: Optional[TokenMask] = None) -> SampleOutput:
-    """``out`` (the sampler's tokens) with its logprobs and top logprobs the processed ones."""
+    """``out`` with the processed distribution's tokens (sampled rows redrawn from it with
+    their own uniforms; greedy rows as sampled), logprobs and top logprobs."""
     lp = processed_logprobs(logits, sb, mask)
     tokens = torch.tensor(out.token_ids, dtype=torch.int64, device=lp.device)
+    rows = (~greedy_rows(sb)).nonzero().squeeze(1)
+    if rows.numel():
+        cum = lp.index_select(0, rows).to(torch.float64).exp_().cumsum_(dim=-1)
+        target = sb.uniforms.index_select(0, rows).to(cum) * cum[:, -1]
+        picked = torch.searchsorted(cum, target[:, None], right=True).squeeze(1)
+        tokens.index_copy_(0, rows, picked.clamp_(max=lp.shape[1] - 1))
     chosen = lp.gather(1, tokens[:, None]).squeeze(1).tolist()
     top = out.top_logprobs
     if top is not None:
@@ -127,4 +136,4 @@ def with_processed_logprobs(out: SampleOutput, logits: torch.Tensor, sb: Samplin
         vals, idx = lp.topk(k, dim=-1)
         top = [list(zip(v[:n], t[:n])) if n > 0 else []
                for n, v, t in zip(per_row, vals.tolist(), idx.tolist())]
-    return replace(out, logprobs=chosen, top_logprobs=top)
+    return replace(out, token_ids=tokens.tolist(), logprobs=chosen, top_logprobs=top)

@@ -42,7 +42,12 @@ from rollout_engine.entrypoints.http_utils import (
 from rollout_engine.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from rollout_engine.entrypoints.openai_vllm_fields import VllmFieldsServing, output_text
 from rollout_engine.entrypoints.serving import GenerationService
-from rollout_engine.entrypoints.token_pieces import TextOffsets, TokenPieces, legacy_logprobs
+from rollout_engine.entrypoints.token_pieces import (
+    TextOffsets,
+    TokenPieces,
+    floor_logprob,
+    legacy_logprobs,
+)
 from rollout_engine.entrypoints.vllm_output import StopCut, prompt_logprobs
 from rollout_engine.parsers import tool_format
 from rollout_engine.tokenizer_manager import RequestState, SchedulerDeadError
@@ -144,7 +149,7 @@ class OpenAIServing(VllmFieldsServing):
 
         def item(lp: float, tid: int) -> dict[str, Any]:
             s, raw = pieces.piece(tid)
-            return {"token": s, "logprob": lp, "bytes": list(raw)}
+            return {"token": s, "logprob": floor_logprob(lp), "bytes": list(raw)}
 
         tops = meta.get("output_top_logprobs")
         if num is not None:

@@ -96,6 +96,18 @@ class TextOffsets:
         return at
 
 
+LOGPROB_FLOOR = -9999.0
+
+
+def floor_logprob(lp: Optional[float]) -> Optional[float]:
+    """A logprob as the OpenAI routes show it: vLLM's floor of -9999 for ``-inf`` (a token
+    the processed distribution masks; JSON has no infinity), NaN likewise; null stays null
+    (the first prompt token has none)."""
+    if lp is None:
+        return None
+    return lp if lp >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 def legacy_logprobs(pieces: TokenPieces, entries: list[list[Any]], tops: Optional[list[Any]],
                     offsets: Optional[TextOffsets] = None) -> dict[str, Any]:
     """``/v1/completions``' logprobs shape from ``[logprob, id, text]`` entries: parallel
@@ -108,6 +120,7 @@ def legacy_logprobs(pieces: TokenPieces, entries: list[list[Any]], tops: Optiona
     top_logprobs: list[Optional[dict[str, Any]]] = []
     text_offset: list[int] = []
     for k, (lp, tid, _) in enumerate(entries):
+        lp = floor_logprob(lp)
         s, raw = piece(tid)
         tokens.append(s)
         text_offset.append(offsets.push(raw))
@@ -115,8 +128,8 @@ def legacy_logprobs(pieces: TokenPieces, entries: list[list[Any]], tops: Optiona
         if top is None:
             top_logprobs.append(None if lp is None else {s: lp})
             continue
-        entry = {piece(t)[0]: v for v, t, _ in top}
+        entry = {piece(t)[0]: floor_logprob(v) for v, t, _ in top}
         entry.setdefault(s, lp)
         top_logprobs.append(entry)
-    return {"tokens": tokens, "token_logprobs": [e[0] for e in entries],
+    return {"tokens": tokens, "token_logprobs": [floor_logprob(e[0]) for e in entries],
             "top_logprobs": top_logprobs, "text_offset": text_offset}

@@ -368,8 +368,7 @@ class Scheduler:
             # decode samples every row in order: skip the [B, V] copy of an index
             whole = rows == list(range(logits.shape[0]))
             out = sample(logits if whole else logits[rows], sb, mask)
-            if (self.config.logprobs_mode == "processed_logprobs"
-                    and any(r.return_logprob for r in reqs)):
+            if self.config.logprobs_mode == "processed_logprobs":
                 out = with_processed_logprobs(out, logits if whole else logits[rows], sb, mask)
             counted = [(r.penalty_row, t) for r, t in zip(reqs, out.token_ids)
                        if r.penalty_row is not None]

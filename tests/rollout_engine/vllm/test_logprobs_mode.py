@@ -7,6 +7,7 @@ against it on the logits transformers computes for the same tokens."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -186,3 +187,44 @@ def test_processed_logprobs_refused_with_speculative_decoding(qwen2_path: str) -
     with pytest.raises(ValueError, match="logprobs_mode"):
         EngineConfig(model_path=qwen2_path, logprobs_mode="processed_logprobs",
                      speculative_algorithm="NGRAM")
+
+
+def test_sampled_tokens_come_from_the_processed_distribution(engine: Any) -> None:
+    """min-p, top-k and top-p together keep fewer tokens in vLLM's order than the default
+    sampler's: a sampled token is always one the processed distribution keeps (a finite
+    logprob), whatever the seed."""
+    prompt = [11, 12, 13, 14, 11]
+    params = [{"max_new_tokens": 3, "temperature": 1.0, "top_p": p, "top_k": k, "min_p": m,
+               "ignore_eos": True, "sampling_seed": seed}
+              for seed in range(24)
+              for p, k, m in ((0.9, -1, 0.01), (0.7, 20, 0.0), (0.8, 30, 0.05))]
+    outs = engine.generate(input_ids=[prompt] * len(params), sampling_params=params,
+                           return_logprob=True)
+    lps = [lp for res in outs for lp, _, _ in res["meta_info"]["output_token_logprobs"]]
+    assert len(lps) == 3 * len(params)
+    assert all(math.isfinite(lp) for lp in lps)
+    again = engine.generate(input_ids=[prompt] * 3, sampling_params=params[:3],
+                            return_logprob=True)
+    assert [r["output_ids"] for r in again] == [r["output_ids"] for r in outs[:3]]
+
+
+def test_openai_routes_floor_masked_logprobs_as_vllm_does(engine: Any) -> None:
+    """A masked candidate is -inf: the OpenAI routes show vLLM's -9999.0 (JSON has no
+    infinity; null broke TRL's client, which sorts the values)."""
+    from fastapi.testclient import TestClient
+
+    from rollout_engine.entrypoints.http_server import create_app
+
+    with TestClient(create_app(engine)) as client:
+        r = client.post("/v1/completions", json={
+            "prompt": [11, 12, 13], "max_tokens": 2, "temperature": 1.0, "top_k": 2,
+            "logprobs": 3, "seed": 3})
+        assert r.status_code == 200, r.text
+        tops = r.json()["choices"][0]["logprobs"]["top_logprobs"]
+        assert all(sorted(t.values())[0] == -9999.0 for t in tops)
+        r = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "temperature": 1.0, "top_k": 2, "logprobs": True, "top_logprobs": 3, "seed": 3})
+        assert r.status_code == 200, r.text
+        content = r.json()["choices"][0]["logprobs"]["content"]
+        assert all(e["top_logprobs"][2]["logprob"] == -9999.0 for e in content)
