@@ -394,8 +394,6 @@ CHAT_REQUEST = FieldList(
            "as reasoning_content (false: left in content); without one, nothing is split"),
         _f("stream_reasoning", True, S, "with --reasoning-parser: delta.reasoning_content as it "
            "comes (false: in one piece when the block ends)"),
-        _f("include_reasoning", True, D, "vLLM's: false drops the reasoning content (the "
-           "vllm-router sends true)"),
         _f("max_dynamic_patch", None, D, _MULTIMODAL),
         _f("min_dynamic_patch", None, D, _MULTIMODAL),
         _f("use_audio_in_video", False, D, _MULTIMODAL),

@@ -16,8 +16,7 @@ What each does here:
   ``stream_interval``, ``vllm_xargs`` (custom extensions' arguments), ``watermarking``
   (no watermark is configured), ``return_token_offsets`` false.
 - refused unless unset (a 400 naming the field): ``use_beam_search`` true, ``bad_words``,
-  ``allowed_token_ids``, ``logprob_token_ids``, ``structured_outputs`` (send
-  ``response_format`` / ``regex`` / ``ebnf``), ``thinking_token_budget``,
+  ``allowed_token_ids``, ``logprob_token_ids``, ``thinking_token_budget``,
   ``repetition_detection``, ``kv_transfer_params``, ``ec_transfer_params``, ``prompt_embeds``,
   ``mm_payload``, ``return_mm_kwargs``, ``return_token_offsets`` true,
   ``routed_experts_prompt_start`` other than 0.
@@ -38,7 +37,6 @@ REFUSED = {
     "bad_words": "bad words are not supported by this server",
     "allowed_token_ids": "allowed_token_ids is not supported by this server",
     "logprob_token_ids": "logprob_token_ids is not supported by this server",
-    "structured_outputs": "send response_format, regex or ebnf instead",
     "thinking_token_budget": "thinking budgets are not supported by this server",
     "repetition_detection": "repetition detection is not supported by this server",
     "kv_transfer_params": "disaggregated serving is not supported by this server",
@@ -85,7 +83,6 @@ class VllmOpenAIFields(BaseModel):
     bad_words: Optional[list[str]] = None
     allowed_token_ids: Optional[list[int]] = None
     logprob_token_ids: Optional[list[int]] = None
-    structured_outputs: Optional[dict[str, Any]] = None
     thinking_token_budget: Optional[Union[int, dict[str, Any]]] = None
     repetition_detection: Optional[dict[str, Any]] = None
     kv_transfer_params: Optional[dict[str, Any]] = None

@@ -79,7 +79,7 @@ COMPLETION_REFUSED = {**OPENAI_COMMON_REFUSED, "suffix": " the end"}
 COMPLETION_IGNORED = OPENAI_COMMON_IGNORED
 CHAT_REFUSED = {
     **OPENAI_COMMON_REFUSED,
-    "task": "domain", "include_reasoning": False,
+    "task": "domain",
     "max_dynamic_patch": 6, "min_dynamic_patch": 1, "use_audio_in_video": True,
     "verbosity": "low", "modalities": ["text", "audio"], "function_call": "auto",
     "functions": [{"name": "lookup"}],
