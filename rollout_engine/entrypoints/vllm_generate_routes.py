@@ -20,6 +20,8 @@ generate requests by their ``request_id``.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -79,6 +81,7 @@ class VllmGenerate:
         self.service = service
         self.model_name = engine.config.served_model_name or engine.config.model_path
         self.pieces = TokenPieces(engine.tokenizer)
+        self.routing_shape = _routing_shape(engine)
 
     def piece(self, token_id: int) -> str:
         return self.pieces.piece(token_id)[0]
@@ -133,13 +136,19 @@ class VllmGenerate:
         top = max([vocab if k == -1 else k for k in want], default=0)
         base_id = request.headers.get("X-Request-Id") or req.request_id
         request_id = PREFIX + base_id
+        routed = self.engine.config.enable_return_routed_experts
+        if routed and sp.routed_experts_prompt_start > len(req.token_ids):
+            param = "sampling_params.routed_experts_prompt_start"
+            return out.vllm_error(400, f"{param}: must be between 0 and the prompt length "
+                                       f"({len(req.token_ids)}), inclusive", param)
         try:
             states, _ = await self.service.submit(
                 input_ids=list(req.token_ids), sampling_params=sp.engine_params(max_tokens),
                 return_logprob=bool(want), top_logprobs_num=top,
                 logprob_start_len=0 if sp.prompt_logprobs is not None else -1,
                 stream=bool(req.stream), rid=request_id, cache_salt=req.cache_salt,
-                lora_path=lora)
+                lora_path=lora, return_routed_experts=routed,
+                routed_experts_start_len=sp.routed_experts_prompt_start if routed else 0)
         except ValueError as e:
             return out.vllm_error(400, str(e), str(e).split(":", 1)[0])
         if req.stream:
@@ -184,7 +193,8 @@ class VllmGenerate:
         choice: dict[str, Any] = {
             "index": index, "finish_reason": out.finish_reason(reason),
             "stop_reason": out.stop_reason(reason, req.sampling_params.stop_token_ids or []),
-            "token_ids": token_ids, "routed_experts": None, "sampling_mask": None,
+            "token_ids": token_ids, "sampling_mask": None,
+            "routed_experts": out.routed_experts_npy(meta, self.routing_shape) if final else None,
             "weight_versions": out.weight_version_spans(meta) if final else None,
             "logprobs": self._logprobs(req, meta)}
         if req.output_mode == "text":
@@ -329,6 +339,16 @@ class VllmTokenize:
                                        f"[0, {vocab})", "tokens")
         text = await self.service.offload(self.engine.tokenizer.decode, list(req.tokens))
         return json_response({"prompt": text})
+
+
+def _routing_shape(engine: Engine) -> Optional[tuple[int, int]]:
+    """(num_hidden_layers, num_experts_per_tok) of a model whose routing is recorded."""
+    if not engine.config.enable_return_routed_experts:
+        return None
+    with open(os.path.join(engine.config.model_path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg = cfg.get("text_config", cfg)
+    return int(cfg["num_hidden_layers"]), int(cfg["num_experts_per_tok"])
 
 
 def add_vllm_generate_routes(app: FastAPI, engine: Engine, service: GenerationService,

@@ -9,10 +9,13 @@ engine's top list holds it, else null (the engine ranks only the top list). vLLM
 
 from __future__ import annotations
 
+import base64
+import io
 import math
 from collections.abc import Callable
 from typing import Any, Optional
 
+import numpy as np
 from starlette.responses import Response
 
 from rollout_engine.entrypoints.http_utils import json_response
@@ -26,6 +29,20 @@ def clamp(logprob: Optional[float]) -> float:
     if logprob is None or math.isnan(logprob):
         return FLOOR
     return max(logprob, FLOOR)
+
+
+def routed_experts_npy(meta: dict[str, Any], shape: Optional[tuple[int, int]]
+                       ) -> Optional[str]:
+    """vLLM's ``routed_experts``: base64 of ``.npy`` bytes of the int32 array ``[rows,
+    num_layers, top_k]`` (``np.load(io.BytesIO(base64.b64decode(s)))``), from the SGLang
+    form in ``meta_info`` (raw int32 bytes, base64); None when nothing was recorded."""
+    raw = meta.get("routed_experts")
+    if raw is None or shape is None:
+        return None
+    array = np.frombuffer(base64.b64decode(raw), dtype="<i4").reshape(-1, *shape)
+    with io.BytesIO() as buffer:
+        np.save(buffer, array, allow_pickle=False)
+        return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def vllm_error(status: int, message: str, param: Optional[str] = None) -> Response:

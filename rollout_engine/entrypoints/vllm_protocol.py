@@ -128,8 +128,9 @@ class VllmSamplingParams(BaseModel):
             bad("stop", "cannot contain an empty string")
         if self.stops and not self.detokenize:
             bad("stop", "stop strings need detokenize = true")
-        if self.routed_experts_prompt_start != 0:
-            bad("routed_experts_prompt_start", "routed experts are not returned on this route")
+        if self.routed_experts_prompt_start < 0:
+            bad("routed_experts_prompt_start",
+                f"must be between 0 and the prompt length, got {self.routed_experts_prompt_start}")
         for name in self.UNSUPPORTED:
             if getattr(self, name) not in (None, [], {}):
                 bad(name, "is not supported by this server (leave it unset)")
