@@ -30,6 +30,9 @@ from tests.rollout_engine.vllm.control_server import (
 )
 from tests.venvs import client_venv
 
+# a real client in its own venv, a minute or so with the install: the long suite
+pytestmark = pytest.mark.slow
+
 LONG = 300
 # "--ignore-requires-python" travels with the package list to pip (client_venv appends it)
 SKYRL_PACKAGES = ["--ignore-requires-python", "skyrl==0.4.0", "aiohttp", "aiosignal",
@@ -43,6 +46,7 @@ backends = types.ModuleType("skyrl.backends")
 backends.__path__ = [str(pathlib.Path(skyrl.__file__).parent / "backends")]
 sys.modules["skyrl.backends"] = backends
 from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import (
+
     RemoteInferenceClient)
 
 url, w1 = sys.argv[1], sys.argv[2]

@@ -26,6 +26,9 @@ from tests.rollout_engine.entrypoints.conftest import LiveServer, bound_socket, 
 from tests.rollout_engine.vllm import trl_vllm_standin
 from tests.venvs import client_venv
 
+# a real client in its own venv, a minute or so with the install: the long suite
+pytestmark = pytest.mark.slow
+
 __all__ = ["serve_app"]   # the fixture, imported for this package
 
 REPO = Path(__file__).resolve().parents[3]
