@@ -49,7 +49,7 @@ from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import
 
     RemoteInferenceClient)
 
-url, w1 = sys.argv[1], sys.argv[2]
+url, w1, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 
 
 def say(step, answer):
@@ -57,7 +57,15 @@ def say(step, answer):
 
 
 async def main():
-    client = RemoteInferenceClient(proxy_url=url, server_urls=[url], data_parallel_size=1)
+    client = RemoteInferenceClient(proxy_url=url, server_urls=[url], data_parallel_size=1,
+                                   model_name=w1)
+    out = await client.generate({"prompt_token_ids": [prompt], "sampling_params": {
+        "max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "logprobs": 0}})
+    ids = await client.tokenize(["hello world"])
+    print(json.dumps({"step": "generate", "answer": {
+        "response_ids": out["response_ids"], "responses": out["responses"],
+        "response_logprobs": out["response_logprobs"], "stop_reasons": out["stop_reasons"],
+        "tokenized": ids, "detokenized": await client.detokenize(ids)}}), flush=True)
     print(json.dumps({"step": "ready"}), flush=True)
     sys.stdin.readline()                                 # a request is decoding
     say("pause", await client.pause())                  # SkyRL's default: keep, no clear
@@ -92,6 +100,8 @@ def server() -> Iterator[tuple[str, Any]]:
 def _next(proc: subprocess.Popen) -> dict[str, Any]:
     assert proc.stdout is not None
     line = proc.stdout.readline()
+    while line and not line.startswith('{"step"'):   # the client's own log lines
+        line = proc.stdout.readline()
     assert line, f"the SkyRL client exited: {proc.wait(30)}; {proc.stderr.read()}"
     answer: dict[str, Any] = json.loads(line)
     return answer
@@ -102,13 +112,23 @@ def test_skyrl_client_pauses_refits_sleeps_and_wakes(skyrl_python, server, tmp_p
     script = tmp_path / "skyrl_client.py"
     script.write_text(CLIENT)
     with httpx.Client(base_url=url, timeout=60) as http:
-        before = http.post("/generate", json={"input_ids": PROMPTS[1],
+        before = http.post("/generate", json={"input_ids": PROMPTS[1], "return_logprob": True,
                                               "sampling_params": greedy(12)}).json()
-    proc = subprocess.Popen([str(skyrl_python), str(script), url, w1_w2()[0]],
+    proc = subprocess.Popen([str(skyrl_python), str(script), url, w1_w2()[0],
+                             json.dumps(PROMPTS[1])],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        assert _next(proc) == {"step": "ready"}   # imported: its first call comes at once
+        generated = _next(proc)   # generate over /inference/v1/generate, then /tokenize
+        assert generated["step"] == "generate"
+        got = generated["answer"]
+        assert got["response_ids"] == [before["output_ids"]]
+        assert got["responses"] == [before["text"]]
+        assert got["stop_reasons"] == ["length"]
+        want = [lp for lp, _, _ in before["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(got["response_logprobs"][0], want)) <= 1e-5
+        assert got["detokenized"] == ["hello world"]
+        assert _next(proc) == {"step": "ready"}
         t, box = stream_generate(url, PROMPTS[0], "skyrl", n=LONG)
         wait_running(engine, 1)
         assert proc.stdin is not None
