@@ -8,20 +8,25 @@ adapter slot the batch uses, the low-rank update of that slot's rows::
 
 Fused projections keep their fusion: a slot's A matrices of q, k and v (gate and up) are
 stacked, so one shrink serves the group, and each sub-projection's expand adds into its own
-columns of the fused output. A row without an adapter belongs to no segment and costs nothing;
-a forward with no adapter carries no ``LoraBatch`` at all (``ForwardBatch.lora`` is None) and
-the model runs exactly as without LoRA.
+columns of the fused output. Where it pays (`Stack`), the batch's slots are stacked too: one
+shrink of every row by every slot's A, a mask keeping each row's own slot's columns (scaled),
+one expand per sub-projection, so the number of products does not grow with the number of
+adapters; otherwise the slots go one by one. A forward with no adapter carries no
+``LoraBatch`` at all (``ForwardBatch.lora`` is None) and the model runs exactly as without
+LoRA.
 
     pool.a[(layer, group)]   [slots, subs * max_rank, in]   a slot's present sub-projections'
                                                             A, each rank rows, back to back
     pool.b[(layer, module)]  [slots, out, max_rank]         B, its first rank columns used
 
-Under ``enable_deterministic_inference`` the products are the small-GEMM kernel's (each row one
-fixed sum), so a row's update does not depend on the rows beside it.
+Under ``enable_deterministic_inference`` the slots go one by one and the products are the
+small-GEMM kernel's (each row one fixed sum), so a row's update does not depend on the rows
+beside it (stacked, its sum's order would follow the other slots' columns).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -75,6 +80,8 @@ class LoraPool:
     serves. ``write`` fills a slot (the caller owns which adapter sits where); the rank, scale
     and present sub-projections of each slot are kept beside the buffers."""
 
+    STACKED_SETS = 4   # sets of slots whose stacks are kept (each a copy of their weights)
+
     def __init__(self, shapes: LoraShapes, num_slots: int, max_rank: int,
                  modules: frozenset[str], dtype: torch.dtype, device: torch.device) -> None:
         self.shapes, self.num_slots, self.max_rank = shapes, num_slots, max_rank
@@ -106,9 +113,10 @@ class LoraPool:
         self.scale = [0.0] * num_slots
         self.present: list[dict[tuple[int, str], tuple[str, ...]]] = [{} for _ in
                                                                       range(num_slots)]
-        # slots of a batch -> (layer, group) -> their stack (None: stacking does not pay);
-        # every write empties it
-        self._stacks: dict[tuple[int, ...], dict[tuple[int, str], Optional[Stack]]] = {}
+        # slots of a batch -> (layer, group) -> their stack (None: stacking does not pay),
+        # for the last STACKED_SETS sets of slots; every write empties it
+        self._stacks: OrderedDict[tuple[int, ...], dict[tuple[int, str], Optional[Stack]]] = \
+            OrderedDict()
         # a stack's columns (slot, scale of each) -> the one pair of tensors all stacks with
         # those columns share (a batch computes one mask for them: `LoraBatch.mask`)
         self.layouts: dict[tuple[tuple[int, float], ...], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -135,7 +143,13 @@ class LoraPool:
     def stack(self, slots: tuple[int, ...], layer: int, group: str) -> Optional[Stack]:
         """``slots``' adapters of ``group`` in ``layer`` stacked (`Stack`), built at first
         use after a write; None where none of them has the group or stacking does not pay."""
-        stacks = self._stacks.setdefault(slots, {})
+        stacks = self._stacks.get(slots)
+        if stacks is None:
+            stacks = self._stacks[slots] = {}
+            while len(self._stacks) > self.STACKED_SETS:
+                self._stacks.popitem(last=False)
+        else:
+            self._stacks.move_to_end(slots)
         key = (layer, group)
         if key not in stacks:
             stacks[key] = Stack.of(self, slots, layer, group)
