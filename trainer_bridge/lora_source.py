@@ -94,10 +94,7 @@ def adapter_source(source: Any, config: Any = None, adapter_name: str = "default
         config = source.peft_config[adapter_name] if config is None else config
         # its lora_A / lora_B parameters: the tensors PEFT saves for a LoRA the engine takes
         # (peft's get_peft_model_state_dict gives the same, at ~30 ms a call on a 55M model)
-        inner = f".{adapter_name}.weight"
-        pairs: Iterable[tuple[str, Any]] = [
-            (n, p) for n, p in source.named_parameters()
-            if n.endswith(inner) and (".lora_A." in n or ".lora_B." in n)]
+        pairs: Iterable[tuple[str, Any]] = _lora_parameters(source, f".{adapter_name}.weight")
     elif isinstance(source, Mapping):
         pairs = source.items()
     else:
@@ -111,6 +108,34 @@ def adapter_source(source: Any, config: Any = None, adapter_name: str = "default
         raise ValueError("tensors: the adapter has no tensors")
     _check_rank(cfg, tensors)
     return AdapterSource(cfg, tensors, peft_model, adapter_name)
+
+
+def _lora_parameters(model: nn.Module, inner: str) -> list[tuple[str, nn.Parameter]]:
+    """``model.named_parameters()`` whose names end in ``inner`` under a ``lora_A`` or
+    ``lora_B``, in the same order: the same walk over each module once, without
+    ``named_modules``' per-module generators (a third of the time on a PeftModel with many
+    adapters, paid on every sync)."""
+    out: list[tuple[str, nn.Parameter]] = []
+    seen: set[int] = set()
+    params: set[int] = set()
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        for n, p in module._parameters.items():
+            if p is None or id(p) in params:
+                continue
+            params.add(id(p))
+            name = prefix + n
+            if name.endswith(inner) and (".lora_A." in name or ".lora_B." in name):
+                out.append((name, p))
+        for n, child in module._modules.items():
+            if child is not None:
+                walk(child, prefix + n + ".")
+
+    walk(model, "")
+    return out
 
 
 def peft_names(pairs: Iterable[tuple[str, Any]], adapter_name: str = "default"

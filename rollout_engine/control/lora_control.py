@@ -3,7 +3,11 @@ place (``upsert``), unload one.
 
 Each runs between batches. A load reads and checks the whole adapter (``weights/lora_adapter``)
 before the registry changes, so a bad payload changes nothing; the adapter is copied into the
-engine's own memory, so a trainer's shared memory is not held after the call is answered.
+engine's own memory. A tensor payload's shared memory stays mapped as a full refit's does
+(``refit.MappedStorages``, which also keeps the ``AdapterPlan`` that built it): a trainer
+sending the same memory again (its adapter moved into shared memory in place, or its reused
+bucket) is read through the same mapping and plan, without parsing, checking names and shapes
+or planning copies again; its values are copied and checked finite on every load.
 Answers carry SGLang's ``loaded_adapters`` (the frontend mirrors it: which names a request may
 ask for, ``/v1/models``).
 
@@ -15,15 +19,17 @@ names the version.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Optional, Union
 
 from torch import nn
 
 from rollout_engine.protocol.sglang_payloads import read_refit_payload, refit_payload_cap
+from rollout_engine.protocol.tensor_handles import OpenedShm
 from rollout_engine.protocol.tensor_payload import drop_unread_references
 from rollout_engine.scheduler.lora_registry import NOT_ENABLED, LoraRegistry, NoLora
-from rollout_engine.weights.lora_adapter import read_adapter_dir
-from rollout_engine.weights.refit import named_tensors_from_payload
+from rollout_engine.weights.lora_adapter import AdapterPlan, read_adapter_dir
+from rollout_engine.weights.refit import MappedStorages, named_tensors_from_payload
 
 __all__ = ["LoraControl"]
 
@@ -37,6 +43,7 @@ class LoraControl:
     def __init__(self, registry: Union[LoraRegistry, NoLora], model: nn.Module) -> None:
         self.registry = registry
         self.model = model
+        self.mapped = MappedStorages.for_model(model)
 
     def _enabled(self) -> LoraRegistry:
         if not isinstance(self.registry, LoraRegistry):
@@ -94,11 +101,27 @@ class LoraControl:
             for data in payloads:   # refused unread: the sender's references still dropped
                 drop_unread_references(data, max_bytes=refit_payload_cap(self.model))
             raise
-        payload = read_refit_payload(payloads[0], self.model)
-        tensors = named_tensors_from_payload(payload, load_format)
-        registry.add(registry.build(lora_name, config_dict, tensors, TENSOR_SOURCE), pinned,
-                     upsert)
+        key = (payloads[0], load_format)
+        tensors = self.mapped.reread(key)
+        kept = self.mapped.plan_of(key) if tensors is not None else None
+        plan = kept[1] if kept is not None and kept[0] == config_dict else None
+        opened: list[OpenedShm] = []
+        if tensors is None:
+            payload = read_refit_payload(payloads[0], self.model, opened=opened)
+            tensors = named_tensors_from_payload(payload, load_format)
+        if plan is None:
+            plan = registry.plan(config_dict, tensors)
+        registry.add(plan.build(lora_name, TENSOR_SOURCE), pinned, upsert)
+        self._keep(key, tensors, opened, config_dict, plan)
         return self._answer()
+
+    def _keep(self, key: Any, tensors: list[Any], opened: list[OpenedShm],
+              config: dict[str, Any], plan: AdapterPlan) -> None:
+        """Keep a loaded payload's shm mapped, and its plan for the same payload and config."""
+        self.mapped.keep(tensors)
+        if opened:
+            self.mapped.remember(key, tensors, opened)
+        self.mapped.set_plan(key, (copy.deepcopy(config), plan))
 
     def rpc_unload_lora_adapter(self, lora_name: str, lora_id: Optional[str] = None
                                 ) -> dict[str, Any]:

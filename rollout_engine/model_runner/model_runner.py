@@ -134,15 +134,15 @@ class ModelRunner:
         """Logits ``[len(fb.logits_indices), vocab]`` in float32; the routing of every token
         recorded at its slot when ``routing`` records."""
         fb.routing_out = self.routing.out_buffer(int(fb.input_ids.shape[0]))
-        # the captured graphs and the flat decode loop write no routing record and apply no
-        # LoRA adapter: such a forward runs eagerly through the modules
+        # the captured graphs write no routing record and apply no LoRA adapter: such a
+        # forward runs eagerly (the flat decode loop applies adapters)
         plain = fb.routing_out is None and fb.lora is None
         if plain and self.graphs.can_run(fb):
             return self.graphs.replay(fb)
         fb.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(fb)
         with batch_invariant.forwards(self.batch_invariant):
-            if (self.flat_decode is not None and fb.lora is None
+            if (self.flat_decode is not None
                     and isinstance(fb.attn_metadata, KernelDecodeMeta)):
                 hidden = self.flat_decode(self.model, fb)   # the same kernels, no module calls
             else:

@@ -8,7 +8,8 @@ for bit the module path's (tests/rollout_engine/model_runner/test_flat_decode.py
 ``torch.equal``), with the checks made once per step instead of per call: the inputs and
 buffers are the engine's own (float32, contiguous, CPU), the shapes
 follow from the architecture, and every C entry point still checks the values it indexes
-with (slots, the decode plan). Rope and the KV write are one pass (``rope_store``: k rotated
+with (slots, the decode plan). A batch with LoRA adapters (``fb.lora``) adds their updates
+after each product, as the modules do (``models/lora.py``). Rope and the KV write are one pass (``rope_store``: k rotated
 straight into its pool slot, v copied there), and the norms, the attention output and the
 activation each write one buffer reused for the whole step. What each of these saves a forward
 is in docs/BENCHMARKS.md ("CPU choices, measured in the engine").
@@ -118,6 +119,7 @@ class CpuDecodeForward:
     def __call__(self, model: torch.nn.Module, fb: ForwardBatch) -> torch.Tensor:
         backend = fb.attn_backend
         pool = backend.kv_pool
+        lora = fb.lora   # LoraBatch: adapters' updates after each product, as the modules add
         x = model.embed_tokens(fb.input_ids)
         cos, sin = model.rotary.cos_sin(fb.positions, x.dtype)
         t, hidden, eps = x.shape[0], self.hidden, self.eps
@@ -151,6 +153,8 @@ class CpuDecodeForward:
             if i:
                 self._add_norm(x, residual, layer.input_layernorm, h)
             qkv = product(h, attn.qkv_proj)
+            if lora is not None:
+                lora.apply(i, "qkv_proj", h, qkv)
             base = qkv.data_ptr()
             kbuf, vbuf = pool.k_buffers[i], pool.v_buffers[i]
             if not (kbuf.shape[1:] == pool_shape and vbuf.shape == kbuf.shape
@@ -167,11 +171,17 @@ class CpuDecodeForward:
                                  f"{kbuf.shape[0]} slots")
             attend(base, qkv_width, kbuf, vbuf, attn.scaling, o.data_ptr())
             x = product(o, attn.o_proj)
+            if lora is not None:
+                lora.apply(i, "o_proj", o, x)
             self._add_norm(x, residual, layer.post_attention_layernorm, h)
             gate_up = product(h, layer.mlp.gate_up_proj)
+            if lora is not None:
+                lora.apply(i, "gate_up_proj", h, gate_up)
             if gate_up.shape[1] != 2 * inter:
                 raise ValueError(f"flat decode: layer {i}'s gate_up gives {gate_up.shape[1]} "
                                  f"columns, not {2 * inter}")
             self._silu_mul(gate_up.data_ptr(), act.data_ptr(), t, inter)
             x = product(act, layer.mlp.down_proj)
+            if lora is not None:
+                lora.apply(i, "down_proj", act, x)
         return self._add_norm(x, residual, model.norm, torch.empty_like(x))

@@ -8,20 +8,25 @@ adapter slot the batch uses, the low-rank update of that slot's rows::
 
 Fused projections keep their fusion: a slot's A matrices of q, k and v (gate and up) are
 stacked, so one shrink serves the group, and each sub-projection's expand adds into its own
-columns of the fused output. A row without an adapter belongs to no segment and costs nothing;
-a forward with no adapter carries no ``LoraBatch`` at all (``ForwardBatch.lora`` is None) and
-the model runs exactly as without LoRA.
+columns of the fused output. Where it pays (`Stack`), the batch's slots are stacked too: one
+shrink of every row by every slot's A, a mask keeping each row's own slot's columns (scaled),
+one expand per sub-projection, so the number of products does not grow with the number of
+adapters; otherwise the slots go one by one. A forward with no adapter carries no
+``LoraBatch`` at all (``ForwardBatch.lora`` is None) and the model runs exactly as without
+LoRA.
 
     pool.a[(layer, group)]   [slots, subs * max_rank, in]   a slot's present sub-projections'
                                                             A, each rank rows, back to back
     pool.b[(layer, module)]  [slots, out, max_rank]         B, its first rank columns used
 
-Under ``enable_deterministic_inference`` the products are the small-GEMM kernel's (each row one
-fixed sum), so a row's update does not depend on the rows beside it.
+Under ``enable_deterministic_inference`` the slots go one by one and the products are the
+small-GEMM kernel's (each row one fixed sum), so a row's update does not depend on the rows
+beside it (stacked, its sum's order would follow the other slots' columns).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -75,6 +80,8 @@ class LoraPool:
     serves. ``write`` fills a slot (the caller owns which adapter sits where); the rank, scale
     and present sub-projections of each slot are kept beside the buffers."""
 
+    STACKED_SETS = 4   # sets of slots whose stacks are kept (each a copy of their weights)
+
     def __init__(self, shapes: LoraShapes, num_slots: int, max_rank: int,
                  modules: frozenset[str], dtype: torch.dtype, device: torch.device) -> None:
         self.shapes, self.num_slots, self.max_rank = shapes, num_slots, max_rank
@@ -106,6 +113,13 @@ class LoraPool:
         self.scale = [0.0] * num_slots
         self.present: list[dict[tuple[int, str], tuple[str, ...]]] = [{} for _ in
                                                                       range(num_slots)]
+        # slots of a batch -> (layer, group) -> their stack (None: stacking does not pay),
+        # for the last STACKED_SETS sets of slots; every write empties it
+        self._stacks: OrderedDict[tuple[int, ...], dict[tuple[int, str], Optional[Stack]]] = \
+            OrderedDict()
+        # a stack's columns (slot, scale of each) -> the one pair of tensors all stacks with
+        # those columns share (a batch computes one mask for them: `LoraBatch.mask`)
+        self.layouts: dict[tuple[tuple[int, float], ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
@@ -123,6 +137,23 @@ class LoraPool:
             if subs:
                 present[(layer, group)] = subs
         self.rank[slot], self.scale[slot], self.present[slot] = rank, scale, present
+        self._stacks.clear()
+        self.layouts.clear()
+
+    def stack(self, slots: tuple[int, ...], layer: int, group: str) -> Optional[Stack]:
+        """``slots``' adapters of ``group`` in ``layer`` stacked (`Stack`), built at first
+        use after a write; None where none of them has the group or stacking does not pay."""
+        stacks = self._stacks.get(slots)
+        if stacks is None:
+            stacks = self._stacks[slots] = {}
+            while len(self._stacks) > self.STACKED_SETS:
+                self._stacks.popitem(last=False)
+        else:
+            self._stacks.move_to_end(slots)
+        key = (layer, group)
+        if key not in stacks:
+            stacks[key] = Stack.of(self, slots, layer, group)
+        return stacks[key]
 
 
 def _product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -130,6 +161,74 @@ def _product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if batch_invariant.active():
         return batch_invariant.kernel()(x.contiguous(), w.contiguous(), None)
     return F.linear(x, w)
+
+
+class Stack:
+    """The adapters of a batch's slots for one projection group of one layer, stacked so a
+    forward applies them all in a fixed number of products whatever the number of slots::
+
+        s        = x a^T                    [T, K]   every row through every slot's A
+        s       *= mask                     [T, K]   a row keeps its own slot's columns, scaled
+        y[:, m] += s[:, k0:k1] b_t[m]       per sub-projection m of the group
+
+    ``a`` ``[K, in]`` holds, sub-projection after sub-projection, each slot's A rows of it at
+    its own rank (``col_slot``/``col_scale``: the slot and scale of each of the K columns);
+    ``subs`` lists (the columns of m in ``s``, its B's stacked ``[K_m, out_m]``, its columns
+    in the fused output). A row outside every segment multiplies zeros. The slots' other rows
+    cost (K - a row's own rank) wasted columns, so a group is stacked only while ``K`` stays
+    small next to its base product (`MAX_EXTRA`)."""
+
+    MAX_EXTRA = 0.25   # the stack's multiply-adds a row, over the base product's, at most
+
+    def __init__(self, a: torch.Tensor, col_slot: torch.Tensor, col_scale: torch.Tensor,
+                 subs: list[tuple[int, int, torch.Tensor, int, int]]) -> None:
+        self.a, self.col_slot, self.col_scale, self.subs = a, col_slot, col_scale, subs
+
+    @classmethod
+    def of(cls, pool: LoraPool, slots: tuple[int, ...], layer: int, group: str
+           ) -> Optional[Stack]:
+        a_pool = pool.a.get((layer, group))
+        if a_pool is None:
+            return None
+        a_rows: list[torch.Tensor] = []
+        col_slot: list[int] = []
+        col_scale: list[float] = []
+        subs = []
+        k = 0
+        for m in pool.groups[group]:
+            k0, b_rows = k, []
+            for slot in slots:
+                present = pool.present[slot].get((layer, group), ())
+                if m not in present:
+                    continue
+                r, j = pool.rank[slot], present.index(m)
+                a_rows.append(a_pool[slot, j * r:(j + 1) * r])
+                b_rows.append(pool.b[(layer, m)][slot, :, :r].t())
+                col_slot += [slot] * r
+                col_scale += [pool.scale[slot]] * r
+                k += r
+            if b_rows:
+                lo, hi = pool.columns[m]
+                subs.append((k0, k, torch.cat(b_rows).contiguous(), lo, hi))
+        if not subs:
+            return None
+        in_features, width = a_pool.shape[2], max(hi for *_, hi in subs)
+        extra = k * in_features + sum((k1 - k0) * (hi - lo) for k0, k1, _, lo, hi in subs)
+        if extra > cls.MAX_EXTRA * in_features * width:
+            return None
+        layout = tuple(zip(col_slot, col_scale))
+        if layout not in pool.layouts:
+            device = a_pool.device
+            pool.layouts[layout] = (torch.tensor(col_slot, device=device),
+                                    torch.tensor(col_scale, dtype=a_pool.dtype, device=device))
+        return cls(torch.cat(a_rows).contiguous(), *pool.layouts[layout], subs)
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor, mask: torch.Tensor) -> None:
+        """``out += `` the update of every row of ``x`` (``mask``: `LoraBatch.mask`)."""
+        s = F.linear(x, self.a)
+        s.mul_(mask)
+        for k0, k1, b_t, lo, hi in self.subs:
+            out[:, lo:hi].addmm_(s[:, k0:k1], b_t)
 
 
 class LoraBatch:
@@ -141,11 +240,34 @@ class LoraBatch:
                  ) -> None:
         self.pool = pool
         self.segments = segments
+        self.slots = tuple(sorted(slot for slot, _ in segments))
+        self._row_slot: Optional[torch.Tensor] = None
+        self._masks: dict[int, torch.Tensor] = {}   # id(a Stack's col_slot) -> its mask
+
+    def _mask(self, stack: Stack, num_rows: int) -> torch.Tensor:
+        """``[T, K]``: a row's scale in its own slot's columns of ``stack``, else 0."""
+        mask = self._masks.get(id(stack.col_slot))
+        if mask is None:
+            if self._row_slot is None:
+                row_slot = torch.full((num_rows,), -1, dtype=torch.int64,
+                                      device=stack.col_slot.device)
+                for slot, rows in self.segments:
+                    row_slot[slice(None) if rows is None else rows] = slot
+                self._row_slot = row_slot
+            hit = self._row_slot[:, None] == stack.col_slot[None, :]
+            mask = torch.where(hit, stack.col_scale, torch.zeros((), dtype=stack.col_scale.dtype))
+            self._masks[id(stack.col_slot)] = mask
+        return mask
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` (the base product of ``group`` over ``x``, ``[T, columns]``) += each
         segment's low-rank update, in place."""
         pool = self.pool
+        if not batch_invariant.active():   # there each row's update is the per-slot sum
+            stack = pool.stack(self.slots, layer, group)
+            if stack is not None:
+                stack.apply(x, out, self._mask(stack, x.shape[0]))
+                return
         a = pool.a.get((layer, group))
         if a is None:
             return

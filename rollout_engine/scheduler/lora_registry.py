@@ -35,6 +35,7 @@ from rollout_engine.models.lora import LoraBatch, LoraPool, LoraShapes
 from rollout_engine.protocol.messages import BusyError
 from rollout_engine.scheduler.request import Req
 from rollout_engine.weights.lora_adapter import (
+    AdapterPlan,
     LoraAdapter,
     build_adapter,
     read_adapter_dir,
@@ -131,6 +132,13 @@ class LoraRegistry:
         pool = self.pool
         return build_adapter(name, config, tensors, pool.shapes, pool.max_rank, pool.modules,
                              self.dtype, source)
+
+    def plan(self, config: Any, tensors: Any) -> AdapterPlan:
+        """The checks and copies of an adapter's tensors (``AdapterPlan``; ValueError naming
+        the problem), to build it from them now and again."""
+        pool = self.pool
+        return AdapterPlan(config, tensors, pool.shapes, pool.max_rank, pool.modules,
+                           self.dtype)
 
     def add(self, adapter: LoraAdapter, pinned: bool = False, upsert: bool = False
             ) -> AdapterVersion:

@@ -14,25 +14,29 @@ Refused, with a ValueError naming what: DoRA, a bias other than ``none``, per-mo
 alphas, ``modules_to_save``, ``fan_in_fan_out``, a module that is not one of ours (the
 embedding, the LM head, a mixture-of-experts layer's experts), a rank above the engine's
 ``max_lora_rank``, a module outside its ``lora_target_modules``, a tensor of the wrong shape or
-not finite, an A without its B. Every tensor is checked before any is copied:
-``build_adapter`` either returns a whole adapter or changes nothing.
+not finite, an A without its B. Every tensor is checked before anything is kept:
+``build_adapter`` either returns a whole adapter or changes nothing. ``AdapterPlan`` keeps
+the checks and the copies of one payload, for a trainer that sends the same memory again.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import re
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from rollout_engine.models.lora import MODULES, LoraShapes
+from rollout_engine.protocol.byte_copy import CopyPlan
 
-__all__ = ["LoraAdapter", "LoraSpec", "build_adapter", "read_adapter_dir", "read_spec"]
+__all__ = ["AdapterPlan", "LoraAdapter", "LoraSpec", "build_adapter", "read_adapter_dir", "read_spec"]
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -78,7 +82,7 @@ class LoraSpec:
 @dataclass(frozen=True)
 class LoraAdapter:
     """A checked adapter in host memory: ``weights[(layer, module)] = (A, B)``, contiguous
-    copies of its own in the engine's dtype. ``source``: its directory, or ``__tensor__``."""
+    views into one buffer of its own in the engine's dtype. ``source``: its directory, or ``__tensor__``."""
 
     name: str
     spec: LoraSpec
@@ -182,47 +186,115 @@ def build_adapter(name: str, config: Any, tensors: Iterable[tuple[str, Any]],
                   dtype: torch.dtype, source: str) -> LoraAdapter:
     """Check ``config`` and every tensor against the model (``shapes``) and the engine's
     ``max_rank`` and ``modules``, then copy them: a ValueError naming the first problem,
-    before anything is copied."""
+    before anything is kept (``AdapterPlan`` made and built once)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"lora_name: must be a non-empty string, got {name!r}")
-    spec = read_spec(config)
-    if spec.rank > max_rank:
-        raise ValueError(f"r: the adapter's rank {spec.rank} is above this engine's "
-                         f"max_lora_rank ({max_rank}); start it with a larger --max-lora-rank")
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for tensor_name, t in tensors:
-        if not isinstance(tensor_name, str) or not isinstance(t, torch.Tensor):
-            raise ValueError("tensors: must be (name, tensor) pairs")
-        layer, module, which = _locate(tensor_name, shapes)
-        if module not in modules:
-            raise ValueError(f"{tensor_name!r}: {module} is not among this engine's LoRA "
-                             f"target modules ({', '.join(sorted(modules))}); start it with "
-                             "--lora-target-modules naming it")
-        if module not in spec.target_modules:
-            raise ValueError(f"{tensor_name!r}: {module} is not in the adapter's "
-                             f"target_modules ({', '.join(sorted(spec.target_modules))})")
-        in_f, out_f = shapes.features[module]
-        want = (spec.rank, in_f) if which == "A" else (out_f, spec.rank)
-        if tuple(t.shape) != want:
-            raise ValueError(f"{tensor_name!r}: shape {list(t.shape)}, expected {list(want)} "
-                             f"(rank r={spec.rank}, {module} maps {in_f} -> {out_f})")
-        if not t.is_floating_point():
-            raise ValueError(f"{tensor_name!r}: dtype {t.dtype} is not a floating type")
-        if not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{tensor_name!r}: holds non-finite values")
-        if which in pairs.setdefault((layer, module), {}):
-            raise ValueError(f"{tensor_name!r}: given twice")
-        pairs[(layer, module)][which] = t
-    if not pairs:
-        raise ValueError("tensors: the adapter has no LoRA weights")
-    for (layer, module), pair in sorted(pairs.items()):
-        if len(pair) != 2:
-            missing = "B" if "A" in pair else "A"
-            raise ValueError(f"layer {layer} {module}: lora_{missing}.weight is missing")
-    weights = {key: (_own(p["A"], dtype), _own(p["B"], dtype)) for key, p in pairs.items()}
-    return LoraAdapter(name, spec, weights, source)
+    return AdapterPlan(config, tensors, shapes, max_rank, modules, dtype).build(name, source)
 
 
-def _own(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A contiguous CPU copy of ``t`` in ``dtype`` that shares no memory with the sender's."""
-    return t.detach().to(device="cpu", dtype=dtype).clone(memory_format=torch.contiguous_format)
+class AdapterPlan:
+    """``build_adapter`` split in two, as ``loader.LoadPlan`` splits a refit. The constructor
+    checks the config and every tensor's name, shape and dtype (a ValueError naming the first
+    problem) and lays the adapter out in one flat buffer of the engine's dtype. ``build``
+    copies the tensors' current values into a buffer of its own (the copies worked out once
+    per buffer: ``CopyPlan``), checks the whole buffer finite at once (a ValueError naming a
+    non-finite tensor) and returns an adapter whose A and B are views into that buffer. A
+    plan may build again for the very same source tensors (a trainer resending the same
+    shared memory: ``refit.MappedStorages``); it keeps them alive meanwhile, and reuses the
+    buffer of an adapter that is gone (a replaced version no request uses), so a refit
+    writes memory already mapped."""
+
+    def __init__(self, config: Any, tensors: Iterable[tuple[str, Any]], shapes: LoraShapes,
+                 max_rank: int, modules: frozenset[str], dtype: torch.dtype) -> None:
+        spec = read_spec(config)
+        if spec.rank > max_rank:
+            raise ValueError(f"r: the adapter's rank {spec.rank} is above this engine's "
+                             f"max_lora_rank ({max_rank}); start it with a larger "
+                             "--max-lora-rank")
+        pairs: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
+        for tensor_name, t in tensors:
+            if not isinstance(tensor_name, str) or not isinstance(t, torch.Tensor):
+                raise ValueError("tensors: must be (name, tensor) pairs")
+            layer, module, which = _check(tensor_name, t, spec, shapes, modules)
+            if which in pairs.setdefault((layer, module), {}):
+                raise ValueError(f"{tensor_name!r}: given twice")
+            pairs[(layer, module)][which] = (tensor_name, t.detach())
+        if not pairs:
+            raise ValueError("tensors: the adapter has no LoRA weights")
+        for (layer, module), pair in sorted(pairs.items()):
+            if len(pair) != 2:
+                missing = "B" if "A" in pair else "A"
+                raise ValueError(f"layer {layer} {module}: lora_{missing}.weight is missing")
+        # the buffer: each (layer, module)'s A then B, back to back, in key order
+        self.spec = spec
+        self.parts: list[tuple[tuple[int, str], str, int, torch.Size]] = []
+        sources: list[torch.Tensor] = []
+        offset = 0
+        for key in sorted(pairs):
+            for which in "AB":
+                name, t = pairs[key][which]
+                self.parts.append((key, name, offset, t.shape))
+                sources.append(t)
+                offset += t.numel()
+        self.numel, self.dtype, self.sources = offset, dtype, sources
+        # buffers in rotation: (the adapter built in it, or None; flat buffer; its views;
+        # the copies into it)
+        self.buffers: list[tuple[Optional[weakref.ref[LoraAdapter]], torch.Tensor,
+                                 dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+                                 CopyPlan]] = []
+
+    def _buffer(self) -> int:
+        """A buffer no adapter lives in any more (a new one when each is still in use): an
+        adapter's weights are views into its buffer, and nothing but the adapter keeps them
+        (the device pool copies them), so once it is gone its buffer is free."""
+        for i, (ref, *_) in enumerate(self.buffers):
+            if ref is None or ref() is None:
+                return i
+        flat = torch.empty(self.numel, dtype=self.dtype)
+        views = [flat[offset:offset + shape.numel()].view(shape)
+                 for _, _, offset, shape in self.parts]
+        weights = {self.parts[i][0]: (views[i], views[i + 1]) for i in range(0, len(views), 2)}
+        self.buffers.append((None, flat, weights, CopyPlan(zip(views, self.sources))))
+        return len(self.buffers) - 1
+
+    def build(self, name: str, source: str) -> LoraAdapter:
+        """The adapter ``name`` of the sources' current values (ValueError naming the first
+        non-finite tensor; nothing is kept then)."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"lora_name: must be a non-empty string, got {name!r}")
+        i = self._buffer()
+        _, flat, weights, copies = self.buffers[i]
+        with torch.no_grad():   # casts where the sender's dtype is another
+            copies.run()
+        # a sum is finite only if every element is (inf and nan propagate); a finite buffer
+        # whose sum overflows takes the exact check
+        if not bool(torch.isfinite(flat.sum())) and not bool(torch.isfinite(flat).all()):
+            for (key, tensor_name, _, _), which in zip(self.parts, itertools.cycle((0, 1))):
+                if not bool(torch.isfinite(weights[key][which]).all()):
+                    raise ValueError(f"{tensor_name!r}: holds non-finite values")
+        adapter = LoraAdapter(name, self.spec, weights, source)
+        self.buffers[i] = (weakref.ref(adapter), flat, weights, copies)
+        return adapter
+
+
+def _check(tensor_name: str, t: torch.Tensor, spec: LoraSpec, shapes: LoraShapes,
+           modules: frozenset[str]) -> tuple[int, str, str]:
+    """One tensor's name, module, shape and dtype against the model, the engine and the
+    adapter's config (its values are checked once the whole adapter is copied); its (layer,
+    module, "A" or "B")."""
+    layer, module, which = _locate(tensor_name, shapes)
+    if module not in modules:
+        raise ValueError(f"{tensor_name!r}: {module} is not among this engine's LoRA "
+                         f"target modules ({', '.join(sorted(modules))}); start it with "
+                         "--lora-target-modules naming it")
+    if module not in spec.target_modules:
+        raise ValueError(f"{tensor_name!r}: {module} is not in the adapter's "
+                         f"target_modules ({', '.join(sorted(spec.target_modules))})")
+    in_f, out_f = shapes.features[module]
+    want = (spec.rank, in_f) if which == "A" else (out_f, spec.rank)
+    if tuple(t.shape) != want:
+        raise ValueError(f"{tensor_name!r}: shape {list(t.shape)}, expected {list(want)} "
+                         f"(rank r={spec.rank}, {module} maps {in_f} -> {out_f})")
+    if not t.is_floating_point():
+        raise ValueError(f"{tensor_name!r}: dtype {t.dtype} is not a floating type")
+    return layer, module, which

@@ -102,7 +102,9 @@ class MappedStorages:
         # payload key -> (named tensors, the shm storages its read opened, their keys)
         self._payloads: OrderedDict[Any, tuple[list[tuple[str, torch.Tensor]],
                                                list[OpenedShm], frozenset[int]]] = OrderedDict()
-        self._plans: dict[Any, LoadPlan] = {}   # payload key -> the plan that applied it
+        # payload key -> the plan that applied it (a LoadPlan; an adapter load keeps its
+        # config and AdapterPlan: control/lora_control.py)
+        self._plans: dict[Any, Any] = {}
 
     @classmethod
     def for_model(cls, model: nn.Module) -> MappedStorages:
@@ -174,11 +176,11 @@ class MappedStorages:
                 o.storage._shared_decref()
         return named_tensors
 
-    def plan_of(self, key: Any) -> Optional[LoadPlan]:
+    def plan_of(self, key: Any) -> Any:
         """The plan that applied `key`'s payload (see `refit_from_serialized`), or None."""
         return self._plans.get(key)
 
-    def set_plan(self, key: Any, plan: Optional[LoadPlan]) -> None:
+    def set_plan(self, key: Any, plan: Any) -> None:
         """`key`'s payload is applied by `plan` from now on (None: by none); nothing is kept
         for a key whose payload is not."""
         if plan is None or key not in self._payloads:

@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import pytest
 
+from rollout_engine.models.lora import Stack
 from tests.rollout_engine.lora.adapters import SPECS, assert_matches, prompts
 
 MAX_NEW = 10
@@ -34,9 +35,13 @@ def _generate(engine: Any, ps: list[list[int]], which: list[Optional[str]]) -> l
                            sampling_params={"temperature": 0, "max_new_tokens": MAX_NEW})
 
 
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per-slot"])
 def test_one_batch_mixing_four_adapters_and_the_base_model(
         make_engine: Callable[..., Any], qwen2_path: str, adapters: dict[str, str],
-        vocab: int) -> None:
+        vocab: int, stacked: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways a batch applies its adapters (``models/lora.py``): every slot's stacked in
+    one product, and slot by slot (where stacking would waste too much: here forced)."""
+    monkeypatch.setattr(Stack, "MAX_EXTRA", float("inf") if stacked else 0.0)
     names: list[Optional[str]] = [*SPECS, None]
     engine = make_engine(qwen2_path, lora_paths=[f"{n}={adapters[n]}" for n in SPECS])
     ps, which = _mixed(names, vocab)

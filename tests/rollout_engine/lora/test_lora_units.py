@@ -12,7 +12,8 @@ import torch
 from rollout_engine.config import EngineConfig
 from rollout_engine.config.lora import normalized_lora_paths
 from rollout_engine.entrypoints.launch_server import parse_args
-from rollout_engine.models.lora import GROUPS, MODULES, LoraBatch, LoraPool, LoraShapes
+from rollout_engine.models import batch_invariant
+from rollout_engine.models.lora import GROUPS, MODULES, LoraBatch, LoraPool, LoraShapes, Stack
 from rollout_engine.protocol.messages import BusyError, GenerateReq
 from rollout_engine.sampling_params import SamplingParams
 from rollout_engine.scheduler.lora_registry import LoraRegistry
@@ -77,6 +78,59 @@ def test_segments_equal_a_row_by_row_reference() -> None:
     whole.apply(0, "qkv_proj", x, a_out)
     idx.apply(0, "qkv_proj", x, b_out)
     torch.testing.assert_close(a_out, b_out)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_stacked_slots_match_a_row_by_row_reference(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Stack`` (every slot in one product) against the update written out row by row: slots
+    of different ranks and scales, each with its own modules, rows in no segment, every
+    group; and the per-slot loop (deterministic mode's) against the same."""
+    monkeypatch.setattr(Stack, "MAX_EXTRA", float("inf"))   # these small shapes: stacked
+    g = torch.Generator().manual_seed(seed)
+    kinds = [(2, MODULES), (8, ("q_proj", "v_proj", "up_proj")),
+             (5, ("k_proj", "o_proj", "down_proj"))]
+    pool = LoraPool(SHAPES, num_slots=3, max_rank=8, modules=frozenset(MODULES),
+                    dtype=torch.float32, device=torch.device("cpu"))
+    written = []
+    for slot, (rank, modules) in enumerate(kinds):
+        weights = {}
+        for layer in (0, 1):
+            for m in modules:
+                if SHAPES.has(layer, m):
+                    i, o = SHAPES.features[m]
+                    weights[(layer, m)] = (torch.randn(rank, i, generator=g),
+                                           torch.randn(o, rank, generator=g))
+        pool.write(slot, rank, 0.5 + slot, weights)
+        written.append(weights)
+    rows = torch.randperm(11, generator=g)
+    segments = [(0, rows[:3].sort().values), (1, rows[3:7].sort().values),
+                (2, rows[7:10].sort().values)]   # rows[10] has no adapter
+    for group, subs in GROUPS.items():
+        width = sum(SHAPES.features[m][1] for m in subs)
+        for layer in (0, 1):
+            x = torch.randn(11, SHAPES.features[subs[0]][0], generator=g)
+            base = torch.randn(11, width, generator=g)
+            want = base.clone()
+            for slot, seg in segments:
+                lo = 0
+                for m in subs:
+                    hi = lo + SHAPES.features[m][1]
+                    if (layer, m) in written[slot]:
+                        a, b = written[slot][(layer, m)]
+                        for r in seg.tolist():
+                            want[r, lo:hi] += (0.5 + slot) * (b @ (a @ x[r]))
+                    lo = hi
+            got = base.clone()
+            LoraBatch(pool, segments).apply(layer, group, x, got)
+            stack = pool.stack((0, 1, 2), layer, group)
+            assert (stack is None) == (layer == 1 and group in ("gate_up_proj", "down_proj"))
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            assert torch.equal(got[rows[10]], base[rows[10]])
+            slot_by_slot = base.clone()
+            with batch_invariant.forwards(True):   # the per-slot loop, one row at a time
+                LoraBatch(pool, segments).apply(layer, group, x, slot_by_slot)
+            torch.testing.assert_close(slot_by_slot, want, rtol=1e-4, atol=1e-4)
 
 
 def _adapter(name: str, seed: int, rank: int = 4) -> Any:

@@ -22,6 +22,7 @@ from rollout_engine.model_runner.attention.torch_native import (
 from rollout_engine.model_runner.model_runner import ModelRunner
 from rollout_engine.models.cpu_decode import FLAT_DECODE_ENV, CpuDecodeForward
 from rollout_engine.models.forward_batch import ForwardBatch, ForwardMode
+from rollout_engine.models.lora import MODULES, LoraBatch, LoraPool, LoraShapes, Stack
 
 PROMPT, MAX_OWN = 24, 12
 _rows_in_use: dict[int, list[int]] = {}     # id(runner) -> its table rows now held
@@ -99,6 +100,30 @@ def test_flat_decode_equals_the_module_path(runners, arch, batch, group):
     if group > 1:   # every group of two or more rows shares its prompt (the cascade path)
         lone = 1 if batch % group == 1 else 0
         assert fb.attn_metadata.plan.num_grouped_rows == batch - lone
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_lora_adapters_in_the_flat_loop_equal_the_module_path(runners, monkeypatch, stacked):
+    """A batch mixing adapters (and rows without one) takes the flat loop, which adds their
+    updates where the modules do; stacked or slot by slot (``models/lora.py``)."""
+    monkeypatch.setattr(Stack, "MAX_EXTRA", float("inf") if stacked else 0.0)
+    runner = runners["qwen2"]
+    gen = torch.Generator().manual_seed(21)
+    shapes = LoraShapes.of(runner.arch)
+    pool = LoraPool(shapes, 3, 8, frozenset(MODULES), torch.float32, torch.device("cpu"))
+    for slot, rank in enumerate((8, 4, 2)):
+        pool.write(slot, rank, 1.5, {
+            (layer, m): (torch.randn(rank, shapes.features[m][0], generator=gen),
+                         torch.randn(shapes.features[m][1], rank, generator=gen))
+            for layer in range(shapes.num_layers) for m in MODULES})
+    fb = _decode_batch(runner, 20, 4, gen)
+    plain = _both(runner, fb)[0]
+    fb.lora = LoraBatch(pool, [(s, torch.arange(s, 18, 3)) for s in range(3)])  # 18, 19: none
+    ref, got = _both(runner, fb)
+    assert torch.equal(got, ref)
+    assert torch.equal(got[18:], plain[18:]) and not torch.equal(got[:18], plain[:18])
+    assert (pool.stack((0, 1, 2), 0, "qkv_proj") is not None) == stacked
+    assert torch.equal(runner.forward(fb), runner.model.compute_logits(got))
 
 
 def test_the_runner_forward_gives_the_module_paths_logits(runners, monkeypatch):
