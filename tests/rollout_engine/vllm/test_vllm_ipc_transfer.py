@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 import torch
 
-from rollout_engine.protocol.vllm_ipc import max_pickled_chars
 from tests.rollout_engine.entrypoints.conftest import LiveServer
 from tests.rollout_engine.vllm.weight_server import checkpoints, fresh_greedy, greedy, live_server
 
@@ -149,8 +148,8 @@ def hostile_cases(marker: Path) -> list[tuple[str, Callable[[list], dict], str]]
         ("a storage rebuild", with_handles(lambda ts: one(
             ts, 0, Call(reductions.rebuild_storage_filename, torch.UntypedStorage, b"m", b"h", 8))),
          "rebuild_storage_filename, which is not allowed"),
-        ("oversized", lambda ts: replaced(update_info(ts), ipc_handles_pickled="A" * (
-            max_pickled_chars(len(ts)) + 4)), "characters is over"),
+        ("oversized", lambda ts: replaced(update_info(ts), ipc_handles_pickled="A" * (4 << 20)),
+         "characters is over"),
         ("wrong arity", with_handles(lambda ts: one(ts, 0, good[:14])),
          "15 arguments, got 14"),
         ("too many arguments", with_handles(lambda ts: one(ts, 0, good + (1,))),
