@@ -72,7 +72,7 @@ def check_cuda_tensor_args(budget: PayloadBudget, args: Any, what: str) -> list[
     receiver without CUDA can check them too. Returns them as a list."""
     if not isinstance(args, (tuple, list)) or len(args) != 15:
         got = len(args) if isinstance(args, (tuple, list)) else type(args).__name__
-        raise UnsafePayloadError(f"{what}: expected rebuild_cuda_tensor's 15 arguments, "
+        raise UnsafePayloadError(f"{what}: expected 15 arguments (rebuild_cuda_tensor's), "
                                  f"got {got}")
     (tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, storage_bytes,
      storage_offset_bytes, requires_grad, ref_handle, ref_offset, event_handle,

@@ -151,9 +151,9 @@ def hostile_cases(marker: Path) -> list[tuple[str, Callable[[list], dict], str]]
         ("oversized", lambda ts: replaced(update_info(ts), ipc_handles_pickled="A" * (4 << 20)),
          "characters is over"),
         ("wrong arity", with_handles(lambda ts: one(ts, 0, good[:14])),
-         "15 arguments, got 14"),
+         "15 arguments (rebuild_cuda_tensor's), got 14"),
         ("too many arguments", with_handles(lambda ts: one(ts, 0, good + (1,))),
-         "15 arguments, got 16"),
+         "15 arguments (rebuild_cuda_tensor's), got 16"),
         ("not base64", lambda ts: replaced(update_info(ts), ipc_handles_pickled="not base64!"),
          "base64"),
         ("truncated pickle", lambda ts: replaced(update_info(ts), ipc_handles_pickled=(
@@ -176,7 +176,8 @@ def hostile_cases(marker: Path) -> list[tuple[str, Callable[[list], dict], str]]
             [(ts[0][0] + ".extra", *ts[0][1:])] + ts[1:]), ".extra"),
         ("JSON handles, wrong arity", lambda ts: replaced(
             {k: v for k, v in update_info(ts).items() if k != "ipc_handles_pickled"},
-            ipc_handles=[{UUID: [0] * 14} for _ in ts]), "15 arguments, got 14"),
+            ipc_handles=[{UUID: [0] * 14} for _ in ts]),
+         "15 arguments (rebuild_cuda_tensor's), got 14"),
         ("JSON handles", lambda ts: replaced(
             {k: v for k, v in update_info(ts).items() if k != "ipc_handles_pickled"},
             ipc_handles=[{UUID: ["torch.Tensor", s, [1], 0, "torch.storage.TypedStorage",
