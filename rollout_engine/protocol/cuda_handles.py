@@ -108,6 +108,7 @@ def bind_cuda_device(args: list[Any], device_index: int, what: str) -> CudaTenso
             raise UnsafePayloadError(f"{what}: ref-counter offset {ref_offset} is outside its "
                                      "shared-memory file")
     out = list(args)
+    out[0], out[4] = args[0].cls, args[4].cls   # the classes the vetted tokens name
     out[6] = device_index
     return CudaTensor(out)
 
