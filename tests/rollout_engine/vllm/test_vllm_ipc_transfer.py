@@ -285,3 +285,47 @@ def test_cuda_ipc_transfer_equals_a_fresh_engine(packed: bool) -> None:
         with cuda_server.client() as c:
             assert c.get("/get_weight_version").json()["weight_version"] == "ipc"
         cuda_server.assert_no_leak()
+
+
+VLLM_BODY = """
+import json, sys, torch
+from dataclasses import asdict
+from vllm.distributed.weight_transfer.clients import _json_safe_update_info
+from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+names, shapes, uuid, packed = json.loads(sys.argv[1])
+def args(shape, dtype, i):
+    n = torch.Size(shape).numel() * dtype.itemsize
+    stride = torch.empty(shape, device="meta").stride()
+    return (torch.Tensor, torch.Size(shape), stride, 0, torch.storage.TypedStorage, dtype, 0,
+            bytes(range(64)), n, 0, False, b"/torch_1_2_%d" % i, i, b"\\x07" * 64, True)
+sizes = [torch.Size(s).numel() * 4 for s in shapes]
+handles = ({uuid: args([sum(sizes)], torch.uint8, 0)} if packed
+           else [{uuid: args(s, torch.float32, i)} for i, s in enumerate(shapes)])
+info = IPCWeightTransferUpdateInfo(names=names, dtype_names=["float32"] * len(names),
+                                   shapes=shapes, ipc_handles=handles,
+                                   tensor_sizes=sizes if packed else None)
+print(json.dumps(_json_safe_update_info(asdict(info))))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packed", [False, True])
+def test_vllms_own_update_info_is_read(server: LiveServer, before: dict, packed: bool) -> None:
+    """The body vLLM's IPCWeightTransferUpdateInfo and HTTP client make (in vLLM's venv) passes
+    every check; on CPU it then meets the CUDA refusal."""
+    from tests.rollout_engine.vllm.test_vllm_weight_transfer import vllm_python
+
+    tensors = model_tensors()
+    assert {d for _, _, d in tensors} == {torch.float32}
+    spec = [[n for n, _, _ in tensors], [s for _, s, _ in tensors], UUID, packed]
+    run = subprocess.run([vllm_python(), "-c", VLLM_BODY, json.dumps(spec)],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    body = json.loads(run.stdout.strip().splitlines()[-1])
+    assert "ipc_handles_pickled" in body
+    start_ipc(server, packed=packed)
+    r = post(server, "/update_weights", {"update_info": body})
+    assert r.status_code == 400, r.text
+    assert "ipc weight-transfer backend needs CUDA" in r.json()["error"]["message"]
+    assert_nothing_changed(server, before)
