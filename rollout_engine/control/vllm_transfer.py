@@ -3,7 +3,10 @@
     init      join the trainer's group as rank ``rank_offset`` (a rendezvous off the loop):
               on CUDA vLLM's own (its store keys, NCCL unique id and warm-up:
               ``protocol/vllm_nccl.py``), so vLLM's trainer can drive it; on CPU, with no
-              NCCL, a gloo group joined as ``init_weights_update_group`` joins one
+              NCCL, a gloo group joined as ``init_weights_update_group`` joins one; an
+              ``init_info`` without rendezvous fields selects vLLM's ipc backend instead: no
+              group, each update's tensors opened from the trainer's CUDA IPC handles and
+              kept with the session (on CPU refused, once the update was checked)
     start     open a session
     update    post this call's receives (per tensor, or vLLM's packed chunks) and return to
               the loop; once every byte arrived the tensors are checked against the model and
@@ -23,13 +26,21 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
 from rollout_engine.control.dispatch import Deferred
 from rollout_engine.control.rl_control import RLControl
 from rollout_engine.protocol.messages import BusyError
+from rollout_engine.protocol.sglang_payloads import refit_payload_cap
+from rollout_engine.protocol.vllm_ipc import (
+    IpcInit,
+    is_ipc_init_info,
+    parse_ipc_init_info,
+    parse_ipc_update_info,
+    rebuild,
+)
 from rollout_engine.protocol.vllm_nccl import join_vllm_nccl
 from rollout_engine.protocol.vllm_wire import (
     TransferInit,
@@ -56,6 +67,8 @@ class TransferSession:
 
     received: NamedTensors = field(default_factory=list)
     num_updates: int = 0
+    # the ipc backend's packed buffer, opened once for all of its chunks (vllm_ipc.rebuild)
+    ipc_opened: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
 
 class VllmTransfer:
@@ -64,16 +77,24 @@ class VllmTransfer:
 
     def __init__(self, rl: RLControl) -> None:
         self.rl = rl
-        self.init: Optional[TransferInit] = None
+        self.init: Optional[Union[TransferInit, IpcInit]] = None
         self.session: Optional[TransferSession] = None
         self.receiving = 0   # update calls whose broadcasts are still arriving
 
     # -- init / shutdown -----------------------------------------------------------------------
-    def rpc_vllm_init_weight_transfer(self, init_info: dict[str, Any]) -> Deferred:
+    def rpc_vllm_init_weight_transfer(self, init_info: dict[str, Any]
+                                      ) -> Deferred | dict[str, Any]:
         """Join the trainer's group off the loop (requests keep being served); waits at most
         ``weight_update_group_timeout`` seconds for the trainer. A group joined before is left
         first (as vLLM replaces its communicator: a restarted trainer simply inits again),
-        unless an update is open."""
+        unless an update is open. An ``init_info`` without rendezvous fields selects the ipc
+        backend (``protocol/vllm_ipc.py``): nothing to join."""
+        if is_ipc_init_info(init_info):
+            ipc = parse_ipc_init_info(init_info)
+            if self.init is not None or VLLM_GROUP in self.rl.groups.groups:
+                self.rpc_vllm_shutdown_weight_transfer()
+            self.init = ipc
+            return {"backend": "ipc", "packed": ipc.packed}
         info = parse_init_info(init_info)
         rl = self.rl
         if self.init is not None or VLLM_GROUP in rl.groups.groups:
@@ -125,7 +146,8 @@ class VllmTransfer:
             raise BusyError("shutdown_weight_transfer_engine: a weight update is open; call "
                             "finish_weight_update first")
         if self.init is not None:
-            self.rl.groups.destroy(VLLM_GROUP)
+            if not isinstance(self.init, IpcInit):
+                self.rl.groups.destroy(VLLM_GROUP)
             self.init = None
         return {"initialized": False}
 
@@ -138,13 +160,15 @@ class VllmTransfer:
         self.session = TransferSession()
         return {"started": True}
 
-    def rpc_vllm_update_weights(self, update_info: Any) -> Deferred:
+    def rpc_vllm_update_weights(self, update_info: Any) -> Deferred | dict[str, Any]:
         """Post the receives of one ``update_info`` and return to the loop; its answer comes
         once every byte arrived and the tensors were checked (nothing is written yet)."""
         init = self._require_init("update_weights")
         session = self.session
         if session is None:
             raise ValueError("update_weights: call start_weight_update first")
+        if isinstance(init, IpcInit):
+            return self._update_ipc(update_info, init, session)
         try:
             update = parse_update_info(update_info)
             receipt = self._post(update, init)
@@ -204,8 +228,32 @@ class VllmTransfer:
         result = rl._apply(load, weight_version, flush_cache=True)
         return {**result, "num_updates": session.num_updates}
 
+    def _update_ipc(self, update_info: Any, init: IpcInit,
+                    session: TransferSession) -> dict[str, Any]:
+        """The ipc backend's update: every check (the handles, then the names, shapes and
+        dtypes against the model) before the trainer's tensors are opened on this GPU and
+        kept with the session; on CPU refused once the update was found well formed."""
+        model = self.rl.runner.model
+        device = self.rl.runner.device
+        try:
+            update = parse_ipc_update_info(update_info, init, refit_payload_cap(model))
+            plan_targets(model, list(zip(update.names, update.shapes, update.dtypes)))
+            if device.type != "cuda":
+                raise ValueError(
+                    "update_weights: the ipc weight-transfer backend needs CUDA (the trainer's "
+                    f"tensors arrive as CUDA IPC handles) and this engine runs on {device}; "
+                    "init the nccl backend instead (init_info with master_address, "
+                    "master_port, rank_offset and world_size), which runs over gloo here")
+            received = rebuild(update, device, session.ipc_opened)
+        except BaseException:
+            self.session = None   # as vLLM's worker: an error ends the session
+            raise
+        session.received.extend(received)
+        session.num_updates += 1
+        return {"num_tensors": len(received)}
+
     # -- receiving -----------------------------------------------------------------------------
-    def _require_init(self, what: str) -> TransferInit:
+    def _require_init(self, what: str) -> Union[TransferInit, IpcInit]:
         if self.init is None:
             raise ValueError(f"{what}: the weight transfer is not initialized; call "
                              "init_weight_transfer_engine first")

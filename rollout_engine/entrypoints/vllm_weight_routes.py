@@ -3,8 +3,11 @@
     POST /update_weights   {"weight_dir": DIR}     prime-rl's filesystem refit: the directory's
                                                    safetensors (update_weights_from_disk);
                                                    answers {"status": "ok"}
-                           {"update_info": {...}}  one call of vLLM's native transfer;
-                                                   answers {"message": "Weights updated"}
+                           {"update_info": {...}}  one call of vLLM's native transfer (the
+                                                   nccl backend's metadata, or the ipc
+                                                   backend's CUDA IPC handles: whichever
+                                                   init_info selected); answers
+                                                   {"message": "Weights updated"}
     POST /init_weight_transfer_engine {"init_info"}, /start_weight_update,
          /finish_weight_update {"weight_version"?}, /shutdown_weight_transfer_engine
                                                    the native transfer (control/vllm_transfer.py)
@@ -186,9 +189,13 @@ def _rpc_table(call: Callable[..., Any]) -> dict[str, RpcHandler]:
             raise HTTPError(400, "is_checkpoint_format: must be true or false")
         return await call("vllm_start_weight_update", done)
 
-    async def update(args: list[Any], kwargs: dict[str, Any]) -> Response:
-        bound = _bind("update_weights", args, kwargs, ("update_info",), ("update_info",))
-        return await call("vllm_update_weights", done, update_info=bound["update_info"])
+    def update_as(name: str) -> RpcHandler:
+        """``name``'s ``update_info`` to the open update: the backend init selected reads it
+        (a broadcast's metadata, or the ipc backend's CUDA IPC handles)."""
+        async def update(args: list[Any], kwargs: dict[str, Any]) -> Response:
+            bound = _bind(name, args, kwargs, ("update_info",), ("update_info",))
+            return await call("vllm_update_weights", done, update_info=bound["update_info"])
+        return update
 
     async def finish(args: list[Any], kwargs: dict[str, Any]) -> Response:
         _bind("finish_weight_update", args, kwargs, ())
@@ -218,16 +225,12 @@ def _rpc_table(call: Callable[..., Any]) -> dict[str, RpcHandler]:
             return json_response(done)   # the KV pool was never released
         return await call("resume_memory_occupation", done, tags=tags)
 
-    async def ipc(args: list[Any], kwargs: dict[str, Any]) -> Response:
-        raise HTTPError(400, "collective_rpc update_weights_ipc: CUDA IPC handles are not "
-                             "read by this engine; send the weights with update_weights_nccl "
-                             "(a broadcast) or /update_weights_from_tensor")
-
     return {
-        "skyrl_start_weight_update": start, "update_weights_nccl": update,
-        "skyrl_finish_weight_update": finish, "skyrl_sleep_for_weight_sync": sleep,
-        "skyrl_wake_for_weight_sync": wake, "update_weights_ipc": ipc,
+        "skyrl_start_weight_update": start, "skyrl_finish_weight_update": finish,
+        "update_weights_nccl": update_as("update_weights_nccl"),
+        "update_weights_ipc": update_as("update_weights_ipc"),
+        "skyrl_sleep_for_weight_sync": sleep, "skyrl_wake_for_weight_sync": wake,
         "init_weight_transfer_engine": init, "start_weight_update": start,
-        "update_weights": update, "finish_weight_update": finish,
+        "update_weights": update_as("update_weights"), "finish_weight_update": finish,
         "shutdown_weight_transfer_engine": shutdown,
     }

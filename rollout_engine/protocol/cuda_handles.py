@@ -15,6 +15,7 @@ import torch
 from torch.multiprocessing import reductions
 
 from rollout_engine.protocol.payload_checks import (
+    PayloadBudget,
     UnsafePayloadError,
     as_bytes,
     check_dtype,
@@ -30,7 +31,8 @@ from rollout_engine.protocol.tensor_handles import (
     tensor_token,
 )
 
-__all__ = ["CUDA_RECONSTRUCTORS", "rebuild_cuda_tensor_args"]
+__all__ = ["CUDA_RECONSTRUCTORS", "CudaTensor", "bind_cuda_device", "check_cuda_tensor_args",
+           "rebuild_cuda_tensor_args"]
 
 _MAX_HANDLE_BYTES = 256  # CUDA IPC memory/event handles are 64 bytes (cudaIpc*Handle_t)
 _REF_COUNTER_BYTES = 8  # int64 counters in the CUDA IPC ref-counter file
@@ -64,10 +66,14 @@ def _cuda_device_index(device: Any, what: str) -> int:
                              f"got {device!r}")
 
 
-def rebuild_cuda_tensor_args(ctx: ReadContext, args: tuple, what: str) -> CudaTensor:
-    """Vet `rebuild_cuda_tensor`'s arguments (also SGLang's uuid-device variant)."""
-    if len(args) != 15:
-        raise UnsafePayloadError(f"{what}: expected 15 arguments, got {len(args)}")
+def check_cuda_tensor_args(budget: PayloadBudget, args: Any, what: str) -> list[Any]:
+    """Vet `rebuild_cuda_tensor`'s 15 arguments as plain values and charge their storage to
+    `budget`: everything but the device and the ref-counter file (`bind_cuda_device`), so a
+    receiver without CUDA can check them too. Returns them as a list."""
+    if not isinstance(args, (tuple, list)) or len(args) != 15:
+        got = len(args) if isinstance(args, (tuple, list)) else type(args).__name__
+        raise UnsafePayloadError(f"{what}: expected 15 arguments (rebuild_cuda_tensor's), "
+                                 f"got {got}")
     (tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, storage_bytes,
      storage_offset_bytes, requires_grad, ref_handle, ref_offset, event_handle,
      event_sync) = args
@@ -85,16 +91,32 @@ def rebuild_cuda_tensor_args(ctx: ReadContext, args: tuple, what: str) -> CudaTe
         if value is not None and not (isinstance(value, bytes)
                                       and len(value) <= _MAX_HANDLE_BYTES):
             raise UnsafePayloadError(f"{what}: {name} must be bytes, got {value!r}")
-    ctx.budget.charge(("cuda", handle, storage_offset_bytes), storage_bytes, "CUDA IPC storage")
-    device = _cuda_device_index(device, what)
+    if handle is not None and storage_bytes:
+        as_bytes(ref_handle, f"{what}: ref counter")
+    budget.charge(("cuda", handle, storage_offset_bytes), storage_bytes, "CUDA IPC storage")
+    return list(args)
+
+
+def bind_cuda_device(args: list[Any], device_index: int, what: str) -> CudaTensor:
+    """Vetted arguments (`check_cuda_tensor_args`) bound to local CUDA device `device_index`,
+    once their ref-counter file was checked (it exists, the offset inside it): a descriptor
+    that opens the handle when materialized."""
+    handle, storage_bytes, ref_handle, ref_offset = args[7], args[8], args[11], args[12]
     if handle is not None and storage_bytes:
         ref_bytes = shm_file_bytes(as_bytes(ref_handle, f"{what}: ref counter"), what)
         if (ref_offset + 1) * _REF_COUNTER_BYTES > ref_bytes:
             raise UnsafePayloadError(f"{what}: ref-counter offset {ref_offset} is outside its "
                                      "shared-memory file")
     out = list(args)
-    out[6] = device
+    out[0], out[4] = args[0].cls, args[4].cls   # the classes the vetted tokens name
+    out[6] = device_index
     return CudaTensor(out)
+
+
+def rebuild_cuda_tensor_args(ctx: ReadContext, args: tuple, what: str) -> CudaTensor:
+    """Vet `rebuild_cuda_tensor`'s arguments (also SGLang's uuid-device variant)."""
+    checked = check_cuda_tensor_args(ctx.budget, args, what)
+    return bind_cuda_device(checked, _cuda_device_index(checked[6], what), what)
 
 
 def _rebuild_cuda_tensor(ctx: ReadContext, *args: Any) -> CudaTensor:

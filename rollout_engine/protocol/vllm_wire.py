@@ -45,6 +45,8 @@ __all__ = [
     "packed_chunks",
     "parse_init_info",
     "parse_update_info",
+    "tensor_list",
+    "worker_entry",
 ]
 
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30   # vLLM's defaults (1 GiB, double buffered)
@@ -147,9 +149,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def parse_update_info(info: Any, worker_rank: int = 0) -> TransferUpdate:
-    """Check an ``update_info``: an object, or a list of them indexed by worker rank (vLLM's
-    per-rank form; ``worker_rank`` picks this engine's). ValueError naming the field."""
+def worker_entry(info: Any, worker_rank: int = 0) -> dict[str, Any]:
+    """An ``update_info``: an object, or a list of them indexed by worker rank (vLLM's per-rank
+    form; ``worker_rank`` picks this engine's). ValueError unless an object is found."""
     if isinstance(info, list):
         if not 0 <= worker_rank < len(info):
             raise ValueError(f"update_info: a list needs an entry for worker rank {worker_rank}, "
@@ -157,7 +159,13 @@ def parse_update_info(info: Any, worker_rank: int = 0) -> TransferUpdate:
         info = info[worker_rank]
     if not isinstance(info, dict):
         raise ValueError(f"update_info: must be an object, got {type(info).__name__}")
-    _unknown(info, UPDATE_FIELDS, "update_info")
+    return info
+
+
+def tensor_list(info: Mapping[str, Any]
+                ) -> tuple[list[str], list[torch.dtype], list[tuple[int, ...]]]:
+    """An ``update_info``'s ``names``, ``dtype_names`` and ``shapes``, checked (every
+    backend's): equal-length lists of non-empty names, dtype names and shapes."""
     missing = [k for k in ("names", "dtype_names", "shapes") if info.get(k) is None]
     if missing:
         raise ValueError(f"update_info: missing field(s) {missing}")
@@ -179,6 +187,15 @@ def parse_update_info(info: Any, worker_rank: int = 0) -> TransferUpdate:
         checked_shapes.append(tuple(shape))
     dtypes = [torch_dtype(d, f"update_info.dtype_names[{i}] ({n!r})")
               for i, (n, d) in enumerate(zip(names, dtype_names))]
+    return list(names), dtypes, checked_shapes
+
+
+def parse_update_info(info: Any, worker_rank: int = 0) -> TransferUpdate:
+    """Check an ``update_info`` of the broadcast backends (``worker_entry``'s forms).
+    ValueError naming the field."""
+    info = worker_entry(info, worker_rank)
+    _unknown(info, UPDATE_FIELDS, "update_info")
+    names, dtypes, shapes = tensor_list(info)
     packed = info.get("packed")
     size = info.get("packed_buffer_size_bytes")
     if info.get("is_checkpoint_format") is not None:
@@ -186,7 +203,7 @@ def parse_update_info(info: Any, worker_rank: int = 0) -> TransferUpdate:
     if info.get("packed_num_buffers") is not None:
         _int(info["packed_num_buffers"], "update_info.packed_num_buffers", 1)
     return TransferUpdate(
-        list(names), dtypes, checked_shapes,
+        names, dtypes, shapes,
         None if packed is None else _bool(packed, "update_info.packed"),
         None if size is None else _int(size, "update_info.packed_buffer_size_bytes", 1))
 
