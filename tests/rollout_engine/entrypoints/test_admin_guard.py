@@ -16,6 +16,10 @@ PUBLIC = {
     "/get_server_info", "/server_info", "/get_weight_version", "/metrics", "/get_load",
     "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/loads",
     "/abort_request",  # a user may abort a rid; abort_all needs the admin key (below)
+    # vLLM's data routes: generation and the tokenizer
+    "/inference/v1/generate", "/tokenize", "/detokenize",
+    "/inference/v1/abort_requests",   # named request ids only, as /abort_request's rid
+    "/is_paused", "/is_sleeping",     # vLLM's read-only state
 }
 
 
