@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ["parity", "kernels", "bandwidth", "e2e", "sleep", "refit"]
 
@@ -23,6 +25,7 @@ def _run(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict
     return proc, json.loads(out.read_text()) if out.exists() else {}
 
 
+@pytest.mark.slow   # every section at once; the default suite runs two of them below
 def test_dry_run_every_section(tmp_path):
     proc, result = _run(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -179,6 +179,7 @@ def test_grpo_colocated_tiny_moe_routing_replay(tmp_path, moe_model_dir, monkeyp
     assert summary["eval_end_expected_accuracy"] != summary["eval_start_expected_accuracy"]
 
 
+@pytest.mark.slow   # the routing-replay run below trains the same MoE model in the default suite
 def test_grpo_colocated_tiny_moe(tmp_path, moe_model_dir, monkeypatch):
     """--moe alone: the MoE model trains and refits like the dense one; nothing replays."""
     import grpo_colocated

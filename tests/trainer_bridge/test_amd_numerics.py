@@ -15,10 +15,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 REPLAYED = ["test_weight_syncer.py", "test_colocate.py", "test_client_live.py"]
 
 
+@pytest.mark.slow   # three test files replayed in a subprocess
 def test_refit_equivalence_holds_on_mkls_avx2_path():
     env = dict(os.environ, MKL_ENABLE_INSTRUCTIONS="AVX")
     here = Path(__file__).parent

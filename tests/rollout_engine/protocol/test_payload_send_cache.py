@@ -172,7 +172,7 @@ _VIEWS = st.lists(st.tuples(st.integers(0, 2), st.integers(0, 60), st.integers(1
                             st.booleans()), min_size=1, max_size=8)
 
 
-@settings(max_examples=25, deadline=None,
+@settings(max_examples=12, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(views=_VIEWS, sends=st.integers(1, 3))
 def test_any_views_of_any_storages_keep_the_shm_references_balanced(reader, views, sends):
