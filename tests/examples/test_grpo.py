@@ -71,6 +71,7 @@ def _check_run(summary: dict, jsonl: Path, steps: int) -> None:
     assert Path(summary["files"]["plot"]).stat().st_size > 0
 
 
+@pytest.mark.slow   # 300 steps; bitwise on-policy: tests/trainer_bridge/test_on_policy.py
 def test_grpo_colocated_tiny_on_policy(tmp_path, model_dir):
     """With --on-policy (a deterministic engine, the trainer's OnPolicyModel scorer) the
     rollout's logprobs equal the trainer's bit for bit at every step, across every refit."""

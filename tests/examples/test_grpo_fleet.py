@@ -26,6 +26,7 @@ def examples_on_path():
     sys.path.remove(str(EXAMPLES))
 
 
+@pytest.mark.slow   # a Ray cluster and a GRPO run; the fleet itself: test_ray_fleet.py
 def test_grpo_fleet_tiny(tmp_path, capsys):
     import grpo_fleet
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
@@ -24,6 +26,7 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] == "triton")))
 """
 
 
+@pytest.mark.slow   # a fresh interpreter generating
 def test_cpu_generation_imports_no_triton(tiny_paths: dict[str, str]) -> None:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}

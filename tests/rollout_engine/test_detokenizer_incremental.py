@@ -77,26 +77,31 @@ def test_streamed_text_is_always_a_prefix_of_the_final_text(tok):
 def test_per_token_work_does_not_grow_with_the_text(tok):
     """Over a 20,000-token stream each decode reads a short window, and a push near the end
     costs what one near the start does (whole-text string checks made it 2.3x at this length:
-    18 us against 8)."""
+    18 us against 8). Timed over three streams, the best one judged: another job on the
+    shared cores slows one stream's late pushes, an O(text) push slows all three."""
     text = "".join(TEXTS) * 300
     ids = tok.encode(text, add_special_tokens=False)[:20_000]
-    counting = CountingTokenizer(tok)
-    detok = IncrementalDetokenizer(counting, stop=["never appears!"])
-    times = []
-    gc.disable()   # a collection of the whole suite's heap is no per-token work
-    try:
-        for t in ids:
-            t0 = time.perf_counter()
-            detok.push([t], finished=False)
-            times.append(time.perf_counter() - t0)
-    finally:
-        gc.enable()
-    assert max(counting.lengths) <= 64, max(counting.lengths)
 
     def quartile(xs: list[float]) -> float:   # robust to other jobs on shared cores
         return sorted(xs)[len(xs) // 4]
 
-    early, late = quartile(times[200:1200]), quartile(times[-1000:])
+    def one_stream() -> tuple[IncrementalDetokenizer, float, float]:
+        counting = CountingTokenizer(tok)
+        detok = IncrementalDetokenizer(counting, stop=["never appears!"])
+        times = []
+        gc.disable()   # a collection of the whole suite's heap is no per-token work
+        try:
+            for t in ids:
+                t0 = time.perf_counter()
+                detok.push([t], finished=False)
+                times.append(time.perf_counter() - t0)
+        finally:
+            gc.enable()
+        assert max(counting.lengths) <= 64, max(counting.lengths)
+        return detok, quartile(times[200:1200]), quartile(times[-1000:])
+
+    streams = [one_stream() for _ in range(3)]
+    detok, early, late = min(streams, key=lambda s: s[2] - 1.5 * s[1])
     assert late < 1.5 * early + 3e-6, f"{late * 1e6:.1f} us late vs {early * 1e6:.1f} us early"
     detok.push([], finished=True)
     assert detok.emitted == detok.full_text() == tok.decode(ids, skip_special_tokens=True)

@@ -38,6 +38,7 @@ def test_the_scheduler_child_gets_short_spinning_openmp_waits_by_default(monkeyp
     assert {k: env.get(k) for k in DEFAULTS} == DEFAULTS
 
 
+@pytest.mark.slow   # two scheduler processes started
 def test_the_child_does_not_ask_torch_for_huge_pages_unless_told(monkeypatch):
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
     assert "THP_MEM_ALLOC_ENABLE" not in child_environ(monkeypatch)

@@ -303,6 +303,7 @@ def test_build_directory_follows_the_cache_env(monkeypatch, tmp_path) -> None:
     assert build._build_directory("x").startswith(str(tmp_path / "torch"))
 
 
+@pytest.mark.slow   # waits out a lock timeout
 def test_a_stale_build_lock_does_not_hang_the_next_loader(kernel, monkeypatch, tmp_path) -> None:
     """A process killed mid-build leaves torch's lock file; the next load must still finish.
     (A fresh cache directory: a real build, ~4 s, and no other process's build to meet.)"""

@@ -75,6 +75,7 @@ SKYRL = ["skyrl==0.3.0", "aiohttp", "aiohappyeyeballs", "aiosignal", "frozenlist
 """skyrl without its training stack (torch, safetensors and the rest come from the system)."""
 
 
+@pytest.mark.slow   # the real client in its venv; its calls replayed below
 def test_skyrl_client_and_sender(server: LiveServer) -> None:
     import json
     import subprocess
