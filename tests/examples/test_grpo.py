@@ -95,6 +95,7 @@ def _adapter_bytes(model_dir: Path, rank: int) -> int:
     return 4 * layers * rank * sum(i + o for i, o in in_out)
 
 
+@pytest.mark.slow   # 300 GRPO steps; adapter sync and parity: tests/trainer_bridge and tests/rollout_engine/lora
 def test_grpo_colocated_tiny_lora(tmp_path, model_dir):
     """--lora: the warm-started base is refitted once, then every step refits only the adapter
     (its bytes, nothing else), its version on the engine moves every step, the rollouts ask

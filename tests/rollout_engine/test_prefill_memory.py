@@ -9,6 +9,7 @@ octave), so 60 prompt lengths that fall in 4 buckets cost about 4 lengths' worth
 from __future__ import annotations
 
 import psutil
+import pytest
 
 from rollout_engine import Engine
 from rollout_engine.testing.tiny_model import PRESET_55M, tiny_model_path
@@ -16,6 +17,7 @@ from rollout_engine.testing.tiny_model import PRESET_55M, tiny_model_path
 SPEC = dict(PRESET_55M, num_layers=1)   # the 55M model's shapes, one layer: quick prefills
 
 
+@pytest.mark.slow   # hundreds of prompt lengths in a scheduler process
 def test_distinct_prompt_lengths_do_not_grow_the_scheduler():
     engine = Engine(model_path=str(tiny_model_path("qwen2", **SPEC)), dtype="float32",
                     device="cpu", num_threads=2, random_seed=0, max_total_tokens=8192)

@@ -90,6 +90,7 @@ def test_cpu_runner_never_uses_graphs(qwen2_path):
 
 
 @needs_triton
+@pytest.mark.slow   # every padded batch size replayed; on a GPU: benchmarks/gpu_check.py
 def test_padded_static_decode_matches_eager(tiny_paths):
     runner = _runner(tiny_paths["qwen3"], "cpu")
     graphs = EagerGraphRunner(runner.model, runner.kv_pool, runner.req_to_token, max_bs=4)
