@@ -227,11 +227,16 @@ def parse_args(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> 
 
 
 def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
-    kwargs = parse_args(argv, prog)
+    return serve(parse_args(argv, prog), prog or "python -m rollout_engine.launch_server")
+
+
+def serve(kwargs: dict[str, Any], prog: str) -> int:
+    """Validate ``kwargs`` as an ``EngineConfig`` (exit status 2 with the reason), then run the
+    server until it stops; both command lines (SGLang's and vLLM's) end here."""
     try:
         EngineConfig.from_kwargs(**kwargs)
     except ValueError as e:
-        print(f"{prog or 'python -m rollout_engine.launch_server'}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     from rollout_engine.entrypoints.http_server import run_server  # heavy: after validation
 

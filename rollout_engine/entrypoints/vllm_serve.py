@@ -27,7 +27,7 @@ from rollout_engine.compat.vllm_args import (
     normalize_argv,
     vllm_to_engine_kwargs,
 )
-from rollout_engine.config import EngineConfig
+from rollout_engine.entrypoints.launch_server import serve
 
 __all__ = ["build_parser", "main", "parse_args"]
 
@@ -74,15 +74,7 @@ def parse_args(argv: Optional[list[str]] = None, prog: Optional[str] = None,
 
 
 def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
-    kwargs = parse_args(argv, prog)
-    try:
-        EngineConfig.from_kwargs(**kwargs)
-    except ValueError as e:
-        print(f"{prog or PROG}: error: {e}", file=sys.stderr)
-        return 2
-    from rollout_engine.entrypoints.http_server import run_server  # heavy: after validation
-
-    return run_server(kwargs)
+    return serve(parse_args(argv, prog), prog or PROG)
 
 
 if __name__ == "__main__":
