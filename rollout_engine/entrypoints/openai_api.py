@@ -50,6 +50,7 @@ from rollout_engine.entrypoints.token_pieces import (
 )
 from rollout_engine.entrypoints.vllm_output import StopCut, prompt_logprobs
 from rollout_engine.parsers import tool_format
+from rollout_engine.request_builder import bootstrap_fields
 from rollout_engine.tokenizer_manager import RequestState, SchedulerDeadError
 
 
@@ -179,7 +180,8 @@ class OpenAIServing(VllmFieldsServing):
             rid=req.rid if req.rid is not None else req.request_id, extra_key=req.extra_key,
             cache_salt=req.cache_salt,
             return_routed_experts=req.return_routed_experts,
-            routed_experts_start_len=req.routed_experts_start_len, lora_path=self.lora_path(req))
+            routed_experts_start_len=req.routed_experts_start_len, lora_path=self.lora_path(req),
+            bootstrap=bootstrap_fields(req.__dict__))
         if req.stream:
             return sse_response(self._stream_completions(req, states))
         results = await self.service.collect(states, request)
@@ -289,7 +291,8 @@ class OpenAIServing(VllmFieldsServing):
             stream=req.stream, rid=req.rid if req.rid is not None else req.request_id,
             extra_key=req.extra_key, cache_salt=req.cache_salt,
             return_routed_experts=req.return_routed_experts,
-            routed_experts_start_len=req.routed_experts_start_len, lora_path=self.lora_path(req))
+            routed_experts_start_len=req.routed_experts_start_len, lora_path=self.lora_path(req),
+            bootstrap=bootstrap_fields(req.__dict__))
         if req.stream:
             return sse_response(self._stream_chat(req, states, parsing, text))
         results = await self.service.collect(states, request)
