@@ -34,17 +34,17 @@ def _free_port() -> int:
     return port
 
 
-def _server(path: str, serve_app: Any, **kw: Any) -> LiveServer:
+def _server(path: str, serve: Any, **kw: Any) -> LiveServer:
     from rollout_engine import Engine
     from rollout_engine.entrypoints.http_server import create_app
 
     engine = Engine(model_path=path, dtype="float32", device="cpu", context_length=512, **kw)
     app = create_app(engine)
-    return LiveServer(serve_app(app), engine, app)
+    return LiveServer(serve(app), engine, app)
 
 
 @pytest.fixture(scope="module")
-def servers(qwen2_path: str, serve_app: Any) -> Iterator[dict[str, Any]]:
+def servers(qwen2_path: str, serve_app: Any) -> Iterator[dict[str, Any]]:  # noqa: F811
     boot = _free_port()
     made = {"single": _server(qwen2_path, serve_app, scheduler_mode="thread")}
     try:
