@@ -3,7 +3,7 @@ one decode server (each its scheduler in a child process): greedy and seeded out
 logprobs and streams equal one whole server's, on /generate and /v1/completions.
 
 The prefill server chunks its prefills (a small ``chunked_prefill_size``) and keeps its radix
-cache; the decode server runs HiCache, so both keep working under disaggregation.
+cache; both run HiCache, so these keep working under disaggregation.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def servers(qwen2_path: str, serve_app: Any) -> Iterator[dict[str, Any]]:  # noq
     made = {"single": _server(qwen2_path, serve_app, scheduler_mode="thread")}
     try:
         made["prefill"] = _server(qwen2_path, serve_app, disaggregation_mode="prefill",
-                                  disaggregation_bootstrap_port=boot, chunked_prefill_size=8)
+                                  disaggregation_bootstrap_port=boot, chunked_prefill_size=8,
+                                  enable_hierarchical_cache=True)
         made["decode"] = _server(qwen2_path, serve_app, disaggregation_mode="decode",
                                  enable_hierarchical_cache=True)
         yield {**made, "bootstrap_port": boot}
