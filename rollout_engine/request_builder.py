@@ -336,7 +336,7 @@ def _bootstraps(fields: dict[str, Any], nb: int) -> list[Optional[Bootstrap]]:
             raise ValueError(f"bootstrap_room: must be an integer or a string, got {room!r}")
         if not 0 < port < 65536:
             raise ValueError(f"bootstrap_port: must be a TCP port, got {port}")
-        out.append(Bootstrap(host, port, str(room)))
+        out.append(Bootstrap(host, port, str(room), bool(fields.get("resample"))))
     return out
 
 
@@ -344,7 +344,7 @@ def _sample_boot(boot: Optional[Bootstrap], n: int, j: int) -> Optional[Bootstra
     """Sample ``j`` of ``n``'s room: the prompt's own for one sample, ``<room>-<j>`` else."""
     if boot is None or n == 1:
         return boot
-    return Bootstrap(boot.host, boot.port, f"{boot.room}-{j}")
+    return Bootstrap(boot.host, boot.port, f"{boot.room}-{j}", boot.resample)
 
 
 def _room_seed(room: str) -> int:

@@ -22,6 +22,9 @@ class Bootstrap:
     host: str
     port: int
     room: str
+    # vLLM's protocol: the prefill stage ran with the router's max_tokens, so the decode
+    # server computes the first token itself from the prompt's KV
+    resample: bool = False
 
 
 @dataclass

@@ -169,6 +169,8 @@ class DecodeRole(NoRole):
             s.reqs.retire(req)
             return True
         assert got.kv is not None and got.record is not None
+        if req.bootstrap is not None and req.bootstrap.resample:
+            return self._admit_to_queue(s, got)
         n = len(req.input_ids)
         ns = s.namespace_of(req)
         match = s.kv.match(req, ns, n)
@@ -194,6 +196,29 @@ class DecodeRole(NoRole):
         s.kv.cache_prefix(req)
         if req.stream:
             s.outbox.append(req.make_output(full=False))
+        return True
+
+    def _admit_to_queue(self, s: Scheduler, got: Received) -> bool:
+        """vLLM's protocol: the prompt's KV but its last position goes into the radix cache,
+        and the request joins the queue, where admission finds it cached and computes the
+        last prompt token and the first output token here. Without a radix cache (or if the
+        pool evicts it first) the prompt is recomputed: slower, never wrong."""
+        req = got.req
+        n = len(req.input_ids) - 1
+        ns = s.namespace_of(req)
+        match = s.kv.match(req, ns, n)
+        if not s.kv.admit(req, match, ns):
+            return False
+        if not s.kv.reserve(req, n):
+            s.kv.release(req, cache=False)
+            return False
+        matched = match.matched_len
+        kv = got.kv.view(self.pool.dtype).view(kv_io.shape(self.pool, n + 1))
+        kv_io.scatter(self.pool, req.slots[matched:n], kv[:, :, matched:n])
+        got.close()
+        req.kv_len = n
+        s.kv.release(req, cache=True)   # into the tree, under this server's weights
+        s.reqs.take(req, ns)
         return True
 
     def stats(self) -> dict[str, Any]:
