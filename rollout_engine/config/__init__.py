@@ -123,7 +123,7 @@ class EngineConfig:
     disaggregation_mode: str = "null"
     disaggregation_bootstrap_port: int = 8998
     disaggregation_transfer_backend: str = "mooncake"
-    disaggregation_transfer_timeout: float = 60.0
+    disaggregation_transfer_timeout: float = 300.0
     # process model / serving
     scheduler_mode: str = "process"
     dp_size: int = 1                     # scheduler replicas behind one frontend (rollout_engine/dp)

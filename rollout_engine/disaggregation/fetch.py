@@ -61,7 +61,7 @@ class Received:
 
 class KVFetcher:
     def __init__(self, layout: dict[str, Any], bytes_per_token: int, backend: str,
-                 timeout_s: float, workers: int = 4) -> None:
+                 timeout_s: float, workers: int = 32) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"transfer backend must be one of {BACKENDS}, got {backend!r}")
         self.layout = layout
