@@ -5,7 +5,8 @@ port until a decode server fetches them.
 server copied it (its ``done``, or the connection closing), when the connection fails, when no
 decode server came for it within ``timeout_s``, or at ``close``. A room can be fetched once.
 A request that ends without KV (aborted, refused) is published as failed, so the decode server
-waiting for it fails at once instead of timing out.
+waiting for it fails at once instead of timing out. A process killed with segments still held
+cannot release them: the next exporter to start on the host unlinks them.
 """
 
 from __future__ import annotations
@@ -61,6 +62,29 @@ def new_segment(nbytes: int) -> tuple[str, torch.Tensor]:
     return path, torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
 
 
+def sweep_stale_segments() -> int:
+    """Unlink the segments of exporters whose process is gone (killed before it could release
+    them); returns how many. Every exporter does this as it starts."""
+    gone = 0
+    for name in os.listdir(_SHM_DIR):
+        parts = name.split("_")
+        if len(parts) != 4 or parts[:2] != ["rollout", "pd"] or not parts[2].isdigit():
+            continue
+        try:
+            os.kill(int(parts[2]), 0)
+            continue   # alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue   # alive, another user's
+        try:
+            os.unlink(os.path.join(_SHM_DIR, name))
+            gone += 1
+        except FileNotFoundError:
+            pass
+    return gone
+
+
 class KVExporter:
     """Rooms published by the scheduler, served to decode servers on ``host:port``."""
 
@@ -72,6 +96,7 @@ class KVExporter:
         self._rooms: dict[str, Export] = {}
         self._failed: dict[str, tuple[str, float]] = {}
         self.stats = {"exported": 0, "fetched": 0, "expired": 0, "failed": 0, "bytes": 0}
+        self.stats["swept"] = sweep_stale_segments()
         self._sock = socket.create_server((host, port), reuse_port=False)
         self._sock.settimeout(0.5)
         self.port = self._sock.getsockname()[1]

@@ -168,22 +168,20 @@ class DecodeRole(NoRole):
             req.finished_reason = {"type": "abort", "message": why}
             s.reqs.retire(req)
             return True
-        assert got.kv is not None and got.record is not None
-        if req.bootstrap is not None and req.bootstrap.resample:
-            return self._admit_to_queue(s, got)
-        n = len(req.input_ids)
-        ns = s.namespace_of(req)
-        match = s.kv.match(req, ns, n)
-        if not s.kv.admit(req, match, ns):
+        assert got.record is not None
+        resample = req.bootstrap is not None and req.bootstrap.resample
+        n = len(req.input_ids) - (1 if resample else 0)
+        matched = self._copy_in(s, got, n)
+        if matched is None:
             return False
-        if not s.kv.reserve(req, n):
-            s.kv.release(req, cache=False)
-            return False
-        matched = match.matched_len
-        kv = got.kv.view(self.pool.dtype).view(kv_io.shape(self.pool, n))
-        kv_io.scatter(self.pool, req.slots[matched:n], kv[:, :, matched:n])
-        got.close()
-        req.kv_len = n
+        if resample:
+            # vLLM's protocol: the prompt's KV but its last position goes into the radix cache
+            # and the request joins the queue, where admission finds it cached and computes
+            # the last prompt token and the first output token here (without a radix cache,
+            # or if the pool evicts it first, the prompt is recomputed: slower, never wrong)
+            s.kv.release(req, cache=True)   # into the tree, under this server's weights
+            s.reqs.take(req, s.namespace_of(req))
+            return True
         # the prompt's logprobs are the prefill server's answer (the router merges them)
         if req.logprob_start_len >= 0:
             req.logprob_start_len = n
@@ -198,28 +196,24 @@ class DecodeRole(NoRole):
             s.outbox.append(req.make_output(full=False))
         return True
 
-    def _admit_to_queue(self, s: Scheduler, got: Received) -> bool:
-        """vLLM's protocol: the prompt's KV but its last position goes into the radix cache,
-        and the request joins the queue, where admission finds it cached and computes the
-        last prompt token and the first output token here. Without a radix cache (or if the
-        pool evicts it first) the prompt is recomputed: slower, never wrong."""
+    def _copy_in(self, s: Scheduler, got: Received, n: int) -> Optional[int]:
+        """Give ``got``'s request KV slots for its first ``n`` prompt positions and copy in
+        what its radix match lacks; returns the matched length, or None (no room now)."""
         req = got.req
-        n = len(req.input_ids) - 1
+        assert got.kv is not None
         ns = s.namespace_of(req)
         match = s.kv.match(req, ns, n)
         if not s.kv.admit(req, match, ns):
-            return False
+            return None
         if not s.kv.reserve(req, n):
             s.kv.release(req, cache=False)
-            return False
+            return None
         matched = match.matched_len
-        kv = got.kv.view(self.pool.dtype).view(kv_io.shape(self.pool, n + 1))
+        kv = got.kv.view(self.pool.dtype).view(kv_io.shape(self.pool, len(req.input_ids)))
         kv_io.scatter(self.pool, req.slots[matched:n], kv[:, :, matched:n])
         got.close()
         req.kv_len = n
-        s.kv.release(req, cache=True)   # into the tree, under this server's weights
-        s.reqs.take(req, ns)
-        return True
+        return matched
 
     def stats(self) -> dict[str, Any]:
         return {"disaggregation_mode": self.mode, "parked": len(self.parked),
