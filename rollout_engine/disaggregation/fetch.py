@@ -33,6 +33,9 @@ from rollout_engine.disaggregation.wire import (
 
 BACKENDS = ("auto", "shm", "tcp")
 _SEGMENT = re.compile(r"rollout_pd_\d+_\d+")
+# the prefill server answers a room it lacks after the ``wait_s`` asked; the socket waits this
+# much longer, so the request ends with the prefill's reason rather than a bare "timed out"
+ANSWER_GRACE_S = 2.0
 
 
 @dataclass
@@ -142,6 +145,7 @@ class KVFetcher:
                     return
                 self._live[key] = conn
             got.conn = conn
+            conn.settimeout(self.timeout_s + ANSWER_GRACE_S)
             send_header(conn, {"op": "fetch", "room": room, "layout": self.layout,
                                "boot_id": self.boot_id, "shm": self.backend != "tcp",
                                "wait_s": self.timeout_s})
