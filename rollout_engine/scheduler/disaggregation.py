@@ -234,8 +234,9 @@ def _refusal(s: Scheduler, req: Req, got: Received) -> Optional[str]:
         return ("the prefill server's prompt differs from this server's tokenization of it "
                 "(are both serving the same model and tokenizer?)")
     if got.record.weights != s.weights.tag:
-        return (f"the prompt's KV was computed under weights {got.record.weights!r} and this "
-                f"decode server holds {s.weights.tag!r}: not served (refit both servers)")
+        return (f"the prefill and decode servers' weights differ: the prompt's KV was computed "
+                f"under weights {got.record.weights!r} and this decode server holds "
+                f"{s.weights.tag!r}; not served (refit both servers with the same calls)")
     return None
 
 

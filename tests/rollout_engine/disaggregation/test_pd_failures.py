@@ -187,6 +187,7 @@ def test_a_pair_whose_weights_differ_refuses_until_both_are_refitted(
         _, refused = pair_generate(prefill, decode, PROMPT, GREEDY, 7500)
         reason = refused["meta_info"]["finish_reason"]
         assert reason["type"] == "abort"
+        assert reason["message"].startswith("the prefill and decode servers' weights differ")
         assert "computed under weights 'default#0'" in reason["message"]
         assert "holds 'default#1'" in reason["message"]
         assert "refit both servers" in reason["message"]
