@@ -97,8 +97,9 @@ def _one_version(out: dict[str, Any]) -> bool:
     return len(spans) == 1 and spans[0]["version"] == out["meta_info"]["weight_version"]
 
 
+@pytest.mark.parametrize("transport", ["tensor", "distributed"])
 def test_a_refit_under_load_mixes_no_weights(prefill: Any, decode: Any, qwen2_path: str,
-                                             tmp_path: Path) -> None:
+                                             tmp_path: Path, transport: str) -> None:
     from rollout_engine import Engine
 
     for engine in (prefill, decode):   # as a failed test before may have left them
@@ -122,7 +123,7 @@ def test_a_refit_under_load_mixes_no_weights(prefill: Any, decode: Any, qwen2_pa
     before_refit = start(range(8200, 8208))
     wait_until("pair requests decoding", lambda: decode.get_server_info()[
         "num_running_reqs"] == 8)
-    fleet = RolloutFleet([prefill, decode], transport="tensor", timeout_s=TIMEOUT_S)
+    fleet = RolloutFleet([prefill, decode], transport=transport, timeout_s=TIMEOUT_S)
     try:
         assert fleet.pause("abort").ok
         during_pause = start(range(8300, 8304))   # wait for the continue
