@@ -59,22 +59,26 @@ def test_summary_of_fake_records() -> None:
 
 def test_verdict_says_where_pd_pays() -> None:
     def run(itl99: float, ttft50: float, tok_s: float) -> dict:
-        return {"decode_itl_ms": {"p50": 1.0, "p99": itl99}, "long_ttft_ms": {"p50": ttft50},
-                "tok_s": tok_s}
+        return {"decode_itl_ms": {"p50": 1.0, "p99": itl99, "max": 2 * itl99},
+                "long_ttft_ms": {"p50": ttft50}, "tok_s": tok_s}
 
     found = {"pd": {"solo_ttft_ms": 500.0, "alone": run(40.0, 0.0, 1.0),
                     "mixed 2500 ms": run(80.0, 900.0, 100.0)},
              "colocated": {"solo_ttft_ms": 300.0, "mixed 2500 ms": run(800.0, 600.0, 120.0)},
              "dp2": {"solo_ttft_ms": 400.0, "mixed 2500 ms": run(40.0, 450.0, 150.0)}}
+    found["dp2"]["mixed 2500 ms"]["decode_itl_ms"]["max"] = 1000.0
     lines = bench_pd.verdict(found)
     assert lines[0] == ("pd, mixed 2500 ms: the arriving prompts raise the decodes' ITL p99 "
                         "2.00x over the decodes alone")
-    assert lines[1].startswith("mixed 2500 ms, pd vs colocated: decode ITL p99 0.10x (PD pays")
+    assert lines[1].startswith("mixed 2500 ms, pd vs colocated: decode ITL p99 0.10x and "
+                               "longest stall 0.10x (PD pays: the running")
     assert "long-prompt TTFT p50 1.50x (the transfer" in lines[1]
-    assert lines[2].startswith("mixed 2500 ms, pd vs dp2: decode ITL p99 2.00x (PD does not "
-                               "pay here)")
+    assert lines[2].startswith("mixed 2500 ms, pd vs dp2: decode ITL p99 2.00x and longest "
+                               "stall 0.16x (PD pays on one of the two)")
     assert lines[2].endswith("throughput 0.67x")
     assert len(lines) == 3
     rows = bench_pd.rows_of(found)
-    assert rows[0] == ["pd", "solo", "-", "-", "-", 500.0, "-"]
-    assert rows[2] == ["pd", "mixed 2500 ms", 100.0, 1.0, 80.0, 900.0, "-"]
+    assert rows[0] == ["pd", "solo", "-", "-", "-", "-", 500.0, "-"]
+    assert rows[2] == ["pd", "mixed 2500 ms", 100.0, 1.0, 80.0, 160.0, 900.0, "-"]
+    found["colocated"]["mixed 2500 ms"]["decode_itl_ms"].update(p99=10.0, max=100.0)
+    assert "(PD does not pay here)" in bench_pd.verdict(found)[1]
