@@ -82,3 +82,5 @@ def test_verdict_says_where_pd_pays() -> None:
     assert rows[2] == ["pd", "mixed 2500 ms", 100.0, 1.0, 80.0, 160.0, 900.0, "-"]
     found["colocated"]["mixed 2500 ms"]["decode_itl_ms"].update(p99=10.0, max=100.0)
     assert "(PD does not pay here)" in bench_pd.verdict(found)[1]
+    found["colocated"]["mixed 2500 ms"]["decode_itl_ms"].update(p99=800.0, max=50.0)
+    assert "0.10x and longest stall 3.20x (PD pays on one of the two)" in bench_pd.verdict(found)[1]
