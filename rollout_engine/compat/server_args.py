@@ -55,7 +55,8 @@ UNSUPPORTED = {
             "node: pipeline, expert and context parallelism are not implemented; run one "
             "server per replica (with sglang-router in front)",
     "pd": "prefill/decode disaggregation is not implemented",
-    "quant": "quantized weights and KV caches are not implemented (the model runs in --dtype)",
+    "quant": "quantized KV caches and quantization schemes other than --quantization "
+             "w8a8_int8 / fp8 are not implemented",
     "spec": "speculative decoding: --speculative-algorithm NGRAM and STANDALONE (a draft model) "
             "are implemented; EAGLE / MTP drafts are not",
     "embed": "only generative models are served",
