@@ -142,3 +142,26 @@ def test_a_refused_quantized_refit_leaves_every_weight(method, case, w1_w2):
         _send(runner, _bad_updates(method, w1_w2[1])[case])
     _assert_same(runner, before)
     assert torch.equal(layer(x), out_before)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_resent_payload_is_quantized_again_with_its_new_values(method, w1_w2):
+    """A trainer resending the same shared memory after an in-place optimizer step: the
+    engine keeps the payload mapped (``refit.MappedStorages``) but converts the new values,
+    never replays the tensors it converted the first time."""
+    runner = _runner(w1_w2[0], method)
+    tensors = [(n, t.clone()) for n, t in iter_safetensors(w1_w2[1])]
+    mapped = refit.MappedStorages(1 << 30)
+    text = serialize_named_tensors(tensors)
+    refit.refit_from_serialized(runner.model, [text], None, mapped=mapped)
+    first = _state(runner)
+    for _, t in tensors:
+        t.mul_(0.5).add_(0.01)                        # in place: the same storages
+    assert serialize_named_tensors(tensors) == text
+    refit.refit_from_serialized(runner.model, [text], None, mapped=mapped)
+    assert mapped.num_payloads == 1                   # read from the mapping again
+    expected = _runner(w1_w2[0], method)
+    load_weights(expected.model, tensors)
+    _assert_same(runner, _state(expected))
+    assert not torch.equal(runner.model.layers[0].mlp.down_proj.weight,
+                           first["layers.0.mlp.down_proj.weight"])   # new values, converted

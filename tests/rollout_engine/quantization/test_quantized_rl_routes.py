@@ -85,13 +85,17 @@ def test_slime_and_miles_bracket_a_quantized_refit(method, w1_w2, make_engine, t
         assert r.status_code == 400 and "post_load_weights" in r.text, r.text
 
 
-def test_a_broadcast_refit_is_quantized_on_arrival(w1_w2, make_engine, tmp_path):
+@pytest.mark.parametrize("method", ["w8a8_int8", "fp8"])
+def test_a_broadcast_refit_is_quantized_on_arrival(method, w1_w2, make_engine, tmp_path):
+    """fp8's parameters are float32 like the announced tensors, which an unquantized model
+    would receive straight into spare parameters (``weights/shadow.py``): here they are
+    staged and converted."""
     from rollout_engine.protocol.weight_broadcast import join_update_group
     from trainer_bridge.transports.group_ranks import free_port
 
     w1, w2 = w1_w2
-    reference = make_engine(str(write_quantized(w2, tmp_path / "q", "w8a8_int8")))
-    engine = make_engine(w1, quantization="w8a8_int8")
+    reference = make_engine(str(write_quantized(w2, tmp_path / "q", method)))
+    engine = make_engine(w1, quantization=method)
     port, box = free_port(), {}
     joiner = threading.Thread(target=lambda: box.update(j=engine.init_weights_update_group(
         "127.0.0.1", port, 1, 2, group_name="g", backend="gloo")), daemon=True)
