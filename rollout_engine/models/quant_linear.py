@@ -2,13 +2,15 @@
 
     Int8Linear / Int8MergedLinear   ``weight`` int8 ``[N, K]``, ``weight_scale`` float32
                                     ``[N, 1]`` (SGLang's and compressed-tensors' names), bias
-                                    in the model's dtype; the product `int8.int8_linear` on
-                                    oneDNN's packed copy, else `int8.int8_linear_ref`
+                                    in the model's dtype; the product: on CPU in float32 the
+                                    compiled kernel (`int8.cpu_kernel`, the weight in place),
+                                    else `int8.int8_linear` on oneDNN's packed copy, else
+                                    `int8.int8_linear_ref`
     Fp8Linear / Fp8MergedLinear     the plain layers, whose weight holds the dequantized
                                     blocks; each product's input quantized and dequantized
                                     per token group first (CPU emulation)
 
-Packed int8 copies are kept the way ``weight_packs`` keeps oneDNN's float32 ones: made at the
+oneDNN's packed int8 copies (only where the kernel is not built) are kept the way ``weight_packs`` keeps oneDNN's float32 ones: made at the
 first product after a write, keyed by the weight generation (``weight_writes``), the storage
 addresses and autograd versions of the weight and its scales, and all dropped when the
 generation moves (a refit, a shadow swap, sleep or wake).
@@ -77,6 +79,9 @@ class Int8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = int8.cpu_kernel() if x.is_cpu and x.dtype is torch.float32 else None
+        if kernel is not None and (self.bias is None or self.bias.dtype is torch.float32):
+            return int8.kernel_linear(kernel, x, self.weight, self.weight_scale, self.bias)
         packed = _packed(self.weight, self.weight_scale) if x.is_cpu else None
         if packed is None:
             return int8.int8_linear_ref(x, self.weight, self.weight_scale, self.bias)
