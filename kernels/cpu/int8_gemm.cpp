@@ -36,20 +36,22 @@ constexpr int kFast = 0;
 #endif
 constexpr int NR = 4, MR = 2;
 
-// q_x rows (int16, padded with zeros to kp) and scales of x [M, K] (row stride ldx)
+// q rows (row stride kp >= k, zeros past k) and scales of x [M, K] (row stride ldx): a
+// token's activations (int16, for the product) or a weight's rows (int8, at load and refit)
+template <typename Q>
 void quantize_rows(const float* x, int64_t m, int64_t k, int64_t ldx, int64_t kp,
-                   int16_t* q, float* scale) {
-  at::parallel_for(0, m, 16, [&](int64_t m0, int64_t m1) {
+                   Q* q, float* scale, int64_t grain) {
+  at::parallel_for(0, m, grain, [&](int64_t m0, int64_t m1) {
     for (int64_t i = m0; i < m1; ++i) {
       const float* row = x + i * ldx;
       float amax = 0.f;
       for (int64_t j = 0; j < k; ++j) amax = std::max(amax, std::fabs(row[j]));
       float s = amax > 0.f ? amax / 127.f : 1.f;
       scale[i] = s;
-      int16_t* qi = q + i * kp;
+      Q* qi = q + i * kp;
       for (int64_t j = 0; j < k; ++j) {
         float v = std::nearbyint(row[j] / s);
-        qi[j] = static_cast<int16_t>(std::min(127.f, std::max(-127.f, v)));
+        qi[j] = static_cast<Q>(std::min(127.f, std::max(-127.f, v)));
       }
       for (int64_t j = k; j < kp; ++j) qi[j] = 0;
     }
@@ -125,7 +127,15 @@ void tile_any(const int8_t* const* w, int nr, const int16_t* const* q, int mr, i
 
 extern "C" {
 
-int rollout_engine_int8_gemm_abi() { return 1; }
+int rollout_engine_int8_gemm_abi() { return 2; }
+
+// A weight's rows quantized: w [N, K] float32 (row stride ldw) -> q [N, K] int8 (contiguous)
+// and scale [N] float32, by the rule the activations follow. Returns 0.
+int rollout_engine_int8_quantize_rows(const float* w, int64_t n, int64_t k, int64_t ldw,
+                                      int8_t* q, float* scale) {
+  quantize_rows<int8_t>(w, n, k, ldw, k, q, scale, 64);
+  return 0;
+}
 int rollout_engine_int8_gemm_fast() { return kFast; }
 
 // x [M, K] float32 (row stride ldx), w [N, K] int8 (row stride ldw), w_scale [N] float32,
@@ -140,7 +150,7 @@ int rollout_engine_int8_linear(const float* x, int64_t m, int64_t k, int64_t ldx
   s_buf.resize(static_cast<size_t>(m));
   int16_t* q = q_buf.data();
   float* xs = s_buf.data();
-  quantize_rows(x, m, k, ldx, kp, q, xs);
+  quantize_rows<int16_t>(x, m, k, ldx, kp, q, xs, 16);
   const int64_t blocks = (n + NR - 1) / NR;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {

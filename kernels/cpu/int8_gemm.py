@@ -39,10 +39,18 @@ def int8_linear_ref(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor,
     return out if bias is None else out + bias.float()
 
 
+def quantize_rows_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: ``scale = amax / 127`` (1 for a zero row), ``round_half_even(w / scale)``
+    clamped to [-127, 127] as int8; the scales ``[N, 1]``."""
+    amax = w.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return torch.round(w / scale).clamp_(-127, 127).to(torch.int8), scale
+
+
 class Int8Gemm:
     """The compiled kernel; `__call__` checks what the C side cannot see."""
 
-    ABI = 1
+    ABI = 2
 
     def __init__(self, library_path: str) -> None:
         lib = build.open_library(library_path, "rollout_engine_int8_gemm_abi", self.ABI)
@@ -51,6 +59,24 @@ class Int8Gemm:
         fn.restype = ctypes.c_int
         fn.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _P, _I64]
         self._fn = fn
+        quantize = lib.rollout_engine_int8_quantize_rows
+        quantize.restype = ctypes.c_int
+        quantize.argtypes = [_P, _I64, _I64, _I64, _P, _P]
+        self._quantize = quantize
+
+    def quantize_rows(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``w [N, K]`` float32 on CPU (rows may be strided) -> (int8 ``[N, K]``, float32
+        scales ``[N, 1]``) by the activations' rule per row: `quantize_rows_ref`, bit for
+        bit."""
+        if not (w.dtype is torch.float32 and w.is_cpu and w.dim() == 2 and w.shape[0] > 0
+                and w.shape[1] > 0 and w.stride(1) == 1 and w.stride(0) >= w.shape[1]):
+            raise ValueError(f"int8_gemm: quantize_rows takes a float32 CPU matrix with "
+                             f"unit column stride, got {w.dtype} {tuple(w.shape)} {w.stride()}")
+        n, k = w.shape
+        q = torch.empty(n, k, dtype=torch.int8)
+        scale = torch.empty(n, 1, dtype=torch.float32)
+        self._quantize(w.data_ptr(), n, k, w.stride(0), q.data_ptr(), scale.data_ptr())
+        return q, scale
 
     def __call__(self, x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor,
                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -43,8 +43,12 @@ _ZERO_POINT = 64
 def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight [N, K]`` (any float dtype) -> (int8 ``[N, K]``, float32 scale ``[N, 1]``):
     ``scale = amax(|row|) / 127`` computed in float32 (1 for an all-zero row), values
-    ``round(w / scale)`` (half to even) clamped to [-127, 127]."""
+    ``round(w / scale)`` (half to even) clamped to [-127, 127]. On CPU by the compiled
+    kernel's one pass a row where it is built (the same bits)."""
     w = weight.detach().to(torch.float32)
+    kernel = cpu_kernel() if w.is_cpu and w.dim() == 2 and w.numel() else None
+    if kernel is not None:
+        return kernel.quantize_rows(w if w.stride(-1) == 1 else w.contiguous())
     amax = w.abs().amax(dim=1, keepdim=True)
     scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
     q = torch.round(w / scale).clamp_(-QMAX, QMAX).to(torch.int8)

@@ -76,3 +76,22 @@ def test_bad_arguments_are_refused(op):
         op(torch.zeros(2, 7), q, torch.ones(4))
     with pytest.raises(ValueError, match="scales"):
         op(torch.zeros(2, 8), q, torch.ones(3))
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (3, 17), (130, 200), (896, 4864)])
+def test_weight_rows_quantize_as_the_definition(op, n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen) * 3
+    w[0] = 0.0
+    if k >= 3:   # scale 1: values half way between two integers, rounded to the even one
+        w[-1] = 0.0
+        w[-1, :3] = torch.tensor([127.0, 2.5, -1.5])
+    q, scale = op.quantize_rows(w)
+    q_ref, scale_ref = int8_gemm.quantize_rows_ref(w)
+    assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
+    if k >= 3:
+        assert q[-1, :3].tolist() == [127, 2, -2]
+    strided = torch.cat((w, w), dim=1)[:, :k]
+    assert torch.equal(op.quantize_rows(strided)[0], q_ref)
+    with pytest.raises(ValueError, match="quantize_rows"):
+        op.quantize_rows(w.double())
