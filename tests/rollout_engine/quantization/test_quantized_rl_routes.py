@@ -116,3 +116,20 @@ def test_a_broadcast_refit_is_quantized_on_arrival(method, w1_w2, make_engine, t
     assert _outputs(engine) == _outputs(reference)
     assert engine.destroy_weights_update_group("g")[0]
     pg.shutdown()
+
+
+@pytest.mark.parametrize("method,weights", [("w8a8_int8", 40), ("fp8", 26)])
+def test_a_wake_without_backup_waits_for_every_weight_and_scale(method, weights, w1_w2,
+                                                                make_engine):
+    """The colocated loop: sleep, wake without a backup (every weight stale, the int8 scales
+    counted as weights), one refit of the trainer's float tensors writes them all."""
+    w1, _ = w1_w2
+    engine = make_engine(w1, quantization=method, enable_memory_saver=True)
+    before = _outputs(engine)
+    engine.release_memory_occupation()
+    woke = engine.resume_memory_occupation()
+    assert woke["weights_stale"] and woke["weights_missing"] == weights
+    ok, message = engine.update_weights_from_tensor(list(iter_safetensors(w1)))
+    assert ok, message
+    assert engine.get_server_info()["weights_missing"] == 0
+    assert _outputs(engine) == before
