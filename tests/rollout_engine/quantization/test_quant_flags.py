@@ -11,6 +11,7 @@ import pytest
 
 from rollout_engine.compat.server_args import to_engine_kwargs
 from rollout_engine.compat.vllm_args import vllm_to_engine_kwargs
+from rollout_engine.compat.vllm_flags import UnsupportedVllmFlagError
 from rollout_engine.config import EngineConfig
 from rollout_engine.testing.quantized_checkpoint import write_quantized
 from rollout_engine.testing.tiny_moe import tiny_moe_path
@@ -21,6 +22,10 @@ def test_sglang_and_vllm_flags_map_to_the_field(qwen2_path):
     assert kwargs["quantization"] == "w8a8_int8"
     kwargs, _ = vllm_to_engine_kwargs({"quantization": "fp8"})
     assert kwargs["quantization"] == "fp8"
+    kwargs, _ = vllm_to_engine_kwargs({"quantization": "compressed-tensors"})
+    assert kwargs.get("quantization") is None          # the checkpoint names its scheme
+    with pytest.raises(UnsupportedVllmFlagError, match="--quantization"):
+        vllm_to_engine_kwargs({"quantization": "awq"})
     assert EngineConfig(model_path=qwen2_path, quantization="fp8").quantization == "fp8"
 
 
