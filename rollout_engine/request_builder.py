@@ -6,6 +6,7 @@ raised as ``ValueError`` naming the field.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import uuid
 from collections.abc import Callable, Mapping
@@ -14,7 +15,7 @@ from typing import Any, Optional
 
 from rollout_engine.constrained.backend import NoGrammarBackend, check_grammar
 from rollout_engine.constrained.spec import Constraint
-from rollout_engine.protocol.messages import GenerateReq
+from rollout_engine.protocol.messages import Bootstrap, GenerateReq
 from rollout_engine.sampling_params import SamplingParams
 from rollout_engine.sampling_seeds import derive_seed
 from rollout_engine.selected_ids import check_scoring, per_prompt_ids, per_prompt_positions
@@ -138,7 +139,8 @@ class RequestBuilder:
               stream: bool = False, rid: Any = None, extra_key: Any = None,
               *, cache_salt: Any = None, token_ids_logprob: Any = None,
               token_ids_logprob_positions: Any = None, return_routed_experts: Any = False,
-              routed_experts_start_len: Any = 0, lora_path: Any = None
+              routed_experts_start_len: Any = 0, lora_path: Any = None,
+              bootstrap: Optional[dict[str, Any]] = None
               ) -> tuple[list[GenerateReq], bool]:
         """Validate a generate call and expand it (batch, n) into scheduler requests.
 
@@ -156,7 +158,11 @@ class RequestBuilder:
         fed to the model was routed to, from position ``routed_experts_start_len`` (in
         ``[0, prompt length]``) on, with the final output; refused (``routed_experts_refusal``)
         unless the engine records them. ``lora_path``: the name of a loaded LoRA adapter (or
-        one per prompt; None: the base model), as SGLang's field names it.
+        one per prompt; None: the base model), as SGLang's field names it. ``bootstrap``:
+        SGLang's ``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room`` (scalars or one
+        per prompt), set by a PD router on both servers of a pair: sample ``j`` of ``n > 1``
+        takes room ``<room>-<j>``; without a ``sampling_seed`` the seed is drawn from the room,
+        so both servers of the pair sample alike.
 
         Returns the requests and whether the caller asked for a single (non-list) answer.
         Raises ValueError naming the bad field; nothing is submitted then.
@@ -210,6 +216,7 @@ class RequestBuilder:
         keys = _cache_namespaces(_per_item(extra_key, nb, "extra_key", str),
                                  _per_item(cache_salt, nb, "cache_salt", str))
         adapters = self._adapters(_per_item(lora_path, nb, "lora_path", str))
+        boots = _bootstraps(bootstrap or {}, nb)
         chosen = per_prompt_ids(token_ids_logprob, nb, self.vocab_size)
         positions = per_prompt_positions(token_ids_logprob_positions, nb, single,
                                          self.vocab_size)
@@ -221,7 +228,8 @@ class RequestBuilder:
             if positions[i] is not None:
                 check_scoring(ids, sp, bool(rl), lsl, positions[i], chosen[i])
             base_rid = rids[i] or uuid.uuid4().hex
-            base_seed = sp.sampling_seed if sp.sampling_seed is not None else self.rng.getrandbits(63)
+            base_seed = sp.sampling_seed if sp.sampling_seed is not None else (
+                self.rng.getrandbits(63) if boots[i] is None else _room_seed(boots[i].room))
             groups = batch_groups if sp.n == 1 else (*batch_groups, base_rid)
             for j in range(sp.n):
                 seed = base_seed if sp.n == 1 else derive_seed(base_seed, j)
@@ -233,7 +241,7 @@ class RequestBuilder:
                     extra_key=keys[i], groups=groups, token_ids_logprob=chosen[i],
                     token_ids_logprob_positions=positions[i],
                     return_routed_experts=bool(rre), routed_experts_start_len=res,
-                    lora_name=adapters[i]))
+                    lora_name=adapters[i], bootstrap=_sample_boot(boots[i], sp.n, j)))
         return reqs, single and sps[0].n == 1
 
     def _adapters(self, names: list[Optional[str]]) -> list[Optional[str]]:
@@ -298,6 +306,50 @@ class RequestBuilder:
         if start_len > len(ids):
             raise ValueError(f"routed_experts_start_len: {start_len} is higher than the number "
                              f"of input tokens ({len(ids)}); it must be in [0, {len(ids)}]")
+
+
+def bootstrap_fields(body: Mapping[str, Any]) -> Optional[dict[str, Any]]:
+    """SGLang's three bootstrap fields of a request body, for ``RequestBuilder.build``."""
+    fields = {"host": body.get("bootstrap_host"), "port": body.get("bootstrap_port"),
+              "room": body.get("bootstrap_room")}
+    return None if all(v is None for v in fields.values()) else fields
+
+
+def _bootstraps(fields: dict[str, Any], nb: int) -> list[Optional[Bootstrap]]:
+    """Each prompt's ``Bootstrap`` from SGLang's three fields (all given, or none)."""
+    hosts = _per_item(fields.get("host"), nb, "bootstrap_host", str)
+    ports = _per_item(fields.get("port"), nb, "bootstrap_port", int)
+    rooms = fields.get("room")
+    rooms = rooms if isinstance(rooms, list) else [rooms] * nb
+    if len(rooms) != nb:
+        raise ValueError(f"bootstrap_room: list has {len(rooms)} entries for a batch of {nb}")
+    out: list[Optional[Bootstrap]] = []
+    for host, port, room in zip(hosts, ports, rooms):
+        given = [v is not None and v != 0 for v in (host, port)] + [room is not None]
+        if not any(given):
+            out.append(None)
+            continue
+        if not all(given):
+            raise ValueError("bootstrap_host, bootstrap_port and bootstrap_room: give all "
+                             "three (a PD router sets them) or none")
+        if isinstance(room, bool) or not isinstance(room, (int, str)) or room == "":
+            raise ValueError(f"bootstrap_room: must be an integer or a string, got {room!r}")
+        if not 0 < port < 65536:
+            raise ValueError(f"bootstrap_port: must be a TCP port, got {port}")
+        out.append(Bootstrap(host, port, str(room), bool(fields.get("resample"))))
+    return out
+
+
+def _sample_boot(boot: Optional[Bootstrap], n: int, j: int) -> Optional[Bootstrap]:
+    """Sample ``j`` of ``n``'s room: the prompt's own for one sample, ``<room>-<j>`` else."""
+    if boot is None or n == 1:
+        return boot
+    return Bootstrap(boot.host, boot.port, f"{boot.room}-{j}", boot.resample)
+
+
+def _room_seed(room: str) -> int:
+    """A seed both servers of a PD pair derive from the room they share."""
+    return int.from_bytes(hashlib.sha256(room.encode()).digest()[:8], "big") >> 1
 
 
 def _cache_namespaces(extra_keys: list[Optional[str]], salts: list[Optional[str]]

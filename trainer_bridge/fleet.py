@@ -19,6 +19,11 @@ which would need the old weights the trainer no longer has) and honest: `FleetRe
 lists which engine holds which version, and which are quarantined or unreachable. The next
 `refit` wakes the quarantined engines first and re-forms the group over the reachable ones;
 an engine that died stays out (`lost`) until the caller builds a new fleet.
+
+The servers of a prefill-decode pair (``disaggregation_mode`` prefill / decode, behind a PD
+router) are members like any other; pause, sleep and relabel reach the prefill servers first,
+wake and continue the decode servers first, and a refit gives both the same calls
+(`trainer_bridge.pd_order`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,13 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from trainer_bridge.fleet_report import (
+    EngineResult,
+    FleetError,
+    FleetRefitError,
+    FleetReport,
+)
+from trainer_bridge.pd_order import DOWN, UP, phases, role_of
 from trainer_bridge.timed_engine import TimedEngine
 from trainer_bridge.transports.base import WeightTransport, spawn
 from trainer_bridge.transports.disk import DiskTransport
@@ -39,63 +51,13 @@ from trainer_bridge.weight_syncer import DEFAULT_BUCKET_BYTES, TRANSPORTS, Weigh
 __all__ = ["EngineResult", "FleetError", "FleetRefitError", "FleetReport", "RolloutFleet"]
 
 
-@dataclass(frozen=True)
-class EngineResult:
-    """One engine's part of a fleet call: `answer` on success, else `error`; `version` is the
-    weight version it reported afterwards (None when it did not answer)."""
-
-    index: int
-    ok: bool
-    seconds: float
-    answer: Any = None
-    error: Optional[str] = None
-    version: Optional[str] = None
-    quarantined: bool = False
-
-
-@dataclass(frozen=True)
-class FleetReport:
-    """A fleet call: wall `seconds` for all engines, `bytes` sent once by the trainer (refits),
-    and one `EngineResult` per engine, in the fleet's order. In a successful refit an engine's
-    `seconds` run from the start of the push (after any group formation) to its last update
-    call's answer: how long that engine took to receive and apply the new weights."""
-
-    action: str
-    seconds: float
-    engines: list[EngineResult]
-    bytes: int = 0
-    version: Optional[str] = None
-    transport: Optional[str] = None
-
-    @property
-    def ok(self) -> bool:
-        return all(e.ok for e in self.engines)
-
-    @property
-    def versions(self) -> dict[int, Optional[str]]:
-        """Engine index -> the weight version it reported (None: unreachable)."""
-        return {e.index: e.version for e in self.engines}
-
-
-class FleetError(RuntimeError):
-    """A fleet call failed on some engines; `report` says which and why."""
-
-    def __init__(self, message: str, report: FleetReport) -> None:
-        super().__init__(message)
-        self.report = report
-
-
-class FleetRefitError(FleetError):
-    """A refit failed on some engines; `report.versions` says which engine holds which weight
-    version, and `EngineResult.quarantined` which were made to refuse generation."""
-
-
 @dataclass
 class _State:
     """What the fleet knows of one engine between calls."""
 
     quarantined: bool = False
     lost: Optional[str] = None     # why the engine is out of the fleet (it stopped answering)
+    role: Optional[str] = None     # its disaggregation mode, once it answered (pd_order.py)
     seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -169,16 +131,35 @@ class RolloutFleet:
                 results.append(EngineResult(i, True, elapsed, answer=f.result()))
         return results
 
+    def _fan_out_ordered(self, action: str, call: Callable[[Any], Any],
+                         direction: Optional[str]) -> list[EngineResult]:
+        """`_fan_out` over the live engines, in the phases of `direction` (pd_order.py: the
+        prefill servers of PD pairs first going DOWN, last coming UP); None: all at once."""
+        if direction is None:
+            return self._fan_out(action, call)
+        live = self._live()
+        unknown = [i for i in live if self.states[i].role is None]
+        if unknown:
+            for r in self._fan_out("get_server_info", role_of, unknown):
+                if r.ok:
+                    self.states[r.index].role = r.answer
+        # an engine whose role is not known yet (it did not answer) goes with the decode side
+        roles = {i: self.states[i].role or "null" for i in live}
+        results = [r for phase in phases(roles, direction)
+                   for r in self._fan_out(action, call, phase)]
+        return sorted(results, key=lambda r: r.index)
+
     def call(self, action: str, call: Callable[[Any], Any]) -> FleetReport:
         """`call(engine)` on every live engine at once (a thread each, bounded by `timeout_s`),
         e.g. ``fleet.call("flush", lambda e: e.flush_cache())``; raises FleetError naming the
         engines that failed, with every engine's answer in its report."""
         return self._checked(action, call)
 
-    def _checked(self, action: str, call: Callable[[Any], Any]) -> FleetReport:
+    def _checked(self, action: str, call: Callable[[Any], Any],
+                 direction: Optional[str] = None) -> FleetReport:
         self._check_open()
         start = time.perf_counter()
-        results = self._fan_out(action, call)
+        results = self._fan_out_ordered(action, call, direction)
         report = FleetReport(action, time.perf_counter() - start, results)
         if not report.ok:
             raise FleetError("; ".join(r.error for r in results if r.error), report)
@@ -191,20 +172,34 @@ class RolloutFleet:
     # -- sleep / wake / pause --------------------------------------------------------------------
     def sleep(self, tags: Optional[list[str]] = None) -> FleetReport:
         """Release every engine's memory (`tags` as `release_memory_occupation`; engines must
-        be idle or paused). Raises FleetError naming the engines that refused."""
-        return self._checked("sleep", lambda e: e.release_memory_occupation(tags))
+        be idle or paused); prefill servers first. Raises FleetError naming the engines that
+        refused."""
+        return self._checked("sleep", lambda e: e.release_memory_occupation(tags), DOWN)
 
     def wake(self, tags: Optional[list[str]] = None) -> FleetReport:
         """Resume every engine's memory (after releasing weights without a CPU backup the
-        engines refuse generation until the next `refit`)."""
-        return self._checked("wake", lambda e: e.resume_memory_occupation(tags))
+        engines refuse generation until the next `refit`); decode servers first."""
+        return self._checked("wake", lambda e: e.resume_memory_occupation(tags), UP)
 
     def pause(self, mode: str = "abort") -> FleetReport:
-        """`pause_generation(mode)` on every engine (abort, retract or in_place)."""
-        return self._checked("pause", lambda e: e.pause_generation(mode))
+        """`pause_generation(mode)` on every engine (abort, retract or in_place); prefill
+        servers first."""
+        return self._checked("pause", lambda e: e.pause_generation(mode), DOWN)
 
     def continue_generation(self) -> FleetReport:
-        return self._checked("continue", lambda e: e.continue_generation())
+        """`continue_generation` on every engine; decode servers first."""
+        return self._checked("continue", lambda e: e.continue_generation(), UP)
+
+    def update_weight_version(self, new_version: str,
+                              abort_all_requests: bool = True) -> FleetReport:
+        """Relabel every engine's weights `new_version` (the label is part of the weight tag
+        both servers of a PD pair must agree on); prefill servers first."""
+        if not isinstance(new_version, str) or not new_version:
+            raise ValueError(f"new_version: must be a non-empty string, got {new_version!r}")
+        report = self._checked("update_weight_version", lambda e: e.update_weight_version(
+            new_version, abort_all_requests=abort_all_requests), DOWN)
+        self.version = new_version
+        return report
 
     def weight_versions(self) -> FleetReport:
         """Every live engine's weight version (`report.versions`); failures are reported, not

@@ -149,6 +149,8 @@ def _f(name: str, default: Any, treatment: Treatment, note: str, *also: Any,
 
 _MULTIMODAL = "this engine serves text-only models"
 _PD = "prefill/decode disaggregation"
+_BOOT = ("prefill/decode disaggregation: where the decode server of a pair fetches the prompt's "
+         "KV (set by the PD router; per prompt when a list)")
 _DP = "one data-parallel rank (0)"
 _LORA = ("the name of a loaded LoRA adapter (--enable-lora; /load_lora_adapter), one per "
          "prompt when a list; null: the base model")
@@ -222,9 +224,9 @@ GENERATE_REQUEST = FieldList("GenerateReqInput", "python/sglang/srt/managers/io_
     _f("lora_id", None, D, "LoRA", "", refusal=_LORA_ID),
     _f("custom_logit_processor", None, D, "custom logit processors (pickled code)", ""),
     _f("positional_embed_overrides", None, D, "embedding overrides"),
-    _f("bootstrap_host", None, D, _PD),
-    _f("bootstrap_port", None, D, _PD),
-    _f("bootstrap_room", None, D, _PD),
+    _f("bootstrap_host", None, S, _BOOT),
+    _f("bootstrap_port", None, S, _BOOT),
+    _f("bootstrap_room", None, S, _BOOT),
     _f("bootstrap_pair_key", None, D, _PD),
     _f("decode_tp_size", None, D, _PD),
     _f("disagg_prefill_dp_rank", None, D, _PD),
@@ -333,9 +335,9 @@ _OPENAI_COMMON = [
     _f("custom_params", None, X, "arguments of a custom logit processor (refused)"),
     _f("custom_logit_processor", None, D, "custom logit processors (pickled code)", ""),
     _f("images_config", None, D, _MULTIMODAL),
-    _f("bootstrap_host", None, D, _PD),
-    _f("bootstrap_port", None, D, _PD),
-    _f("bootstrap_room", None, D, _PD),
+    _f("bootstrap_host", None, S, _BOOT),
+    _f("bootstrap_port", None, S, _BOOT),
+    _f("bootstrap_room", None, S, _BOOT),
     _f("routed_dp_rank", None, D, _DP, 0),
     _f("disagg_prefill_dp_rank", None, D, _PD),
     _f("data_parallel_rank", None, D, _DP + "; SGLang's deprecated routed_dp_rank", 0),

@@ -93,7 +93,7 @@ disable_priority_preemption                  switch  False                defaul
 disable_radix_cache                          switch  False                ours
 disable_shared_experts_fusion                switch  False                default
 disable_tokenizer_batch_decode               switch  False                ignore:perf
-disaggregation_bootstrap_port                int     8998                 default
+disaggregation_bootstrap_port                int     8998                 ours
 disaggregation_decode_allocation_policy      str     'early'              default
 disaggregation_decode_dp                     int     None                 default
 disaggregation_decode_enable_offload_kvcache switch  False                default
@@ -105,9 +105,9 @@ disaggregation_decode_retraction_backup      str     None                 defaul
 disaggregation_decode_tp                     int     None                 default
 disaggregation_enable_kv_checksum            switch  False                default
 disaggregation_ib_device                     str     None                 default
-disaggregation_mode                          str     'null'               default:pd
+disaggregation_mode                          str     'null'               ours
 disaggregation_prefill_pp                    int     1                    default
-disaggregation_transfer_backend              str     'mooncake'           default
+disaggregation_transfer_backend              str     'mooncake'           ours
 dist_init_addr                               str     None                 ignore:launch
 dist_timeout                                 int     None                 ours
 dllm_algorithm                               str     None                 default

@@ -20,6 +20,7 @@ import torch
 from rollout_engine.compat.server_args import SGLANG_FLAGS, to_engine_kwargs
 from rollout_engine.config import speculative as spec_options
 from rollout_engine.config.deterministic import check_deterministic
+from rollout_engine.config.disaggregation import check_disaggregation
 from rollout_engine.config.generation_defaults import read_sampling_defaults
 from rollout_engine.config.lora import check_lora
 from rollout_engine.config.quantization import check_quantization
@@ -119,6 +120,11 @@ class EngineConfig:
     # vLLM's --logprobs-mode: raw_logprobs (the model's distribution, before any sampling
     # transform) or processed_logprobs (after temperature, penalties and top-k / top-p / min-p)
     logprobs_mode: str = "raw_logprobs"
+    # prefill-decode disaggregation (config/disaggregation.py)
+    disaggregation_mode: str = "null"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_transfer_backend: str = "mooncake"
+    disaggregation_transfer_timeout: float = 300.0
     # process model / serving
     scheduler_mode: str = "process"
     dp_size: int = 1                     # scheduler replicas behind one frontend (rollout_engine/dp)
@@ -253,6 +259,7 @@ class EngineConfig:
             bad(name, why)
         check_lora(self, bad)
         check_quantization(self, bad)
+        check_disaggregation(self, bad)
         if self.logprobs_mode not in LOGPROBS_MODES:
             bad("logprobs_mode", f"must be one of {list(LOGPROBS_MODES)}, "
                 f"got {self.logprobs_mode!r}")

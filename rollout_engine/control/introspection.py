@@ -94,6 +94,8 @@ class Introspection:
             "stats": dict(s.stats),
             "hicache": self.kv.tree.tier_stats(),   # None without lower cache tiers
             "loaded_adapters": s.lora.listing(),    # LoRA: SGLang's LoRARef fields by name
+            # prefill-decode disaggregation: the role, its bootstrap port, transfers so far
+            "disaggregation": s.pd.stats(),
         }
 
     def rpc_get_load(self) -> LoadReport:

@@ -23,6 +23,7 @@ class Serving(Protocol):
     chunked: Optional[Req]
     stats: dict[str, int]
     lora: Any                    # its LoRA adapters (scheduler/lora_registry.py)
+    pd: Any                      # its disaggregation role (scheduler/disaggregation.py)
 
     @property
     def by_rid(self) -> dict[str, Req]: ...

@@ -23,6 +23,7 @@ from rollout_engine.entrypoints.lora_api import LoraMethods
 from rollout_engine.protocol.messages import ControlResult
 from rollout_engine.protocol.shm_lease import ShmLease
 from rollout_engine.protocol.tensor_payload import lend_named_tensors
+from rollout_engine.request_builder import bootstrap_fields
 from rollout_engine.request_state import add_token_text
 from rollout_engine.runtime.start import start_scheduler
 from rollout_engine.tokenizer_manager import (
@@ -94,7 +95,9 @@ class Engine(LoraMethods):
                  extra_key: Any = None, *, return_text_in_logprobs: bool = False,
                  cache_salt: Any = None, token_ids_logprob: Any = None,
                  token_ids_logprob_positions: Any = None, return_routed_experts: Any = False,
-                 routed_experts_start_len: Any = 0, lora_path: Any = None, **sglang_kwargs: Any
+                 routed_experts_start_len: Any = 0, lora_path: Any = None,
+                 bootstrap_host: Any = None, bootstrap_port: Any = None,
+                 bootstrap_room: Any = None, **sglang_kwargs: Any
                  ) -> Union[Output, Iterator[dict[str, Any]]]:
         """Generate for one prompt (dict) or a batch / ``n > 1`` (list of dicts).
 
@@ -117,6 +120,9 @@ class Engine(LoraMethods):
 
         ``lora_path``: a loaded LoRA adapter's name (one per prompt for a batch; None: the
         base model), as SGLang names the field; ValueError for one not loaded.
+
+        ``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room``: on an engine started with
+        ``disaggregation_mode`` prefill or decode, the pair's room (docs/API.md).
         """
         states, single = self._submit(prompt, sampling_params, input_ids, return_logprob,
                                       top_logprobs_num, logprob_start_len, stream, rid, extra_key,
@@ -125,7 +131,10 @@ class Engine(LoraMethods):
                                       token_ids_logprob_positions=token_ids_logprob_positions,
                                       return_routed_experts=return_routed_experts,
                                       routed_experts_start_len=routed_experts_start_len,
-                                      lora_path=lora_path)
+                                      lora_path=lora_path, bootstrap=bootstrap_fields({
+                                          "bootstrap_host": bootstrap_host,
+                                          "bootstrap_port": bootstrap_port,
+                                          "bootstrap_room": bootstrap_room}))
         if stream:
             return self._stream(states[0], return_text_in_logprobs)
         return self._finish([self.tm.wait(st) for st in states], single, return_text_in_logprobs)
@@ -139,7 +148,8 @@ class Engine(LoraMethods):
                              token_ids_logprob_positions: Any = None,
                              return_routed_experts: Any = False,
                              routed_experts_start_len: Any = 0, lora_path: Any = None,
-                             **sglang_kwargs: Any
+                             bootstrap_host: Any = None, bootstrap_port: Any = None,
+                             bootstrap_room: Any = None, **sglang_kwargs: Any
                              ) -> Union[Output, AsyncIterator[dict[str, Any]]]:
         """``generate`` for asyncio: the same arguments; an async iterator when streaming."""
         states, single = self._submit(prompt, sampling_params, input_ids, return_logprob,
@@ -149,7 +159,10 @@ class Engine(LoraMethods):
                                       token_ids_logprob_positions=token_ids_logprob_positions,
                                       return_routed_experts=return_routed_experts,
                                       routed_experts_start_len=routed_experts_start_len,
-                                      lora_path=lora_path)
+                                      lora_path=lora_path, bootstrap=bootstrap_fields({
+                                          "bootstrap_host": bootstrap_host,
+                                          "bootstrap_port": bootstrap_port,
+                                          "bootstrap_room": bootstrap_room}))
         if stream:
             return self._stream(states[0], return_text_in_logprobs)
         try:

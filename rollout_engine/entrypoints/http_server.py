@@ -50,6 +50,7 @@ from rollout_engine.entrypoints.vllm_control_routes import add_vllm_control_rout
 from rollout_engine.entrypoints.vllm_generate_routes import add_vllm_generate_routes
 from rollout_engine.entrypoints.vllm_server_info import CONFIG_FORMATS, vllm_config
 from rollout_engine.entrypoints.vllm_weight_routes import add_vllm_weight_routes
+from rollout_engine.request_builder import bootstrap_fields
 from rollout_engine.request_state import add_token_text
 from rollout_engine.tokenizer_manager import SchedulerDeadError
 
@@ -142,7 +143,7 @@ def create_app(engine: Engine, *, api_key: Optional[str] = None,
             token_ids_logprob_positions=body.get("token_ids_logprob_positions"),
             return_routed_experts=body.get("return_routed_experts", False),
             routed_experts_start_len=body.get("routed_experts_start_len", 0),
-            lora_path=body.get("lora_path"))
+            lora_path=body.get("lora_path"), bootstrap=bootstrap_fields(body))
         if not stream:
             results = await service.collect(states, request)
             if with_text:

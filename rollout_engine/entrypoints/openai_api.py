@@ -169,6 +169,7 @@ class OpenAIServing(VllmFieldsServing):
         want_lp = req.logprobs is not None
         pieces = self.pieces_for(req)
         prompt_top = self.prompt_top(req)
+        boot = self.bootstrap_for(req)
         states, _ = await self.service.submit(
             **_prompt_kwargs(await self.shaped_prompt(req, req.prompt)),
             sampling_params=req.sampling_params(req.max_tokens),
@@ -179,7 +180,8 @@ class OpenAIServing(VllmFieldsServing):
             rid=req.rid if req.rid is not None else req.request_id, extra_key=req.extra_key,
             cache_salt=req.cache_salt,
             return_routed_experts=req.return_routed_experts,
-            routed_experts_start_len=req.routed_experts_start_len, lora_path=self.lora_path(req))
+            routed_experts_start_len=req.routed_experts_start_len, lora_path=self.lora_path(req),
+            bootstrap=boot)
         if req.stream:
             return sse_response(self._stream_completions(req, states))
         results = await self.service.collect(states, request)
@@ -208,7 +210,8 @@ class OpenAIServing(VllmFieldsServing):
                             **self.vllm_choice(req, st, res, True)})
         return json_response({**self._header("cmpl", "text_completion"), "choices": choices,
                               "usage": _usage([r["meta_info"] for r in results], req.n),
-                              **_sglext(results[0]["meta_info"])})
+                              **_sglext(results[0]["meta_info"]),
+                              **self.kv_transfer_answer(boot)})
 
     async def _stream_completions(self, req: CompletionRequest,
                                   states: list[RequestState]) -> AsyncIterator[bytes]:
@@ -281,6 +284,7 @@ class OpenAIServing(VllmFieldsServing):
                 and params["skip_special_tokens"] is None):
             params["skip_special_tokens"] = False    # a call may open with a special token
         prompt_top = self.prompt_top(req)
+        boot = self.bootstrap_for(req)
         states, _ = await self.service.submit(
             **prompt, sampling_params=params,
             return_logprob=req.logprobs or req.prompt_logprobs is not None,
@@ -289,7 +293,8 @@ class OpenAIServing(VllmFieldsServing):
             stream=req.stream, rid=req.rid if req.rid is not None else req.request_id,
             extra_key=req.extra_key, cache_salt=req.cache_salt,
             return_routed_experts=req.return_routed_experts,
-            routed_experts_start_len=req.routed_experts_start_len, lora_path=self.lora_path(req))
+            routed_experts_start_len=req.routed_experts_start_len, lora_path=self.lora_path(req),
+            bootstrap=boot)
         if req.stream:
             return sse_response(self._stream_chat(req, states, parsing, text))
         results = await self.service.collect(states, request)
@@ -320,7 +325,8 @@ class OpenAIServing(VllmFieldsServing):
             extras["prompt_text"] = text
         return json_response({**self._header("chatcmpl", "chat.completion"), "choices": choices,
                               "usage": _usage([r["meta_info"] for r in results], req.n),
-                              **_sglext(results[0]["meta_info"]), **extras})
+                              **_sglext(results[0]["meta_info"]), **extras,
+                              **self.kv_transfer_answer(boot)})
 
     async def _stream_chat(self, req: ChatCompletionRequest, states: list[RequestState],
                            parsing: ChatParsing, prompt_text: str) -> AsyncIterator[bytes]:

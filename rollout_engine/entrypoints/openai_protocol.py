@@ -75,6 +75,10 @@ class _SamplingFields(_Strict, VllmOpenAIFields):
     # rollout routing replay (the response's sglext.routed_experts, as SGLang)
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    # prefill-decode disaggregation: set by a PD router on both servers of a pair
+    bootstrap_host: Optional[Union[str, list[str]]] = None
+    bootstrap_port: Optional[Union[int, list[int]]] = None
+    bootstrap_room: Optional[Union[int, str, list[Union[int, str]]]] = None
     # structured output (see constraint())
     response_format: Optional[dict[str, Any]] = None
     regex: Optional[str] = None

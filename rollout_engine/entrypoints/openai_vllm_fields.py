@@ -17,7 +17,7 @@ What each does here:
   (no watermark is configured), ``return_token_offsets`` false.
 - refused unless unset (a 400 naming the field): ``use_beam_search`` true, ``bad_words``,
   ``allowed_token_ids``, ``logprob_token_ids``, ``thinking_token_budget``,
-  ``repetition_detection``, ``kv_transfer_params``, ``ec_transfer_params``, ``prompt_embeds``,
+  ``repetition_detection``, ``ec_transfer_params``, ``prompt_embeds``,
   ``mm_payload``, ``return_mm_kwargs``, ``return_token_offsets`` true,
   ``routed_experts_prompt_start`` other than 0.
 - chat only: ``VllmChatFields``.
@@ -32,6 +32,8 @@ from pydantic import BaseModel
 
 from rollout_engine.entrypoints.token_pieces import TokenPieces
 from rollout_engine.entrypoints.vllm_output import prompt_logprobs, stop_reason, through_stop
+from rollout_engine.entrypoints.vllm_pd import kv_transfer_answer, kv_transfer_bootstrap
+from rollout_engine.request_builder import bootstrap_fields
 
 REFUSED = {
     "bad_words": "bad words are not supported by this server",
@@ -39,7 +41,6 @@ REFUSED = {
     "logprob_token_ids": "logprob_token_ids is not supported by this server",
     "thinking_token_budget": "thinking budgets are not supported by this server",
     "repetition_detection": "repetition detection is not supported by this server",
-    "kv_transfer_params": "disaggregated serving is not supported by this server",
     "ec_transfer_params": "disaggregated serving is not supported by this server",
     "prompt_embeds": "prompt embeddings are not supported by this server",
     "mm_payload": "multimodal input is not supported by this server",
@@ -241,6 +242,15 @@ class VllmFieldsServing:
         if req.prompt_logprobs is None:
             return 0
         return req.prompt_top(self.service.engine.tm.builder.vocab_size)
+
+    def bootstrap_for(self, req: Any) -> Optional[dict[str, Any]]:
+        """Where a PD pair's decode server fetches this request's KV: SGLang's bootstrap
+        fields, or vLLM's ``kv_transfer_params`` (``vllm_pd.py``)."""
+        boot = kv_transfer_bootstrap(req.kv_transfer_params, self.service.engine.config)
+        return boot if boot is not None else bootstrap_fields(req.__dict__)
+
+    def kv_transfer_answer(self, boot: Optional[dict[str, Any]]) -> dict[str, Any]:
+        return kv_transfer_answer(boot, self.service.engine.config)
 
     def token_string(self, token_id: int) -> str:
         return self.pieces.piece(token_id)[0]

@@ -14,6 +14,19 @@ from rollout_engine.sampling_params import SamplingParams
 
 
 # -- frontend -> scheduler -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Bootstrap:
+    """Where a decode server fetches a request's prompt KV: the prefill server's bootstrap
+    ``host:port`` and the ``room`` both servers were given (one per sample)."""
+
+    host: str
+    port: int
+    room: str
+    # vLLM's protocol: the prefill stage ran with the router's max_tokens, so the decode
+    # server computes the first token itself from the prompt's KV
+    resample: bool = False
+
+
 @dataclass
 class GenerateReq:
     rid: str
@@ -39,6 +52,8 @@ class GenerateReq:
     routed_experts_start_len: int = 0
     # the LoRA adapter to apply, by name (SGLang's ``lora_path``); None: the base model
     lora_name: Optional[str] = None
+    # prefill-decode disaggregation (SGLang's bootstrap_host / port / room)
+    bootstrap: Optional[Bootstrap] = None
 
 
 @dataclass

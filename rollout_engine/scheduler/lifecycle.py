@@ -69,6 +69,8 @@ class RequestLifecycle:
         self.chunked: Optional[Req] = None
         self.inflight = InFlight()   # every request taken, until retired
         self.outbox: list[ReqOutput] = []
+        # a request held aside by the disaggregation role (its KV being fetched): forgets it
+        self.parked: Callable[[Req], bool] = lambda req: False
 
     def active(self) -> list[Req]:
         """The requests holding KV: running, and the one whose prompt is being chunked."""
@@ -98,6 +100,11 @@ class RequestLifecycle:
         self.inflight.add(req)
         self.kv.tree.prefetch(req.rid, req.all_ids, namespace)
         self.waiting.append(req)
+
+    def park(self, req: Req) -> None:
+        """Take a new request that waits aside, not in the queue (a decode server's request
+        while its KV is fetched: ``parked`` forgets it on an abort)."""
+        self.inflight.add(req)
 
     def grammars_compiled(self) -> None:
         """Requests whose grammar compiled join the waiting queue, each with its own state; a
@@ -196,7 +203,8 @@ class RequestLifecycle:
             req.finished_reason = (dict(msg.finished_reason) if msg.finished_reason is not None
                                    else {"type": "abort", "message": msg.message})
             if req.state == ReqState.WAITING:
-                if not self.grammars.remove(req):   # else it was waiting for its grammar
+                # else it was waiting for its grammar, or for its KV from a prefill server
+                if not self.grammars.remove(req) and not self.parked(req):
                     self.waiting.remove(req)
                     self.kv.tree.forget_prefetch(req.rid)
                 self.retire(req)

@@ -53,6 +53,8 @@ class Req:
         # LoRA (scheduler/lora_registry.py): the adapter asked for; the version bound when the
         # scheduler took the request (released when it ends) and its key in the cache namespace
         self.lora_name = msg.lora_name
+        # prefill-decode disaggregation: the pair's room (scheduler/disaggregation.py)
+        self.bootstrap = msg.bootstrap
         self.lora: Any = None
         self.lora_key: Optional[tuple[str, int]] = None
         self.arrival = arrival

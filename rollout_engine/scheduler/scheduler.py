@@ -42,6 +42,7 @@ from rollout_engine.scheduler.batch import (
     record_kept,
     record_output_selected,
 )
+from rollout_engine.scheduler.disaggregation import create_role
 from rollout_engine.scheduler.kv_manager import KVManager
 from rollout_engine.scheduler.lifecycle import RequestLifecycle
 from rollout_engine.scheduler.lora_registry import create_lora_registry
@@ -103,6 +104,9 @@ class Scheduler:
         self.reqs = RequestLifecycle(self.kv, self.grammars, self.penalty_counts, self.stats,
                                      self._before_finish, self._before_retire,
                                      routing=self.runner.routing, adapters=self.lora)
+        # prefill-decode disaggregation: exports a prompt's KV, or fetches and continues one
+        self.pd = create_role(config, self.runner.kv_pool)
+        self.reqs.parked = self.pd.unpark
         # the routing rows sleep and wake with the KV they describe
         self.memory_saver = create_memory_saver(self.runner.model, self.runner.kv_pool,
                                                 config.enable_weights_cpu_backup, self.device,
@@ -119,9 +123,11 @@ class Scheduler:
 
     def _before_finish(self, req: Req) -> None:
         """Runs as an admitted request ends, before its KV goes back (a subclass's hook)."""
+        self.pd.before_finish(self, req)
 
     def _before_retire(self, req: Req) -> None:
         """Runs as any taken request ends (a subclass's hook)."""
+        self.pd.before_retire(req)
 
     # -- messages ----------------------------------------------------------------------------
     def handle(self, msg: Message) -> None:
@@ -131,7 +137,8 @@ class Scheduler:
             why = self._refusal(req)
             if why is None:
                 self.lora.bind(req)   # the adapter version it runs with, until it ends
-                self.reqs.take(req, self.namespace_of(req))
+                if not self.pd.take(self, req):   # a decode server fetches its KV first
+                    self.reqs.take(req, self.namespace_of(req))
             else:
                 self.reqs.refuse(req, why)
             return None
@@ -190,7 +197,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or len(self.grammars))
+        return bool(self.waiting or self.running or self.chunked or len(self.grammars)
+                    or self.pd.busy)
 
     def active_reqs(self) -> list[Req]:
         return self.reqs.active()
@@ -199,6 +207,8 @@ class Scheduler:
     def step(self) -> BatchOutput:
         """Run one batch (prefill if anything can be admitted, else decode)."""
         self.reqs.grammars_compiled()
+        if self.pd.busy:
+            self.pd.step(self)   # fetched KV joins the decode batch
         batch = None if not self.can_run else (self.schedule_prefill() or self.schedule_decode())
         self.kv.tree.commit_loads()   # the step's lower-tier hits reach the device in one copy
         if batch is not None:
@@ -207,6 +217,8 @@ class Scheduler:
             self.grammars.wait(timeout=0.01)   # only compiles to wait for: do not spin
         elif self.waiting and self.can_run:
             self.kv.tree.wait_prefetch(timeout=0.01)   # only storage reads to wait for
+        elif self.pd.busy:
+            self.pd.wait(timeout=0.01)   # only KV transfers to wait for
         if self.weights.flush_pending and not self.active_reqs():
             self.kv.flush()   # a refit deferred it until no request held KV
             self.weights.flush_pending = False
@@ -397,6 +409,8 @@ class Scheduler:
             if req.top_logprobs_num and top is not None:
                 req.output_top_logprobs.append(top[:req.top_logprobs_num])
         req.finished_reason = self.stop_checker.check(req)
+        if req.bootstrap is not None:
+            self.pd.after_token(req)
         # the grammar's end is a stop even under ignore_eos / min_new_tokens
         if req.grammar is not None and self.grammars.advance(req.grammar, token):
             req.finished_reason = {"type": "stop", "matched": token}
@@ -433,4 +447,5 @@ class Scheduler:
         """Fail whatever is still queued so no caller waits forever."""
         self.abort(AbortReq(abort_all=True, message="engine shut down"))
         self.grammars.shutdown()
+        self.pd.close()
         self.kv.tree.close()   # storage writes still queued reach the disk

@@ -26,6 +26,14 @@ class WeightState:
     generation: int = 0
     missing: set[str] = field(default_factory=set)
     flush_pending: bool = False
+    loads: int = 0   # loads since start (each bucket of a partial sync counts): see ``tag``
+
+    @property
+    def tag(self) -> str:
+        """The weights as two servers that started from one checkpoint can compare them: the
+        label and the number of loads since. A prefill server and a decode server refitted by
+        the same calls agree on it; ``generation`` is this process's own."""
+        return f"{self.version}#{self.loads}"
 
     @property
     def stale(self) -> bool:
@@ -49,6 +57,7 @@ class WeightState:
         return self.generation
 
     def _advance(self) -> None:
+        self.loads += 1
         # a load writes inside weight_writes.writing(), so the process's generation moved past
         # ours; one that wrote nothing still counts as a change
         self.generation = max(weight_writes.generation(), self.generation + 1)

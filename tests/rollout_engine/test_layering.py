@@ -16,7 +16,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("sampling_params", "protocol"),                             # what crosses a process boundary
     ("parallel", "dp"),                                          # rank and replica math, policy
     ("models",),                                                 # the nn.Modules and their input
-    ("memory",),                                                 # KV pool, prefix caches, sleep
+    ("memory", "disaggregation"),                                # KV pool, prefix caches, sleep;
+                                                                 # moving one prompt's KV
     ("weights",),                                                # loading and refitting
     ("config",),                                                 # EngineConfig
     ("model_runner", "sampler", "processed_logprobs"),           # one forward, one sampling pass

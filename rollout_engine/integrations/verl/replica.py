@@ -50,8 +50,9 @@ class RolloutEngineReplica(RolloutReplica):
                              f"gpus_per_node ({gpus_per_node})")
         if self.config.get("disaggregation", None) is not None and \
                 self.config.disaggregation.enabled:
-            raise ValueError("rollout_engine has no prefill/decode disaggregation: set "
-                             "rollout.disaggregation.enabled=False")
+            raise ValueError("rollout_engine's verl replica does not start prefill/decode pairs "
+                             "(run --disaggregation-mode servers behind sglang-router's PD "
+                             "mode instead): set rollout.disaggregation.enabled=False")
         self.server_class = ray.remote(RolloutEngineServer)
 
     def rollout_worker_use_gpu(self) -> bool:

@@ -45,7 +45,6 @@ GENERATE_REFUSED = {
     "return_indexer_topk": True,
     "lora_id": "math-1",
     "custom_logit_processor": '{"callable": "gASV..."}', "positional_embed_overrides": [[0.5]],
-    "bootstrap_host": "10.0.0.7", "bootstrap_port": 8998, "bootstrap_room": 12345,
     "bootstrap_pair_key": "pair", "decode_tp_size": 2, "disagg_prefill_dp_rank": 1,
     "routed_dp_rank": 1, "data_parallel_rank": 3, "http_worker_ipc": "ipc:///tmp/worker",
     "background": True, "require_reasoning": True, "max_thinking_tokens": 64,
@@ -67,7 +66,6 @@ OPENAI_COMMON_REFUSED = {
     "logit_bias": {"5": 2.0}, "return_hidden_states": True, "return_cached_tokens_details": True,
     "stop_regex": [r"\d"], "session_params": {"id": "s"},
     "custom_logit_processor": '{"callable": "gASV..."}', "images_config": {"max_pixels": 9},
-    "bootstrap_host": "10.0.0.7", "bootstrap_port": 8998, "bootstrap_room": 5,
     "routed_dp_rank": 2, "disagg_prefill_dp_rank": 1, "data_parallel_rank": 1,
 }
 OPENAI_COMMON_IGNORED = {

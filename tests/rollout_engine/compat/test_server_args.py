@@ -208,7 +208,6 @@ def test_sglang_spellings_are_converted() -> None:
     (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype 'fp8_e4m3': the KV cache is kept in "
      "the served dtype: auto is accepted, and bf16 / bfloat16 when the model runs in bfloat16; "
      "quantized KV caches (fp8_e5m2, fp8_e4m3, fp4_e2m1) are not implemented"),
-    (["--disaggregation-mode", "prefill"], "--disaggregation-mode 'prefill'"),
     (["--load-format", "gguf"], "--load-format 'gguf'"),
     (["--base-gpu-id", "1", "--device", "cpu"], "--base-gpu-id 1"),
     (["--is-embedding"], "--is-embedding True: only generative models"),

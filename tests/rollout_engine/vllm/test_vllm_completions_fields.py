@@ -172,7 +172,7 @@ def test_chat_documents_reach_the_template(engine: Any) -> None:
 @pytest.mark.parametrize("field, value", [
     ("routed_experts_prompt_start", 2),
     ("use_beam_search", True), ("bad_words", ["x"]), ("allowed_token_ids", [1, 2]),
-    ("kv_transfer_params", {"x": 1}),
+    ("kv_transfer_params", {"do_remote_prefill": True}),
     ("logprob_token_ids", [3]), ("return_token_offsets", True), ("prompt_logprobs", -2),
 ])
 def test_unsupported_vllm_fields_are_400_naming_them(client: TestClient, field: str,
