@@ -44,3 +44,18 @@ def test_quantized_engine_matches_the_reference(arch, method, tiny_paths, make_e
         plain = hf_logprobs(path, ids)[len(prompt):].tolist()
         quantization_shows |= max(abs(a - b) for a, b in zip(got, plain)) > 10 * LOGPROB_TOL
     assert quantization_shows   # the reference is not simply the unquantized model
+
+
+@pytest.mark.parametrize("method", ["w8a8_int8", "fp8"])
+def test_deterministic_inference_stays_batch_invariant(method, tiny_paths, make_engine):
+    """Per-token activation scales and exact int32 sums: a sampled rollout's tokens and
+    logprobs do not depend on the batch it ran in (on-policy RL's requirement)."""
+    engine = make_engine(tiny_paths["qwen2"], quantization=method,
+                         enable_deterministic_inference=True)
+    sp = {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 7}
+    alone = engine.generate(input_ids=[5, 6, 7, 8], sampling_params=sp, return_logprob=True)
+    batch = engine.generate(input_ids=[[5, 6, 7, 8]] + [[9] * k for k in range(3, 40, 5)],
+                            sampling_params=sp, return_logprob=True)[0]
+    assert batch["output_ids"] == alone["output_ids"]
+    assert (batch["meta_info"]["output_token_logprobs"]
+            == alone["meta_info"]["output_token_logprobs"])
