@@ -50,7 +50,7 @@ def quantize_rows_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8Gemm:
     """The compiled kernel; `__call__` checks what the C side cannot see."""
 
-    ABI = 2
+    ABI = 3
 
     def __init__(self, library_path: str) -> None:
         lib = build.open_library(library_path, "rollout_engine_int8_gemm_abi", self.ABI)

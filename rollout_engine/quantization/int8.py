@@ -4,16 +4,15 @@ int32 accumulation, ``out = acc * s_x[token] * s_w[row]`` in float32.
 ``int8_linear_ref`` is the definition (the int32 sums formed exactly in float64). On CPU in
 float32 the product is the kernel ``rollout_engine_kernels.cpu.int8_gemm`` (`cpu_kernel`): the
 weight read in place, exact int32 sums by AVX2's ``vpmaddwd`` on widened int8, bit for bit the
-definition. Measured on the 2-core AVX2 EPYC (one thread, best of 7, the Qwen2.5-0.5B and
-[2048 x 2048] shapes): 57-76 GFLOP/s at one row against oneDNN float32's 8-15 (4-9x: a
-quarter of the weight bytes), 80-108 at 8-64 rows against 36-71, level at 256 rows (66-99
-against 73-78). Where it is not built, ``int8_linear`` is oneDNN's int8 GEMM
-(``torch.ops.onednn``) on the weight packed once (``prepack``), which ran level with float32
-at 16-256 rows and behind at one row (the halves below cost it half its speed); elsewhere the
-reference.
+definition. Measured on the 2-core AVX2 EPYC (one thread, best of 9, the Qwen2.5-0.5B and
+[2048 x 2048] shapes), against oneDNN float32 on its packed weight: 2.9-4.7x at one row (a
+quarter of the weight bytes), 1.3-2.0x at 16 rows, 1.0-1.4x at 64, level at 256. Where it
+is not built, ``int8_linear`` is oneDNN's int8 GEMM (``torch.ops.onednn``) on the weight
+packed once (``prepack``), which ran level with float32 at 16-256 rows and behind at one row
+(the halves below cost it half its speed); elsewhere the reference.
 
-Why oneDNN's activations go in two halves. Without AVX512-VNNI, oneDNN forms u8 x s8 products with
-``vpmaddubsw``, which adds two of them into a saturating int16: with 8-bit activations (0..255
+Why oneDNN's activations go in two halves. Without AVX512-VNNI, oneDNN forms u8 x s8 products
+with ``vpmaddubsw``, which adds two of them into a saturating int16: with 8-bit activations (0..255
 after the zero point) two products can pass 32767 and the sum is clipped (5-7% relative error
 measured at [64 x 2048 x 2048]). An activation ``q`` in [-127, 127] is split as
 ``lo = floor(q / 2)``, ``hi = q - lo``: both lie in [-64, 64], 0..128 with the zero point 64,
