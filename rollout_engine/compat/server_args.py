@@ -54,7 +54,8 @@ UNSUPPORTED = {
     "1gpu": "rollout_engine shards a model only by tensor parallelism (--tp-size) on one "
             "node: pipeline, expert and context parallelism are not implemented; run one "
             "server per replica (with sglang-router in front)",
-    "quant": "quantized weights and KV caches are not implemented (the model runs in --dtype)",
+    "quant": "quantized KV caches and quantization schemes other than --quantization "
+             "w8a8_int8 / fp8 are not implemented",
     "spec": "speculative decoding: --speculative-algorithm NGRAM and STANDALONE (a draft model) "
             "are implemented; EAGLE / MTP drafts are not",
     "embed": "only generative models are served",

@@ -444,7 +444,7 @@ prefill_round_robin_balance                  str     None                 ignore
 priority_scheduling_preemption_threshold     int     10                   default
 prompt_tokens_buckets                        str+    None                 ignore:log
 qsa_indexer_dtype                            str     'auto'               default
-quantization                                 str     None                 default:quant
+quantization                                 str     None                 ours
 quantization_param_path                      str     None                 default
 quantize_and_serve                           switch  False                default
 radix_cache_backend                          str     None                 default

@@ -44,7 +44,8 @@ UNSUPPORTED = {
     "1gpu": "rollout_engine shards a model only by tensor parallelism (--tensor-parallel-size) "
             "and replicates it by --data-parallel-size on one node: pipeline, context and "
             "expert parallelism and multi-node data parallelism are not implemented",
-    "quant": "quantized weights and KV caches are not implemented (the model runs in --dtype)",
+    "quant": "quantized KV caches and quantization schemes other than --quantization "
+             "w8a8_int8 / fp8 are not implemented",
     "offload": "offloading weights or KV to the CPU is not implemented",
     "pd": "KV transfer between instances (disaggregated serving) is not implemented",
     "pooling": "only generative models are served",

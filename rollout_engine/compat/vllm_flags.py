@@ -268,7 +268,7 @@ prefix_caching_hash_algo                     str           'sha256'             
 prefix_match_unit                            int           None                   default
 profiler_config                              json          {}                     ignore:log
 pt_load_map_location                         json_or_str   'cpu'                  ignore:launch
-quantization                                 str           None                   default:quant
+quantization                                 str           None                   special
 quantization_config                          json          None                   default:quant
 ray_workers_use_nsight                       bool          False                  ignore:log
 reasoning_config                             json          None                   default

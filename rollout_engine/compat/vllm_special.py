@@ -224,6 +224,18 @@ def _choice(allowed: tuple[Any, ...], why: str,
     return convert
 
 
+def _quantization(flag: VllmFlag, value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's ``--quantization``: ``fp8`` is ours (block-wise 128 x 128 where vLLM's online
+    fp8 of an unquantized checkpoint is per tensor; a block checkpoint reads the same),
+    ``compressed-tensors`` leaves the method to the checkpoint, which names it anyway."""
+    if value is None or value == "compressed-tensors":
+        return {}
+    if value == "fp8":
+        return {"quantization": "fp8"}
+    raise UnsupportedVllmFlagError(flag, value, "fp8 and compressed-tensors (int8 W8A8 or fp8 "
+                                   "block checkpoints) are implemented")
+
+
 def _weight_transfer(flag: VllmFlag, value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
     if value is None:
         return {}
@@ -240,6 +252,7 @@ SPECIAL: dict[str, Convert] = {
     "api_key": _one_of_list("api_key", "key"),
     "generation_config": _generation_config, "enable_prefix_caching": _prefix_caching,
     "kv_cache_dtype": _kv_cache_dtype, "max_logprobs": _max_logprobs,
+    "quantization": _quantization,
     "max_num_batched_tokens": _batched_tokens, "num_gpu_blocks_override": _gpu_blocks,
     "lora_modules": _lora_modules, "tool_call_parser": _tool_call_parser,
     "reasoning_parser": _reasoning_parser, "speculative_config": _speculative,
@@ -274,6 +287,8 @@ NOTES: dict[str, str] = {
                          "is refused",
     "enable_prefix_caching": "`--no-enable-prefix-caching` -> `disable_radix_cache`",
     "kv_cache_dtype": "`kv_cache_dtype`: auto or bfloat16; fp8 caches refused",
+    "quantization": "`quantization`: fp8 (block-wise 128 x 128); compressed-tensors: the "
+                    "checkpoint's own; others refused",
     "max_logprobs": "`max_top_logprobs_num` (-1, no cap, refused)",
     "max_num_batched_tokens": "`chunked_prefill_size` and `max_prefill_tokens`",
     "num_gpu_blocks_override": "`max_total_tokens` = blocks x `--block-size` (16)",

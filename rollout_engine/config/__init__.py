@@ -23,6 +23,7 @@ from rollout_engine.config.deterministic import check_deterministic
 from rollout_engine.config.disaggregation import check_disaggregation
 from rollout_engine.config.generation_defaults import read_sampling_defaults
 from rollout_engine.config.lora import check_lora
+from rollout_engine.config.quantization import check_quantization
 from rollout_engine.dp.dispatch import LOAD_BALANCE_METHODS
 from rollout_engine.parsers import reasoning_parser_problem, tool_call_parser_problem
 
@@ -168,6 +169,9 @@ class EngineConfig:
     # SGLang's KV cache dtype: "auto" or the served dtype's name (bf16 / bfloat16 when the
     # model runs in bfloat16); the KV cache is always kept in the served dtype
     kv_cache_dtype: str = "auto"
+    # SGLang's --quantization: None (the model's dtype), "w8a8_int8" or "fp8"
+    # (rollout_engine/quantization); a quantized checkpoint's own config.json names it too
+    quantization: Optional[str] = None
     # SGLang flags given that change nothing here (logging, kernel and launch knobs;
     # load_format), as given: get_server_info reports them (compat/server_args.py)
     ignored_sglang_args: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -254,6 +258,7 @@ class EngineConfig:
         for name, why in spec_options.check(self):
             bad(name, why)
         check_lora(self, bad)
+        check_quantization(self, bad)
         check_disaggregation(self, bad)
         if self.logprobs_mode not in LOGPROBS_MODES:
             bad("logprobs_mode", f"must be one of {list(LOGPROBS_MODES)}, "

@@ -55,6 +55,7 @@ CALLS: dict[str, tuple[str, str]] = {
     # the weight-update session and the weight checker
     "begin_weight_update": ("rl", "rpc_begin_weight_update"),
     "end_weight_update": ("rl", "rpc_end_weight_update"),
+    "post_process_weights": ("rl", "rpc_post_process_weights"),
     "weights_checker": ("checks", "rpc_weights_checker"),
     # the torch profiler
     "start_profile": ("profiler", "rpc_start_profile"),

@@ -332,6 +332,19 @@ class RLControl(BroadcastRefits):
         selector, self.session = self.session, None
         return {"selector": selector, **self._stale_info()}
 
+    def rpc_post_process_weights(self, restore_weights_before_load: bool = False,
+                                 post_process_quantization: bool = False,
+                                 post_load_weights: bool = False) -> dict[str, Any]:
+        """SGLang's ``post_process_weights`` (slime calls it around a quantized refit: restore
+        before the update, post-process after). Nothing is to do here for any flag: a
+        quantized model's refit quantizes in its copy and writes the layout it serves
+        (``quantization/convert.py``), and its packed copies are redone at the first product
+        after a write. Answers which quantization that is."""
+        _check_flags(restore_weights_before_load=restore_weights_before_load,
+                     post_process_quantization=post_process_quantization,
+                     post_load_weights=post_load_weights)
+        return {"quantization": getattr(self.runner, "quantization", None)}
+
     # -- versions and pausing -------------------------------------------------------------------
     def rpc_get_weight_version(self) -> dict[str, Any]:
         return {"weight_version": self.weights.version}

@@ -58,6 +58,9 @@ DESTROY_GROUP_FIELDS = {"group_name": "weight_update_group"}
 WEIGHT_VERSION_FIELDS = {"new_version": REQUIRED, "abort_all_requests": True}
 # SGLang's weight-update session (miles brackets every update with it) and weight checker
 BEGIN_UPDATE_FIELDS = {"selector": "all"}
+# slime's call around a quantized refit (no work here: see RLControl.rpc_post_process_weights)
+POST_PROCESS_FIELDS = {"restore_weights_before_load": False, "post_process_quantization": False,
+                       "post_load_weights": False}
 CHECK_WEIGHTS_FIELDS = {"action": "checksum", "allow_quant_error": False, "selector": "all",
                         "skip_tensor_list": None}
 
@@ -96,6 +99,8 @@ CONTROL_ROUTES = (
     ControlRoute("/begin_weight_update", "begin_weight_update", BEGIN_UPDATE_FIELDS,
                  base_req=True),
     ControlRoute("/end_weight_update", "end_weight_update", {}, base_req=True),
+    ControlRoute("/post_process_weights", "post_process_weights", POST_PROCESS_FIELDS,
+                 base_req=True),
     ControlRoute("/weights_checker", "weights_checker", CHECK_WEIGHTS_FIELDS, base_req=True,
                  lift=("ranks",)),
     # admin only: it reads the weights (bounded: rl_control.MAX_TRUNCATE_ROWS rows, 400 beyond)

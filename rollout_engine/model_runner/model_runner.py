@@ -31,8 +31,10 @@ from rollout_engine.models.forward_batch import ForwardBatch
 from rollout_engine.models.layers import compute_inv_freq
 from rollout_engine.models.llama import ModelArch
 from rollout_engine.models.moe import routing_bytes_per_token
+from rollout_engine.models.quant_linear import keep_scales_float32
 from rollout_engine.models.registry import build_model
 from rollout_engine.parallel.context import TPContext, current_tp
+from rollout_engine.quantization.checkpoint import resolve_method
 from rollout_engine.weights.loader import iter_safetensors, load_weights, read_hf_config
 
 logger = logging.getLogger(__name__)
@@ -52,10 +54,13 @@ class ModelRunner:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp.size))
         self.hf_config = read_hf_config(config.model_path)
         self.arch = ModelArch.from_hf_config(self.hf_config)
+        # the checkpoint's quantization or --quantization's (rollout_engine/quantization)
+        self.quantization = resolve_method(config.quantization, self.hf_config)
         self.context_len = config.context_length or self.arch.max_position_embeddings
         with torch.device("meta"):
-            model = build_model(self.arch, self.tp)
+            model = build_model(self.arch, self.tp, self.quantization)
         model = model.to_empty(device=self.device).to(self.dtype)
+        keep_scales_float32(model)
         with weight_writes.writing():   # memory of their own (memory/huge_pages.py)
             for p in model.parameters():
                 if p.numel() * p.element_size() >= huge_pages.HUGE_PAGE:

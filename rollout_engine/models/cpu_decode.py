@@ -5,7 +5,8 @@ calls and ~130 kernel wrappers, each checking its tensors' dtypes, shapes and st
 it reaches its C function. At a decode step's few rows that Python is a real share of the
 step. Here the same kernels run in the same order on the same tensors, so the result is bit
 for bit the module path's (tests/rollout_engine/model_runner/test_flat_decode.py checks
-``torch.equal``), with the checks made once per step instead of per call: the inputs and
+``torch.equal``), with the checks made once per step instead of per call (a quantized model's linears,
+``models/quant_linear.py``, run their own product, as in the module path): the inputs and
 buffers are the engine's own (float32, contiguous, CPU), the shapes
 follow from the architecture, and every C entry point still checks the values it indexes
 with (slots, the decode plan). A batch with LoRA adapters (``fb.lora``) adds their updates
@@ -34,6 +35,7 @@ from rollout_engine_kernels.cpu.small_gemm import SmallGemm, load_small_gemm, us
 
 from rollout_engine.models import batch_invariant, layers, weight_packs
 from rollout_engine.models.forward_batch import ForwardBatch
+from rollout_engine.models.quant_linear import QUANTIZED
 
 FLAT_DECODE_ENV = "ROLLOUT_ENGINE_FLAT_DECODE"
 
@@ -66,8 +68,9 @@ class CpuDecodeForward:
                 or getattr(arch, "moe", None) is not None
                 or getattr(backend, "decode_kernel", None) is None):
             return None
-        params = list(model.parameters())
-        if not params or any(p.dtype is not torch.float32 or not p.is_cpu for p in params):
+        params = list(model.parameters())   # int8: a quantized linear's weight
+        if not params or any(p.dtype not in (torch.float32, torch.int8) or not p.is_cpu
+                             for p in params):
             return None
         pool = backend.kv_pool
         if pool.dtype is not torch.float32 or pool.device.type != "cpu":
@@ -86,7 +89,8 @@ class CpuDecodeForward:
         onednn = layers.small_gemm_allowed()   # float32 CPU linears go through oneDNN
         gemm = self._gemm if onednn else None
         if batch_invariant.active():   # its own products (models/batch_invariant.py)
-            return lambda x, mod: batch_invariant.product(x, mod.weight, mod.bias)
+            return lambda x, mod: (mod(x) if isinstance(mod, QUANTIZED)
+                                   else batch_invariant.product(x, mod.weight, mod.bias))
         # oneDNN on the packed copy straight away where ``layers.linear`` would call it with
         # the same arguments (rows a bucket of their own: no padding), without its per-call
         # checks (~5 us a product, ~0.15 ms a step at batch 256)
@@ -94,6 +98,8 @@ class CpuDecodeForward:
         pointwise = torch.ops.mkldnn._linear_pointwise
 
         def product(x: torch.Tensor, mod: torch.nn.Module) -> torch.Tensor:
+            if isinstance(mod, QUANTIZED):   # its own product (models/quant_linear.py)
+                return mod(x)
             weight, bias = mod.weight, mod.bias
             n = weight.shape[0]
             if gemm is None or not use_small_gemm(rows, n, packing) or weight.stride(1) != 1:

@@ -22,19 +22,20 @@ from torch import nn
 from rollout_engine.models.layers import (
     Embedding,
     Linear,
-    MergedLinear,
     RMSNorm,
     RotaryEmbedding,
     linear_fp32_out,
 )
 from rollout_engine.models.mlp import MLP
 from rollout_engine.models.moe import MoEArch, SparseMoeBlock
+from rollout_engine.models.quant_linear import make_linear, make_merged
 from rollout_engine.models.tp_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     vocab_parallel_logits,
 )
 from rollout_engine.parallel.context import Shard, TPContext
+from rollout_engine.quantization.convert import NoQuantizer, create_quantizer
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,8 @@ class ModelArch:
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, layer_id: int, tp: Optional[TPContext] = None) -> None:
+    def __init__(self, arch: ModelArch, layer_id: int, tp: Optional[TPContext] = None,
+                 quant: Optional[str] = None) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -107,9 +109,10 @@ class Attention(nn.Module):
             self.num_heads = tp.split(arch.num_heads)[1]
             self.num_kv_heads = tp.kv_heads(arch.num_heads, arch.num_kv_heads)[1]
         q, kv = self.num_heads * arch.head_dim, self.num_kv_heads * arch.head_dim
-        self.qkv_proj = MergedLinear(arch.hidden_size, [q, kv, kv], bias=arch.qkv_bias)
-        self.o_proj = (Linear(q, arch.hidden_size, bias=arch.o_bias) if tp is None
-                       else RowParallelLinear(q, arch.hidden_size, arch.o_bias, tp))
+        self.qkv_proj = make_merged(arch.hidden_size, [q, kv, kv], arch.qkv_bias, quant)
+        self.o_proj: nn.Module = (make_linear(q, arch.hidden_size, arch.o_bias, quant)
+                                  if tp is None
+                                  else RowParallelLinear(q, arch.hidden_size, arch.o_bias, tp))
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scaling = arch.head_dim ** -0.5
@@ -134,10 +137,11 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, layer_id: int, tp: Optional[TPContext] = None) -> None:
+    def __init__(self, arch: ModelArch, layer_id: int, tp: Optional[TPContext] = None,
+                 quant: Optional[str] = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, layer_id, tp)
+        self.self_attn = Attention(arch, layer_id, tp, quant)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp: nn.Module
         if arch.moe is not None and layer_id in arch.moe.moe_layers:
@@ -145,7 +149,7 @@ class DecoderLayer(nn.Module):
         else:
             i = arch.intermediate_size
             self.mlp = MLP(arch.hidden_size, i if tp is None else tp.split(i)[1],
-                           arch.mlp_bias, tp, layer_id=layer_id)
+                           arch.mlp_bias, tp, layer_id=layer_id, quant=quant)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], cos: torch.Tensor,
                 sin: torch.Tensor, fb: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,10 +169,17 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The decoder plus LM head; also serves Qwen2 (qkv bias), Qwen3 (q/k norm) and their
-    mixture-of-experts variants (``models/moe.py``)."""
+    mixture-of-experts variants (``models/moe.py``). ``quant``: the quantization method of
+    the decoder layers' linears (``rollout_engine/quantization``; embeddings, norms and the LM
+    head stay in the model's dtype); ``self.quant`` converts what loads and refits write."""
 
-    def __init__(self, arch: ModelArch, tp: Optional[TPContext] = None) -> None:
+    def __init__(self, arch: ModelArch, tp: Optional[TPContext] = None,
+                 quant: Optional[str] = None) -> None:
         super().__init__()
+        if quant is not None and (arch.moe is not None or tp is not None):
+            raise ValueError(f"quantization {quant!r} is not implemented for "
+                             + ("mixture-of-experts models" if arch.moe is not None
+                                else "tensor parallelism"))
         self.arch = arch
         self.tp = tp
         self._tp_shards: Optional[dict[str, Shard]] = None
@@ -178,11 +189,13 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
             vocab_rows = tp.vocab(arch.vocab_size)[2]
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, tp) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, tp, quant)
+                                    for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling)
         self.lm_head = (None if arch.tie_word_embeddings
                         else Linear(arch.hidden_size, vocab_rows, bias=False))
+        self.quant: NoQuantizer = create_quantizer(quant, self.quantized_weight_names())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: Any) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``."""
@@ -219,13 +232,13 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             pre = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            for kind in ("weight", "bias"):
-                fused = getattr(attn.qkv_proj, kind)
+            for kind in ("weight", "bias", "weight_scale"):
+                fused = getattr(attn.qkv_proj, kind, None)
                 if fused is not None:
                     for shard, proj in enumerate(("q_proj", "k_proj", "v_proj")):
                         table[f"{pre}self_attn.{proj}.{kind}"] = (
                             fused, attn.qkv_proj.shard_offset(shard), attn.qkv_proj.shard_sizes[shard])
-                p = getattr(attn.o_proj, kind)
+                p = getattr(attn.o_proj, kind, None)
                 if p is not None:
                     whole(f"{pre}self_attn.o_proj.{kind}", p)
             table.update(mlp.hf_names(f"{pre}mlp."))
@@ -235,6 +248,14 @@ class LlamaForCausalLM(nn.Module):
                 whole(f"{pre}self_attn.q_norm.weight", attn.q_norm.weight)
                 whole(f"{pre}self_attn.k_norm.weight", attn.k_norm.weight)
         return table
+
+    def quantized_weight_names(self) -> list[str]:
+        """The HF weight names of the decoder layers' linears (what ``--quantization``
+        quantizes), whatever the method."""
+        return [f"model.layers.{i}.{proj}.weight" for i in range(self.arch.num_layers)
+                for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                             "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                             "mlp.down_proj")]
 
     def tp_shards(self) -> dict[str, Shard]:
         """HF name -> the slice of the full checkpoint tensor this rank holds, for every

@@ -8,7 +8,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from rollout_engine.models.layers import Linear, MergedLinear, silu_mul
+from rollout_engine.models.layers import silu_mul
+from rollout_engine.models.quant_linear import make_linear, make_merged
 from rollout_engine.models.tp_layers import RowParallelLinear
 from rollout_engine.parallel.context import TPContext
 
@@ -17,17 +18,19 @@ class MLP(nn.Module):
     """SwiGLU of ``intermediate_size`` (this rank's part with ``tp``); ``reduce=False`` leaves
     the ranks' partial sums for the caller to reduce (a MoE layer's shared expert).
     ``layer_id``: the decoder layer whose MLP this is, where LoRA adapters apply (none on a
-    shared expert)."""
+    shared expert). ``quant``: the quantization method of its projections (None: the
+    model's dtype)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
                  tp: Optional[TPContext] = None, reduce: bool = True,
-                 layer_id: Optional[int] = None) -> None:
+                 layer_id: Optional[int] = None, quant: Optional[str] = None) -> None:
         super().__init__()
         i = intermediate_size
         self.layer_id = layer_id
-        self.gate_up_proj = MergedLinear(hidden_size, [i, i], bias=bias)
-        self.down_proj = (RowParallelLinear(i, hidden_size, bias, tp) if tp is not None and reduce
-                          else Linear(i, hidden_size, bias=bias))
+        self.gate_up_proj = make_merged(hidden_size, [i, i], bias, quant)
+        self.down_proj: nn.Module = (
+            RowParallelLinear(i, hidden_size, bias, tp) if tp is not None and reduce
+            else make_linear(i, hidden_size, bias, quant))
 
     def forward(self, x: torch.Tensor, fb: Any = None) -> torch.Tensor:
         lora = fb.lora if fb is not None and self.layer_id is not None else None
@@ -43,13 +46,13 @@ class MLP(nn.Module):
     def hf_names(self, pre: str) -> dict[str, tuple[nn.Parameter, int, int]]:
         """HF name -> (parameter, first row, rows); ``pre`` ends with the MLP's dot."""
         table: dict[str, tuple[nn.Parameter, int, int]] = {}
-        for kind in ("weight", "bias"):
-            fused = getattr(self.gate_up_proj, kind)
+        for kind in ("weight", "bias", "weight_scale"):
+            fused = getattr(self.gate_up_proj, kind, None)
             if fused is not None:
                 for shard, proj in enumerate(("gate_proj", "up_proj")):
                     table[f"{pre}{proj}.{kind}"] = (fused, self.gate_up_proj.shard_offset(shard),
                                                     self.gate_up_proj.shard_sizes[shard])
-            p = getattr(self.down_proj, kind)
+            p = getattr(self.down_proj, kind, None)
             if p is not None:
                 table[f"{pre}down_proj.{kind}"] = (p, 0, p.shape[0])
         return table

@@ -25,10 +25,14 @@ def supported_architectures() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def build_model(arch: ModelArch, tp: Optional[TPContext] = None) -> nn.Module:
-    """The model of ``arch``; with ``tp``, one tensor-parallel rank's part of it."""
+def build_model(arch: ModelArch, tp: Optional[TPContext] = None,
+                quant: Optional[str] = None) -> nn.Module:
+    """The model of ``arch``; with ``tp``, one tensor-parallel rank's part of it; ``quant``:
+    the quantization method of its decoder linears (``rollout_engine/quantization``)."""
     cls = _REGISTRY.get(arch.architecture)
     if cls is None:
         raise ValueError(f"architecture {arch.architecture!r} is not supported; supported: "
                          f"{', '.join(supported_architectures())}")
+    if quant is not None:
+        return cls(arch, tp=tp, quant=quant)
     return cls(arch) if tp is None else cls(arch, tp=tp)

@@ -42,6 +42,7 @@ from rollout_engine.weights.loader import (
     iter_safetensors,
     load_weights,
     plan_targets,
+    quantizer,
     safetensors_files,
 )
 
@@ -123,7 +124,8 @@ def read_header(path: str) -> Optional[list[Entry]]:
 def load_checkpoint(model: torch.nn.Module, model_path: str) -> WeightLoadReport:
     """Refit ``model`` from the safetensors files of ``model_path`` (module docstring)."""
     parts = [read_header(path) for path in safetensors_files(model_path)]
-    if any(part is None for part in parts):   # an exotic dtype: the library's reader
+    if any(part is None for part in parts) or quantizer(model).active:
+        # an exotic dtype, or tensors a quantized model converts: the library's reader
         return load_weights(model, list(iter_safetensors(model_path)))
     entries = [e for part in parts if part is not None for e in part]
     by_name = {e.name: e for e in entries}

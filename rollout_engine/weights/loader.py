@@ -9,6 +9,12 @@ tensor of another floating dtype is cast by the copy itself (bf16 from a trainer
 engine, an fp32 master into a bf16 one), with no temporary; any other mismatch (integer, bool,
 complex, float <-> int) is refused, naming the weight.
 
+Quantized models (``--quantization``): the incoming pairs (or, for the checks alone, their
+``(name, shape, dtype)``) first go through the model's ``quant`` converter
+(``quantization/convert.py``): a float weight of a quantized linear becomes its int8 weight
+and scale (or its dequantized FP8 blocks) there, before any check, so the conversion is part
+of the all-or-nothing update.
+
 Tensor parallelism: incoming tensors are always the full checkpoint tensors; a rank's model
 says which slice of each it holds (``tp_shards``), and that slice is what is checked against
 the full shape and copied. Every rank checks its update, then all agree (``tp.commit``) before
@@ -31,6 +37,7 @@ from safetensors import safe_open
 from rollout_engine.models import weight_writes
 from rollout_engine.parallel.context import Shard
 from rollout_engine.protocol.byte_copy import CopyPlan
+from rollout_engine.quantization.convert import NoQuantizer
 
 
 def read_hf_config(model_path: str) -> dict[str, Any]:
@@ -110,6 +117,8 @@ class LoadPlan:
                 if not isinstance(tensor, torch.Tensor):
                     raise ValueError(f"weight {name!r}: expected a tensor, got "
                                      f"{type(tensor).__name__}")
+            quant = quantizer(model)
+            checked = quant.convert(checked)
             plan = _checked_plan(model, [(n, tuple(t.shape), t.dtype) for n, t in checked],
                                  require_all)
         by_name = dict(checked)   # names are unique once plan_targets accepted them
@@ -118,6 +127,7 @@ class LoadPlan:
                                         stacked[name][1] if name in stacked else None), shard)
                    for name, param, row0, rows, shard in plan]
         self.model = model
+        self.converted = quant.active   # copies of tensors made here: never applied again
         self.copies = CopyPlan((dst, _source(by_name[name].detach(), shard))
                                for name, _, dst, shard in targets)
         self.storages = {id(p): (p, p.data_ptr()) for _, p, _, _ in targets}
@@ -129,8 +139,9 @@ class LoadPlan:
 
     @property
     def valid(self) -> bool:
-        """Every parameter written still has the storage it had when this was planned."""
-        return all(p.data_ptr() == ptr for p, ptr in self.storages.values())
+        """Every parameter written still has the storage it had when this was planned, and
+        the copies read the caller's tensors (not ones a quantized model converted)."""
+        return not self.converted and all(p.data_ptr() == ptr for p, ptr in self.storages.values())
 
     def apply(self) -> None:
         with weight_writes.writing(), torch.no_grad():   # casts if dtypes differ
@@ -139,6 +150,15 @@ class LoadPlan:
 
 def _source(tensor: torch.Tensor, shard: Optional[Shard]) -> torch.Tensor:
     return tensor if shard is None else shard.of(tensor)
+
+
+_NO_QUANT = NoQuantizer()
+
+
+def quantizer(model: torch.nn.Module) -> NoQuantizer:
+    """The model's conversion of what it is given (``quantization.convert``); a do-nothing
+    one for a model without quantization."""
+    return getattr(model, "quant", None) or _NO_QUANT
 
 
 class agreed:
@@ -183,6 +203,7 @@ def plan_targets(model: torch.nn.Module, specs: Iterable[tuple[str, tuple[int, .
     twice, wrong shape, uncastable dtype; with ``require_all``, missing)."""
     # views made afresh: sleep and refits may have given a parameter new storage since
     stacked = stacked_names(model)
+    specs = quantizer(model).convert_specs(specs)
     return [(name, _view(param, row0, rows, stacked[name][1] if name in stacked else None),
              shard)
             for name, param, row0, rows, shard in _checked_plan(model, specs, require_all)]

@@ -14,7 +14,8 @@ staging buffer it replaces would have taken too; freed with the weights (``relea
 
 Used only where a parameter's storage may change under the model: on CPU (a CUDA graph holds
 weight addresses), without tensor parallelism (each rank copies its own slice of a full
-tensor), for parameters whose dtype equals the announced one (a cast needs the copy anyway),
+tensor), for parameters whose dtype equals the announced one (a cast needs the copy anyway), not for a
+quantized model (``--quantization``: what arrives is converted before it is written),
 and when the update covers at least half the rows of every parameter it touches. Anything else
 takes the staging path, unchanged.
 """
@@ -31,7 +32,7 @@ from torch import nn
 from rollout_engine.memory import huge_pages
 from rollout_engine.models import weight_writes
 from rollout_engine.protocol.byte_copy import copy_all
-from rollout_engine.weights.loader import WeightLoadReport, weight_table
+from rollout_engine.weights.loader import WeightLoadReport, quantizer, weight_table
 
 MIN_COVERAGE = 0.5
 """An update must carry at least this fraction of each touched parameter's rows: below, copying
@@ -62,8 +63,8 @@ class ShadowWeights:
              shapes: Sequence[tuple[int, ...]]) -> Optional[InPlacePlan]:
         """An in-place plan for an announced update, or None when it must be staged (a name,
         shape or dtype the model would refuse is staged too: it is refused after draining)."""
-        if getattr(self.model, "tp", None) is not None:
-            return None
+        if getattr(self.model, "tp", None) is not None or quantizer(self.model).active:
+            return None   # a quantized model converts what arrives: staged, then converted
         table = weight_table(self.model)
         ignored = getattr(self.model, "ignored_weight", lambda name: False)
         if len(set(names)) != len(names):

@@ -12,7 +12,7 @@ from tests.rollout_engine.test_import_graph import circles, import_graph
 LAYERS: list[tuple[str, ...]] = [
     ("env_knobs", "host_lists", "compat", "constrained", "parsers", "penalties",
      "sampling_filters", "sampling_seeds", "detokenizer",
-     "testing"),                                                 # foundations: no engine imports
+     "quantization", "testing"),                                 # foundations: no engine imports
     ("sampling_params", "protocol"),                             # what crosses a process boundary
     ("parallel", "dp"),                                          # rank and replica math, policy
     ("models",),                                                 # the nn.Modules and their input

@@ -197,7 +197,8 @@ def test_sglang_spellings_are_converted() -> None:
                          "parallelism"),
     (["--expert-parallel-size", "4"], "--ep-size 4"),
     (["--nnodes", "2"], "--nnodes 2"),
-    (["--quantization", "fp8"], "--quantization 'fp8'"),
+    (["--torchao-config", "int8wo"], "--torchao-config 'int8wo': quantized KV caches and "
+     "quantization schemes other than --quantization w8a8_int8 / fp8"),
     (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm 'EAGLE': speculative "
      "decoding: --speculative-algorithm NGRAM and STANDALONE (a draft model) are implemented"),
     (["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm 'EAGLE3': speculative "

@@ -209,7 +209,8 @@ def test_result_builds_an_engine_config(qwen2_path: str) -> None:
 @pytest.mark.parametrize("argv, flag, why", [
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size", "pipeline"),
     (["-pp", "2"], "--pipeline-parallel-size", "pipeline"),
-    (["--quantization", "fp8"], "--quantization", "quantized"),
+    (["--quantization-config", '{"quant_method": "awq"}'], "--quantization-config",
+     "quantization schemes other than"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype", "fp8"),
     (["--enable-expert-parallel"], "--enable-expert-parallel", "expert"),
     (["--worker-extension-cls", "pkg.Mod"], "--worker-extension-cls", "plugin"),
