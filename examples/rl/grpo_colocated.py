@@ -54,7 +54,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                     scheduler_mode="process", max_total_tokens=args.max_total_tokens,
                     num_threads=args.threads, random_seed=args.seed, weight_version="init",
                     enable_deterministic_inference=args.on_policy,
-                    enable_return_routed_experts=args.routing_replay, **engine_flags(args))
+                    enable_return_routed_experts=args.routing_replay,
+                    quantization=args.quantization, **engine_flags(args))
     try:
         with WeightSyncer(engine, transport="tensor",
                           bucket_bytes=args.bucket_mb << 20) as syncer:

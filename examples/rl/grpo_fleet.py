@@ -117,7 +117,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         engine_kwargs = {"model_path": str(model_dir), "dtype": "float32",
                          "max_total_tokens": args.max_total_tokens, "num_threads": args.threads,
                          "random_seed": args.seed, "weight_version": "init",
-                         "enable_return_routed_experts": args.routing_replay}
+                         "enable_return_routed_experts": args.routing_replay,
+                         "quantization": args.quantization}
         starting = spawn(RayRolloutFleet, engine_kwargs, config)   # while the trainer warms up
         trainer = Trainer(args)
         with starting.result() as fleet:

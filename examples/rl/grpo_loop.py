@@ -26,6 +26,7 @@ from grpo_common import (  # noqa: E402
     LOGPROB_TOL,
     MAX_NEW_TOKENS,
     PARTIAL_CREDIT,
+    QUANT_PROBE_TOL,
     AdditionTask,
     ensure_model,
     expected_accuracy,
@@ -95,6 +96,10 @@ def add_common_args(p: argparse.ArgumentParser, out_dir: str) -> None:
     p.add_argument("--lora-rank", type=int, default=8, help="the adapter's rank r")
     p.add_argument("--lora-alpha", type=float, default=16.0,
                    help="the adapter's lora_alpha (scale alpha / r)")
+    p.add_argument("--quantization", choices=["w8a8_int8", "fp8"], default=None,
+                   help="quantized rollouts: the engine serves int8 / fp8 weights, quantized "
+                        "from the trainer's float32 tensors at every refit; the printed "
+                        "rollout-vs-trainer mismatch is what that costs")
     p.add_argument("--tiny", action="store_true",
                    help="CI settings: at most 3 steps, 4 prompts x 4 samples, no wandb, no bar")
 
@@ -105,6 +110,10 @@ def resolve_args(args: argparse.Namespace) -> None:
     if args.lora and (args.moe or args.routing_replay or args.on_policy):
         raise ValueError("--lora: not combined with --moe, --routing-replay or --on-policy "
                          "(the on-policy scorer and the routing replay score the full model)")
+    if getattr(args, "quantization", None) and (args.lora or args.moe or args.routing_replay
+                                                or args.on_policy):
+        raise ValueError("--quantization: not combined with --lora, --moe, --routing-replay "
+                         "or --on-policy (a quantized engine cannot equal the float32 trainer)")
     if args.lora and args.lora_rank < 1:
         raise ValueError(f"--lora-rank: must be at least 1, got {args.lora_rank}")
     if args.lr is None:
@@ -135,6 +144,8 @@ class Trainer:
         # --lora: the warm-started weights are the frozen base (refitted once, by these
         # tensors), and the adapter the policy; its name is what rollouts ask for
         self.lora_name: Optional[str] = None
+        # quantized rollouts: the probe after a refit is held to the quantization's error
+        self.quantization: Optional[str] = getattr(args, "quantization", None)
         self.base_weights = [(n, p.detach()) for n, p in
                              self.model.named_parameters(remove_duplicate=False)]
         if getattr(args, "lora", False):
@@ -180,9 +191,10 @@ def check_after_refit(engine: Any, trainer: Trainer, version: str) -> dict[str, 
     for meta in (first, out["meta_info"], second):
         if meta["weight_version"] != version:
             raise RefitCheckError(f"a probe ran at {meta['weight_version']!r}, not {version!r}")
-    if not delta <= LOGPROB_TOL:
+    tol = LOGPROB_TOL if trainer.quantization is None else QUANT_PROBE_TOL[trainer.quantization]
+    if not delta <= tol:
         raise RefitCheckError(f"engine vs trainer logprobs on the probe after the refit to "
-                              f"{version!r}: mean |delta| {delta:.3g} > {LOGPROB_TOL:g}")
+                              f"{version!r}: mean |delta| {delta:.3g} > {tol:g}")
     checked = {"probe_abs_diff": delta, "probe_cached_after_refit": first["cached_tokens"],
                "probe_cached_second": second["cached_tokens"]}
     if trainer.lora_name is not None:
@@ -286,9 +298,10 @@ def run(args: argparse.Namespace, engine: Any, syncer: Any, trainer: Trainer, na
         if trainer.scorer is not None and stats["logprob_max_abs_diff"] != 0.0:
             raise RefitCheckError(f"step {step}: on-policy scoring differs from the rollout "
                                   f"by {stats['logprob_max_abs_diff']:.3g} (expected exactly 0)")
-        if not stats["logprob_abs_diff"] <= LOGPROB_TOL:
+        tol = LOGPROB_TOL if trainer.quantization is None else QUANT_PROBE_TOL[trainer.quantization]
+        if not stats["logprob_abs_diff"] <= tol:
             raise RefitCheckError(f"step {step}: rollout vs trainer logprobs differ by "
-                                  f"{stats['logprob_abs_diff']:.3g} > {LOGPROB_TOL:g}")
+                                  f"{stats['logprob_abs_diff']:.3g} > {tol:g}")
         check = check_after_refit(engine, trainer, new_version)
         if lora_version is not None:
             if sleep.sync.lora_versions != (check["lora_version"],) or \
@@ -331,7 +344,7 @@ def run(args: argparse.Namespace, engine: Any, syncer: Any, trainer: Trainer, na
         "threads": args.threads, "cpu_count": os.cpu_count(),
         "on_policy": trainer.scorer is not None,
         "max_logprob_max_abs_diff": max(r["logprob_max_abs_diff"] for r in logger.rows),
-        "lora": trainer.lora_name is not None,
+        "lora": trainer.lora_name is not None, "quantization": trainer.quantization,
         **({} if trainer.lora_name is None else {
             "lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha,
             "base_refit_seconds": syncer.base_report.seconds,
@@ -365,6 +378,10 @@ def print_summary(s: dict[str, Any]) -> None:
         print(f"[grpo] LoRA rank {s['lora_rank']}: the base refitted once "
               f"({s['base_refit_bytes'] / 1e6:.3g} MB in {s['base_refit_seconds']:.3f}s), then "
               f"only the adapter, {s['mean_refit_bytes'] / 1e6:.3g} MB a step")
+    if s.get("quantization"):
+        print(f"[grpo] quantized rollouts ({s['quantization']}): the engine samples from its "
+              "quantized weights, the trainer scores in float32; the mismatch below is what "
+              "that costs")
     print(f"[grpo] logprob mismatch: rollout vs trainer {s['mean_logprob_abs_diff']:.2e} "
           f"(K3 KL {s['mean_kl_k3']:.2e}); probe after refit max {s['max_probe_abs_diff']:.2e}")
     print(f"[grpo] reward curve: {s['files']['plot']}")

@@ -73,6 +73,8 @@ def start_server(args: argparse.Namespace, model_dir: Path, log_path: Path
     if args.routing_replay:
         cmd.append("--enable-return-routed-experts")
     cmd += server_flags(args)
+    if args.quantization:
+        cmd += ["--quantization", args.quantization]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = log_path.open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

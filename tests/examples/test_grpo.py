@@ -127,6 +127,24 @@ def test_lora_flags_refuse_what_they_cannot_combine(tmp_path, model_dir):
         grpo_colocated.parse_args([*_argv(tmp_path, model_dir), "--lora", "--lora-rank", "0"])
 
 
+def test_grpo_colocated_tiny_quantized_measures_its_mismatch(tmp_path, model_dir):
+    """int8 rollouts against the float32 trainer: the run completes its refit checks and the
+    rollout-vs-trainer mismatch it reports is the quantization's (not zero, under the bound)."""
+    import grpo_colocated
+    from grpo_common import QUANT_PROBE_TOL
+
+    summary = grpo_colocated.main([*_argv(tmp_path, model_dir), "--quantization", "w8a8_int8"])
+    assert summary["quantization"] == "w8a8_int8"
+    assert TOL < summary["mean_logprob_abs_diff"] <= QUANT_PROBE_TOL["w8a8_int8"]
+    assert 0 < summary["mean_kl_k3"]
+    lines = [json.loads(line) for line in Path(summary["files"]["jsonl"]).read_text().splitlines()]
+    rows = [r for r in lines if "step" in r]
+    assert rows and all(r["probe_cached_after_refit"] == 0 for r in rows)   # no stale KV
+    with pytest.raises(ValueError, match="--quantization: not combined with --lora"):
+        grpo_colocated.parse_args([*_argv(tmp_path, model_dir), "--quantization", "fp8",
+                                   "--lora"])
+
+
 def test_grpo_server_tiny(tmp_path, model_dir):
     import grpo_server
 
