@@ -33,9 +33,10 @@ MAX_NEW_TOKENS = 4          # longest answer is "18" + <eos>; room for one malfo
 PROBE_TEXT = "7+8=15"       # the fixed sequence whose logprobs must match after every refit
 PARTIAL_CREDIT = 0.5        # reward share of a wrong answer with some right digits
 LOGPROB_TOL = 1e-4          # float32 on CPU: engine and trainer agree to ~1e-6
-# quantized rollouts: a loose bound on mean |dlogp| (the quantization's own error on the tiny
-# policy, measured and printed by the run; a broken refit is far above it)
-QUANT_PROBE_TOL = {"w8a8_int8": 0.1, "fp8": 0.5}
+# quantized rollouts: the probe against the trainer's model fake-quantized the same way
+# (trainer_bridge.quantized_reference); above 1e-4 only where an activation sits on a rounding
+# edge of its quantization (one such token moves a logprob by up to ~0.05 on this tiny model)
+QUANT_PROBE_TOL = 1e-2
 
 
 # -- model ---------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from grpo_moe import decode_records  # noqa: E402
 
 from trainer_bridge import engine_sleeping  # noqa: E402
 from trainer_bridge.client import to_rollouts  # noqa: E402
+from trainer_bridge.quantized_reference import fake_quantized  # noqa: E402
 
 
 class RefitCheckError(AssertionError):
@@ -168,7 +169,9 @@ def policy(trainer: Trainer) -> dict[str, Any]:
 def check_after_refit(engine: Any, trainer: Trainer, version: str) -> dict[str, Any]:
     """Right after a refit: the engine reports `version`; a prompt it had cached under the old
     weights gets no cache hit (and does the second time: the cache works); the engine's
-    logprobs on the probe equal the trainer's within LOGPROB_TOL. Raises RefitCheckError.
+    logprobs on the probe equal the trainer's within LOGPROB_TOL (a quantized engine: the
+    trainer's model fake-quantized the same way, within QUANT_PROBE_TOL). Raises
+    RefitCheckError.
     With --lora the probes ask for the adapter, and the result carries its version."""
     probe = trainer.task.probe
     got = engine.get_weight_version()
@@ -182,7 +185,10 @@ def check_after_refit(engine: Any, trainer: Trainer, version: str) -> dict[str, 
                           return_logprob=True, logprob_start_len=0, **policy(trainer))
     second = engine.generate(input_ids=probe, sampling_params=plain, **policy(trainer))[
         "meta_info"]
-    delta = probe_delta(out, probe_logprobs(trainer.model, probe))
+    # a quantized engine is held to the trainer's model quantized the same way
+    scorer = trainer.model if trainer.quantization is None else fake_quantized(
+        trainer.model, trainer.quantization)
+    delta = probe_delta(out, probe_logprobs(scorer, probe))
     if first["cached_tokens"] != 0:
         raise RefitCheckError(f"stale KV: the probe hit {first['cached_tokens']} cached tokens "
                               f"right after the refit to {version!r}")
@@ -191,7 +197,7 @@ def check_after_refit(engine: Any, trainer: Trainer, version: str) -> dict[str, 
     for meta in (first, out["meta_info"], second):
         if meta["weight_version"] != version:
             raise RefitCheckError(f"a probe ran at {meta['weight_version']!r}, not {version!r}")
-    tol = LOGPROB_TOL if trainer.quantization is None else QUANT_PROBE_TOL[trainer.quantization]
+    tol = LOGPROB_TOL if trainer.quantization is None else QUANT_PROBE_TOL
     if not delta <= tol:
         raise RefitCheckError(f"engine vs trainer logprobs on the probe after the refit to "
                               f"{version!r}: mean |delta| {delta:.3g} > {tol:g}")
@@ -298,10 +304,10 @@ def run(args: argparse.Namespace, engine: Any, syncer: Any, trainer: Trainer, na
         if trainer.scorer is not None and stats["logprob_max_abs_diff"] != 0.0:
             raise RefitCheckError(f"step {step}: on-policy scoring differs from the rollout "
                                   f"by {stats['logprob_max_abs_diff']:.3g} (expected exactly 0)")
-        tol = LOGPROB_TOL if trainer.quantization is None else QUANT_PROBE_TOL[trainer.quantization]
-        if not stats["logprob_abs_diff"] <= tol:
+        # quantized rollouts: this difference is the measurement (the probe checks the refit)
+        if trainer.quantization is None and not stats["logprob_abs_diff"] <= LOGPROB_TOL:
             raise RefitCheckError(f"step {step}: rollout vs trainer logprobs differ by "
-                                  f"{stats['logprob_abs_diff']:.3g} > {tol:g}")
+                                  f"{stats['logprob_abs_diff']:.3g} > {LOGPROB_TOL:g}")
         check = check_after_refit(engine, trainer, new_version)
         if lora_version is not None:
             if sleep.sync.lora_versions != (check["lora_version"],) or \
@@ -383,6 +389,8 @@ def print_summary(s: dict[str, Any]) -> None:
               "quantized weights, the trainer scores in float32; the mismatch below is what "
               "that costs")
     print(f"[grpo] logprob mismatch: rollout vs trainer {s['mean_logprob_abs_diff']:.2e} "
-          f"(K3 KL {s['mean_kl_k3']:.2e}); probe after refit max {s['max_probe_abs_diff']:.2e}")
+          f"(K3 KL {s['mean_kl_k3']:.2e}); probe after refit max {s['max_probe_abs_diff']:.2e}"
+          + (" (against the trainer fake-quantized the same way)" if s.get("quantization")
+             else ""))
     print(f"[grpo] reward curve: {s['files']['plot']}")
     print(f"[grpo] step log:     {s['files']['jsonl']}")
