@@ -34,9 +34,10 @@ PROBE_TEXT = "7+8=15"       # the fixed sequence whose logprobs must match after
 PARTIAL_CREDIT = 0.5        # reward share of a wrong answer with some right digits
 LOGPROB_TOL = 1e-4          # float32 on CPU: engine and trainer agree to ~1e-6
 # quantized rollouts: the probe against the trainer's model fake-quantized the same way
-# (trainer_bridge.quantized_reference); above 1e-4 only where an activation sits on a rounding
-# edge of its quantization (one such token moves a logprob by up to ~0.05 on this tiny model)
-QUANT_PROBE_TOL = 1e-2
+# (trainer_bridge.quantized_reference): 0 at most steps, but where an activation sits on a
+# rounding edge of its quantization the two sides round it apart (seen: mean |dlogp| up to
+# 0.024 on one step in 40); the stale-KV and version checks stay exact
+QUANT_PROBE_TOL = 0.05
 
 
 # -- model ---------------------------------------------------------------------------------------
