@@ -35,9 +35,10 @@ PARTIAL_CREDIT = 0.5        # reward share of a wrong answer with some right dig
 LOGPROB_TOL = 1e-4          # float32 on CPU: engine and trainer agree to ~1e-6
 # quantized rollouts: the probe against the trainer's model fake-quantized the same way
 # (trainer_bridge.quantized_reference): 0 at most steps, but where an activation sits on a
-# rounding edge of its quantization the two sides round it apart (seen: mean |dlogp| up to
-# 0.024 on one step in 40); the stale-KV and version checks stay exact
-QUANT_PROBE_TOL = 0.05
+# rounding edge of its quantization the two sides round it apart (seen over 300 steps: mean
+# |dlogp| up to 0.045 with int8, 0.067 with fp8's 3-bit mantissa); the stale-KV and version
+# checks stay exact
+QUANT_PROBE_TOL = {"w8a8_int8": 0.1, "fp8": 0.25}
 
 
 # -- model ---------------------------------------------------------------------------------------

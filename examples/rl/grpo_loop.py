@@ -197,7 +197,7 @@ def check_after_refit(engine: Any, trainer: Trainer, version: str) -> dict[str, 
     for meta in (first, out["meta_info"], second):
         if meta["weight_version"] != version:
             raise RefitCheckError(f"a probe ran at {meta['weight_version']!r}, not {version!r}")
-    tol = LOGPROB_TOL if trainer.quantization is None else QUANT_PROBE_TOL
+    tol = LOGPROB_TOL if trainer.quantization is None else QUANT_PROBE_TOL[trainer.quantization]
     if not delta <= tol:
         raise RefitCheckError(f"engine vs trainer logprobs on the probe after the refit to "
                               f"{version!r}: mean |delta| {delta:.3g} > {tol:g}")
