@@ -160,6 +160,18 @@ HELP: dict[str, str] = {
     "max_loaded_loras": "Most adapters loaded at once (default: no limit).",
     "kv_cache_dtype": "KV cache dtype: auto (the served dtype), or bf16 / bfloat16 when the "
                       "model runs in bfloat16; quantized KV caches are not implemented.",
+    "quantization": "Quantized weights: w8a8_int8 (int8 weights per row, int8 activations per "
+                    "token) or fp8 (128 x 128 e4m3 blocks); a quantized checkpoint's own "
+                    "method is read from its config.json.",
+    "disaggregation_mode": "Prefill-decode disaggregation: null (a whole server), prefill or "
+                           "decode (a pair behind a PD router).",
+    "disaggregation_bootstrap_port": "Prefill server: the TCP port decode servers fetch a "
+                                     "prompt's KV from.",
+    "disaggregation_transfer_backend": "How KV moves between a pair: auto (shared memory on "
+                                       "one host, TCP otherwise; SGLang's mooncake / nixl mean "
+                                       "it here), shm, tcp.",
+    "disaggregation_transfer_timeout": "Seconds a decode server waits for a prompt's KV, and a "
+                                       "prefill server keeps KV no decode server fetched.",
 }
 
 
