@@ -142,6 +142,7 @@ def make_merged(in_features: int, shard_sizes: list[int], bias: bool,
 def keep_scales_float32(model: nn.Module) -> None:
     """Give every int8 layer's ``weight_scale`` float32 storage again after ``model.to(dtype)``
     cast it (the scales and the rescale stay float32 whatever the model's dtype)."""
-    for module in model.modules():
-        if isinstance(module, Int8Linear) and module.weight_scale.dtype != torch.float32:
-            module.weight_scale.data = module.weight_scale.data.float()
+    with weight_writes.writing():   # new storage for a parameter: the generation moves
+        for module in model.modules():
+            if isinstance(module, Int8Linear) and module.weight_scale.dtype != torch.float32:
+                module.weight_scale.data = module.weight_scale.data.float()
