@@ -127,6 +127,7 @@ def test_lora_flags_refuse_what_they_cannot_combine(tmp_path, model_dir):
         grpo_colocated.parse_args([*_argv(tmp_path, model_dir), "--lora", "--lora-rank", "0"])
 
 
+@pytest.mark.slow   # 3 GRPO steps; quantized parity and refits: tests/rollout_engine/quantization
 def test_grpo_colocated_tiny_quantized_measures_its_mismatch(tmp_path, model_dir):
     """int8 rollouts against the float32 trainer: the run completes its refit checks and the
     rollout-vs-trainer mismatch it reports is the quantization's (not zero, under the bound)."""

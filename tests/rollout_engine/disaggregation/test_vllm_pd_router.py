@@ -22,6 +22,8 @@ from tests.venvs import client_venv
 
 ROUTER_PACKAGES = ["vllm-router==0.1.17"]
 
+pytestmark = pytest.mark.slow   # builds the vllm-router venv; the PD path: test_pd_router.py
+
 
 @pytest.fixture(scope="module")
 def servers(qwen2_path: str, serve_app: Any) -> Iterator[dict[str, Any]]:  # noqa: F811
